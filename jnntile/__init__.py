@@ -1,0 +1,19 @@
+"""jnntile: train models larger than fast memory. JAX traces, StarPU executes."""
+
+from jnntile import runtime
+from jnntile.tensor import (
+    Tensor,
+    from_array,
+    full,
+    grad_of,
+    random_normal,
+    random_uniform,
+    release_traced,
+    to_array,
+    zeros,
+)
+
+__all__ = [
+    "Tensor", "from_array", "full", "grad_of", "random_normal", "random_uniform",
+    "release_traced", "runtime", "to_array", "zeros",
+]

@@ -1,0 +1,564 @@
+"""Token datasets for GPT-2 training: preparation, a built-in corpus, and batching.
+
+A prepared dataset is a directory in the layout nanoGPT uses, plus two small
+JSON files::
+
+    train.bin       token ids, raw little-endian uint16, no header
+    val.bin         the same for the validation split
+    tokenizer.json  byte-level BPE tokenizer (Hugging Face ``tokenizers``)
+    meta.json       vocab_size, token counts, source description, val fraction
+
+The token stream is every document's tokens followed by ``<|endoftext|>``, in
+file order. The validation split is the last ``val_fraction`` of that stream
+(at least one token in each split).
+
+Built-in corpus
+---------------
+Training needs real text, but the project should run without downloads. The
+Python standard library's own ``.py`` sources are real text present wherever
+Python is installed, so they are the default corpus: all ``*.py`` files under
+``sysconfig.get_paths()["stdlib"]``, skipping ``test``/``tests`` (this also
+drops lib2to3's deliberately broken test data), ``idlelib`` and
+``site-packages`` directories, read in sorted relative-path order and capped at
+``DEFAULT_STDLIB_MAX_BYTES`` bytes. The result depends only on the Python
+version, so the prepared dataset is cached per version and vocabulary size
+(see ``default_dataset_dir``).
+
+Command line::
+
+    python -m jnntile.data [INPUT] [--out DIR] [--vocab-size N]
+                           [--val-fraction F] [--glob PATTERN] [--max-bytes N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sysconfig
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+from tokenizers import ByteLevelBPETokenizer, Tokenizer
+from tqdm import tqdm
+
+END_OF_TEXT = "<|endoftext|>"
+TOKEN_DTYPE = np.uint16
+# uint16 holds ids 0..65535, so at most 65536 distinct tokens.
+MAX_VOCAB_SIZE = int(np.iinfo(TOKEN_DTYPE).max) + 1
+# Byte-level BPE always contains the 256 byte tokens, plus our special token.
+MIN_VOCAB_SIZE = 256 + 1
+DEFAULT_VOCAB_SIZE = 4096
+DEFAULT_VAL_FRACTION = 0.1
+DEFAULT_GLOB = "*.txt"
+# About 8 MB of source (~2.3M tokens): big enough to train a small GPT-2 on,
+# small enough to tokenize in seconds on two cores.
+DEFAULT_STDLIB_MAX_BYTES = 8_000_000
+STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "__pycache__"})
+
+TRAIN_FILE = "train.bin"
+VAL_FILE = "val.bin"
+TOKENIZER_FILE = "tokenizer.json"
+META_FILE = "meta.json"
+
+BATCH_ORDERS = ("sequential", "random")
+# Documents tokenized per call, so the progress bar moves while the
+# tokenizer still batches work across threads.
+_ENCODE_CHUNK_DOCS = 64
+
+
+# --------------------------------------------------------------------------
+# Source selection
+# --------------------------------------------------------------------------
+
+
+def find_text_files(source: str | os.PathLike, glob: str = DEFAULT_GLOB) -> list[Path]:
+    """The files to read from `source`: the file itself, or a folder's files matching `glob`.
+
+    Folders are searched recursively; the result is in sorted path order.
+    """
+    source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"input path {source} does not exist; give an existing text file or folder")
+    if source.is_file():
+        return [source]
+    files = sorted(path for path in source.rglob(glob) if path.is_file())
+    if not files:
+        raise ValueError(
+            f"folder {source} has no files matching {glob!r} (searched recursively); "
+            f"add text files or pass a different glob (--glob)"
+        )
+    return files
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_source_files() -> list[Path]:
+    """All `.py` files of the standard library, minus test/idle/site-packages, in sorted order."""
+    root = stdlib_root()
+    files = []
+    for folder, subfolders, file_names in os.walk(root):
+        # Prune in place so os.walk never descends into excluded trees
+        # (site-packages alone can be far larger than the stdlib).
+        subfolders[:] = [name for name in subfolders if name not in STDLIB_EXCLUDED_DIRS]
+        files.extend(Path(folder, name) for name in file_names if name.endswith(".py"))
+    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+
+
+def stdlib_source_description(max_bytes: int) -> str:
+    return (
+        f"Python {platform.python_version()} standard library .py sources under {stdlib_root()} "
+        f"(sorted, excluding {'/'.join(sorted(STDLIB_EXCLUDED_DIRS))} dirs), first {max_bytes} bytes"
+    )
+
+
+def read_documents(files: Sequence[Path], max_bytes: int | None = None) -> list[str]:
+    """Read `files` in order as UTF-8 documents, stopping after `max_bytes` bytes in total.
+
+    The last document read may be cut short to honour the cap. Undecodable
+    bytes become U+FFFD rather than failing a whole corpus over one file.
+    """
+    documents = []
+    bytes_left = max_bytes
+    for path in files:
+        content = path.read_bytes()
+        if bytes_left is not None:
+            content = content[:bytes_left]
+            bytes_left -= len(content)
+        if content:
+            documents.append(content.decode("utf-8", errors="replace"))
+        if bytes_left == 0:
+            break
+    return documents
+
+
+# --------------------------------------------------------------------------
+# Preparation
+# --------------------------------------------------------------------------
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size={vocab_size} is out of range: byte-level BPE needs at least {MIN_VOCAB_SIZE} "
+            f"(256 bytes + {END_OF_TEXT}), and token ids are stored as uint16, which holds at most "
+            f"{MAX_VOCAB_SIZE} tokens (ids 0..{MAX_VOCAB_SIZE - 1}); choose --vocab-size in "
+            f"[{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}]"
+        )
+
+
+def _check_val_fraction(val_fraction: float) -> None:
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction} must be strictly between 0 and 1 (e.g. 0.1)")
+
+
+def _check_max_bytes(max_bytes: int | None) -> None:
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_bytes={max_bytes} must be positive (or None to read everything)")
+
+
+@contextmanager
+def _atomic_output(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`, renamed onto `path` only if the block succeeds.
+
+    An interrupted run thus leaves at most a hidden `.name.*.tmp` file, never a
+    truncated file under the real name.
+    """
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    temporary = Path(temporary)
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _train_tokenizer(documents: list[str], vocab_size: int, progress: bool) -> ByteLevelBPETokenizer:
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(
+        documents,
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=progress,
+        length=len(documents),
+    )
+    return tokenizer
+
+
+def _tokenize(tokenizer: ByteLevelBPETokenizer, documents: list[str], progress: bool) -> np.ndarray:
+    """The token stream: each document's ids followed by the end-of-text id."""
+    end_of_text = tokenizer.token_to_id(END_OF_TEXT)
+    pieces = []
+    with tqdm(total=len(documents), unit="doc", desc="tokenizing", disable=not progress) as bar:
+        for start in range(0, len(documents), _ENCODE_CHUNK_DOCS):
+            chunk = documents[start : start + _ENCODE_CHUNK_DOCS]
+            for encoding in tokenizer.encode_batch(chunk):
+                pieces.append(np.asarray(encoding.ids, dtype=TOKEN_DTYPE))
+                pieces.append(np.asarray([end_of_text], dtype=TOKEN_DTYPE))
+            bar.update(len(chunk))
+    return np.concatenate(pieces)
+
+
+def _prepare_documents(
+    documents: list[str],
+    out_dir: Path,
+    *,
+    source_description: str,
+    max_bytes: int | None,
+    vocab_size: int,
+    val_fraction: float,
+    progress: bool,
+) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # meta.json marks a complete dataset: drop a stale one first so a run
+    # interrupted while replacing the other files is not mistaken for complete.
+    (out_dir / META_FILE).unlink(missing_ok=True)
+
+    tokenizer = _train_tokenizer(documents, vocab_size, progress)
+    tokens = _tokenize(tokenizer, documents, progress)
+    val_tokens = min(max(1, int(len(tokens) * val_fraction)), len(tokens) - 1)
+    train_tokens = len(tokens) - val_tokens
+
+    with _atomic_output(out_dir / TRAIN_FILE) as temporary:
+        tokens[:train_tokens].tofile(temporary)
+    with _atomic_output(out_dir / VAL_FILE) as temporary:
+        tokens[train_tokens:].tofile(temporary)
+    with _atomic_output(out_dir / TOKENIZER_FILE) as temporary:
+        tokenizer.save(str(temporary))
+
+    meta = {
+        # The trained size can fall short of the request on a small corpus.
+        "vocab_size": tokenizer.get_vocab_size(),
+        "requested_vocab_size": vocab_size,
+        "train_tokens": int(train_tokens),
+        "val_tokens": int(val_tokens),
+        "source": source_description,
+        "documents": len(documents),
+        "max_bytes": max_bytes,
+        "val_fraction": val_fraction,
+        "tokenizer": TOKENIZER_FILE,
+        "end_of_text_id": tokenizer.token_to_id(END_OF_TEXT),
+        "dtype": np.dtype(TOKEN_DTYPE).name,
+    }
+    with _atomic_output(out_dir / META_FILE) as temporary:
+        temporary.write_text(json.dumps(meta, indent=2) + "\n")
+    return out_dir
+
+
+def prepare_dataset(
+    source: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    glob: str = DEFAULT_GLOB,
+    max_bytes: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """Tokenize a text file, or a folder's files matching `glob`, into a dataset in `out_dir`.
+
+    Each file is one document. `max_bytes` caps how much source text is read.
+    Returns `out_dir`.
+    """
+    _check_vocab_size(vocab_size)
+    _check_val_fraction(val_fraction)
+    _check_max_bytes(max_bytes)
+    source = Path(source)
+    files = find_text_files(source, glob)
+    documents = read_documents(files, max_bytes)
+    if not documents:
+        what = f"file {source} is" if source.is_file() else f"all {len(files)} files matching {glob!r} in {source} are"
+        raise ValueError(f"{what} empty (0 bytes); give input that contains text")
+    description = str(source) if source.is_file() else f"{source} ({glob!r}, recursive)"
+    return _prepare_documents(
+        documents,
+        Path(out_dir),
+        source_description=description,
+        max_bytes=max_bytes,
+        vocab_size=vocab_size,
+        val_fraction=val_fraction,
+        progress=progress,
+    )
+
+
+def prepare_stdlib_dataset(
+    out_dir: str | os.PathLike,
+    *,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    max_bytes: int = DEFAULT_STDLIB_MAX_BYTES,
+    progress: bool = True,
+) -> Path:
+    """Prepare the built-in corpus (see the module docstring) into `out_dir`."""
+    _check_vocab_size(vocab_size)
+    _check_val_fraction(val_fraction)
+    _check_max_bytes(max_bytes)
+    documents = read_documents(stdlib_source_files(), max_bytes)
+    return _prepare_documents(
+        documents,
+        Path(out_dir),
+        source_description=stdlib_source_description(max_bytes),
+        max_bytes=max_bytes,
+        vocab_size=vocab_size,
+        val_fraction=val_fraction,
+        progress=progress,
+    )
+
+
+def default_dataset_dir(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
+    """Where the built-in dataset lives: `$JNNTILE_DATA_DIR` if set (used as is), else
+    `~/.cache/jnntile/data/stdlib-<python version>-v<vocab_size>`."""
+    override = os.environ.get("JNNTILE_DATA_DIR")
+    if override:
+        return Path(override)
+    return Path.home() / ".cache" / "jnntile" / "data" / f"stdlib-{platform.python_version()}-v{vocab_size}"
+
+
+def _is_prepared(out_dir: Path, expected: dict) -> bool:
+    """Whether `out_dir` holds a complete dataset whose meta.json matches `expected`."""
+    try:
+        meta = json.loads((out_dir / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if any(meta.get(key) != value for key, value in expected.items()):
+        return False
+    itemsize = np.dtype(TOKEN_DTYPE).itemsize
+    sizes_match = [
+        (out_dir / TRAIN_FILE, meta.get("train_tokens", -1) * itemsize),
+        (out_dir / VAL_FILE, meta.get("val_tokens", -1) * itemsize),
+    ]
+    return (out_dir / TOKENIZER_FILE).is_file() and all(
+        path.is_file() and path.stat().st_size == size for path, size in sizes_match
+    )
+
+
+def ensure_default_dataset(
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    *,
+    max_bytes: int = DEFAULT_STDLIB_MAX_BYTES,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    out_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> Path:
+    """The built-in dataset's directory, preparing it first unless a matching one is there."""
+    out_dir = Path(out_dir) if out_dir is not None else default_dataset_dir(vocab_size)
+    expected = {
+        "requested_vocab_size": vocab_size,
+        "source": stdlib_source_description(max_bytes),
+        "val_fraction": val_fraction,
+    }
+    if not _is_prepared(out_dir, expected):
+        prepare_stdlib_dataset(
+            out_dir, vocab_size=vocab_size, val_fraction=val_fraction, max_bytes=max_bytes, progress=progress
+        )
+    return out_dir
+
+
+# --------------------------------------------------------------------------
+# Loading and batching
+# --------------------------------------------------------------------------
+
+
+class TokenDataset:
+    """A uint16 token file (memory-mapped) and, if one is beside it, its tokenizer.
+
+    `path` is a `.bin` file or a dataset directory (meaning its `train.bin`).
+    `tokenizer.json` and `meta.json` beside the file are optional, so a bare
+    nanoGPT `.bin` loads too; then `tokenizer` is None and `decode` shows ids.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        if path.is_dir():
+            path = path / TRAIN_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"token file {path} does not exist; prepare one with `python -m jnntile.data` "
+                f"or pass the path of a .bin file"
+            )
+        itemsize = np.dtype(TOKEN_DTYPE).itemsize
+        size = path.stat().st_size
+        if size == 0:
+            raise ValueError(f"token file {path} is empty (0 bytes); prepare it again with `python -m jnntile.data`")
+        if size % itemsize:
+            raise ValueError(
+                f"token file {path} has {size} bytes, not a multiple of {itemsize}: it is not a raw uint16 "
+                f"token file or was cut short; prepare it again with `python -m jnntile.data`"
+            )
+        self.path = path
+        self.tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+        tokenizer_path = path.parent / TOKENIZER_FILE
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None
+        meta_path = path.parent / META_FILE
+        self.meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+
+        if "vocab_size" in self.meta:
+            self.vocab_size = int(self.meta["vocab_size"])
+        elif self.tokenizer is not None:
+            self.vocab_size = self.tokenizer.get_vocab_size()
+        else:
+            self.vocab_size = int(self.tokens.max()) + 1
+        if self.vocab_size > MAX_VOCAB_SIZE:
+            raise ValueError(
+                f"{meta_path if 'vocab_size' in self.meta else tokenizer_path} gives vocab_size="
+                f"{self.vocab_size}, but uint16 token files hold at most {MAX_VOCAB_SIZE} tokens; "
+                f"prepare the dataset again with --vocab-size <= {MAX_VOCAB_SIZE}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def validation(self) -> TokenDataset | None:
+        """The `val.bin` beside this file, if there is one (and this is not it)."""
+        val_path = self.path.parent / VAL_FILE
+        if self.path.name == VAL_FILE or not val_path.is_file():
+            return None
+        return TokenDataset(val_path)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"no {TOKENIZER_FILE} beside {self.path}, so text cannot be encoded; "
+                f"put the tokenizer that made this file there"
+            )
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """The text for `ids`, or without a tokenizer the ids themselves as "[12, 7, ...]"."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1).tolist()
+        if self.tokenizer is None:
+            return str(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def batch(
+        self, step: int, batch_size: int, seq_len: int, order: str = "sequential", seed: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs and next-token targets for training step `step`, both int32 (batch_size, seq_len).
+
+        order="sequential": sequence j of step i starts at token (i*batch_size + j) * seq_len
+        and spans seq_len + 1 tokens (inputs are its first seq_len, targets its last
+        seq_len). The sequence index wraps around modulo the number of whole sequences
+        that fit, (len(self) - 1) // seq_len, so steps past the end start a new epoch.
+
+        order="random": start offsets are drawn uniformly from a numpy Generator seeded
+        with (seed, step), so the batch for a step is the same in every run, which
+        makes resumed runs see exactly the batches they would have seen.
+        """
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative integer")
+        if order not in BATCH_ORDERS:
+            raise ValueError(f"order={order!r} is not one of {', '.join(map(repr, BATCH_ORDERS))}")
+
+        needed = batch_size * seq_len + 1 if order == "sequential" else seq_len + 1
+        if len(self) < needed:
+            rule = "batch_size*seq_len+1" if order == "sequential" else "seq_len+1"
+            raise ValueError(
+                f"token file {self.path} has {len(self)} tokens, too few for one batch: order={order!r} "
+                f"with batch_size={batch_size}, seq_len={seq_len} needs {rule} = {needed} tokens; "
+                f"use a smaller batch_size/seq_len or more data"
+            )
+
+        if order == "sequential":
+            whole_sequences = (len(self) - 1) // seq_len
+            sequence_ids = (step * batch_size + np.arange(batch_size, dtype=np.int64)) % whole_sequences
+            starts = sequence_ids * seq_len
+        else:
+            generator = np.random.default_rng([seed, step])
+            starts = generator.integers(0, len(self) - seq_len, size=batch_size, dtype=np.int64)
+
+        windows = np.asarray(self.tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
+        return windows[:, :-1], windows[:, 1:]
+
+
+# --------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m jnntile.data",
+        description=(
+            "Tokenize text into a nanoGPT-style dataset (train.bin, val.bin, tokenizer.json, meta.json). "
+            "With no INPUT, prepare the built-in corpus (the Python standard library's .py sources) "
+            "into the default cache directory, or reuse it if it is already there."
+        ),
+    )
+    parser.add_argument("input", nargs="?", metavar="INPUT", help="a text file, or a folder searched recursively")
+    parser.add_argument("--out", metavar="DIR", help="output directory (required with INPUT)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, metavar="N",
+        help=f"BPE vocabulary size, {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE} (default {DEFAULT_VOCAB_SIZE})",
+    )
+    parser.add_argument(
+        "--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
+        help=f"fraction of tokens, taken from the end, held out for validation (default {DEFAULT_VAL_FRACTION})",
+    )
+    parser.add_argument(
+        "--glob", metavar="PATTERN",
+        help=f"which files of an INPUT folder to read (default {DEFAULT_GLOB!r})",
+    )
+    parser.add_argument(
+        "--max-bytes", type=int, metavar="N",
+        help=(
+            "read at most N bytes of text "
+            f"(default: all of INPUT; {DEFAULT_STDLIB_MAX_BYTES} for the built-in corpus)"
+        ),
+    )
+    args = parser.parse_args(argv)
+    if args.input is None and args.glob is not None:
+        parser.error("--glob applies only to an INPUT folder")
+    if args.input is not None and args.out is None:
+        parser.error("--out DIR is required when INPUT is given")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parse_args(argv)
+    started = time.perf_counter()
+    try:
+        if args.input is None:
+            out_dir = ensure_default_dataset(
+                args.vocab_size,
+                max_bytes=args.max_bytes if args.max_bytes is not None else DEFAULT_STDLIB_MAX_BYTES,
+                val_fraction=args.val_fraction,
+                out_dir=args.out,
+            )
+        else:
+            out_dir = prepare_dataset(
+                args.input,
+                args.out,
+                vocab_size=args.vocab_size,
+                val_fraction=args.val_fraction,
+                glob=args.glob or DEFAULT_GLOB,
+                max_bytes=args.max_bytes,
+            )
+    except (FileNotFoundError, ValueError) as error:
+        # These carry a message meant for the user; a traceback would bury it.
+        raise SystemExit(f"python -m jnntile.data: error: {error}") from error
+    elapsed = time.perf_counter() - started
+
+    meta = json.loads((out_dir / META_FILE).read_text())
+    print(f"source:     {meta['source']}")
+    print(f"tokens:     {meta['train_tokens']} train, {meta['val_tokens']} val")
+    print(f"vocab size: {meta['vocab_size']}")
+    for name in (TRAIN_FILE, VAL_FILE, TOKENIZER_FILE, META_FILE):
+        print(f"file:       {out_dir / name}")
+    print(f"time:       {elapsed:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

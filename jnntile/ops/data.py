@@ -1,0 +1,60 @@
+"""Creating, filling and reading tensors (no gradients flow through these)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jnntile import tensor as tensor_mod
+from jnntile.ops._ffi import call, after
+from jnntile.tensor import Tensor
+
+
+def full(shape, value, dtype, tile_shape) -> Tensor:
+    handle = tensor_mod.new_handle(shape, dtype, tile_shape)
+    return Tensor(call("fill", [handle], [], value=float(value)), handle)
+
+
+def random(shape, seed, normal, a, b, tile_shape) -> Tensor:
+    handle = tensor_mod.new_handle(shape, "float32", tile_shape)
+    token = call("random", [handle], [], seed=int(seed), normal=bool(normal), a=float(a), b=float(b))
+    return Tensor(token, handle)
+
+
+def from_array(array, tile_shape) -> Tensor:
+    dtype = np.dtype(array.dtype).name
+    if dtype == "int64" and not jax.config.jax_enable_x64 and isinstance(array, jax.Array):
+        dtype = "int32"
+    handle = tensor_mod.new_handle(array.shape, tensor_mod._dtype_name(dtype), tile_shape)
+    return write(Tensor(None, handle), array)
+
+
+def write(t: Tensor, array) -> Tensor:
+    """Overwrites every tile of `t` with `array` (same shape and dtype); blocks."""
+    if tuple(array.shape) != t.shape:
+        raise ValueError(f"cannot write an array of shape {tuple(array.shape)} into {t!r}")
+    if np.dtype(array.dtype).name != t.dtype:
+        raise TypeError(f"cannot write an array of dtype {np.dtype(array.dtype).name} into {t!r}")
+    fn = jax.ffi.ffi_call("jnntile_write", jax.ShapeDtypeStruct((), jnp.float32), has_side_effect=True)
+    ids = np.asarray([t.id], dtype=np.int32)
+    tokens = [] if t.token is None else [t.token]
+    return t.with_token(after(fn(ids, array, *tokens), t.handle))
+
+
+def read(t: Tensor) -> jax.Array:
+    """The values of `t` as a JAX array, after the op that produced `t.token`."""
+    t.handle.check_alive()
+    fn = jax.ffi.ffi_call("jnntile_read", jax.ShapeDtypeStruct(t.shape, jnp.dtype(t.dtype)),
+                          has_side_effect=True)
+    return fn(np.asarray([t.id], dtype=np.int32), t.token)
+
+
+def fill(t: Tensor, value: float) -> Tensor:
+    """Sets every element of `t` to `value` in place."""
+    return t.with_token(call("fill", [t.handle], [t.token], value=float(value)))
+
+
+def invalidate(t: Tensor) -> Tensor:
+    """Drops the contents of `t`: memory freed, nothing written back. Next access must write."""
+    return t.with_token(call("invalidate", [t.handle], [t.token]))

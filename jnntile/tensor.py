@@ -1,0 +1,269 @@
+"""Tiled tensors: JAX pytrees whose data StarPU owns.
+
+A `Tensor` has one leaf, a float32 scalar *token*, and static metadata: shape,
+dtype, tile shape and the id of the tile grid in the native registry. Ops take
+the tokens of the tensors they touch and return a fresh token, so the token
+dataflow orders the FFI calls the way StarPU must see them (DESIGN section 1).
+
+Lifetime: an eager tensor is freed when its last Python reference goes away
+(or by `free()`); a tensor created while tracing under `jax.jit` is pinned,
+because the compiled program refers to it by id, until `release_traced()`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jnntile import _xla_ffi, runtime
+
+DTYPES = {"float32": 0, "int32": 1, "int64": 2}
+
+_pinned: set["_Handle"] = set()  # tensors created during tracing
+_live: "weakref.WeakSet[_Handle]" = weakref.WeakSet()
+
+
+class _Handle:
+    """Owns one registry id; the static part of a Tensor pytree."""
+
+    __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "freed", "last_token", "grad", "__weakref__")
+
+    def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True):
+        self.id = tensor_id
+        self.shape = shape
+        self.dtype = dtype
+        self.tile_shape = tile_shape
+        self.owner = owner  # gradient companions are freed with their tensor
+        self.freed = False
+        self.last_token = None  # the latest concrete token, waited on before freeing
+        self.grad = None
+        _live.add(self)
+
+    def key(self):
+        return (self.id, self.shape, self.dtype, self.tile_shape)
+
+    def __eq__(self, other):
+        return isinstance(other, _Handle) and self.key() == other.key()
+
+    def __hash__(self):
+        return hash(self.key())
+
+    def __repr__(self):
+        return f"tensor {self.id} {self.dtype} {self.shape} tiles {self.tile_shape}"
+
+    def check_alive(self):
+        if self.freed:
+            raise ValueError(f"{self!r} was freed; it cannot be used any more")
+
+    def free(self):
+        if self.freed or not self.owner:
+            return
+        self.freed = True
+        if self.last_token is not None:
+            # An eagerly dispatched op on this tensor may not have run yet.
+            jax.block_until_ready(self.last_token)
+            self.last_token = None
+        if runtime.is_running():
+            _xla_ffi.tensor_free(self.id)
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:  # interpreter shutdown: the runtime frees everything
+            pass
+
+
+def _forget_all():
+    """Called by runtime.stop(): every id becomes invalid."""
+    for handle in list(_live):
+        handle.freed = True
+        handle.last_token = None
+    _pinned.clear()
+
+
+def release_traced() -> int:
+    """Unpins tensors created while tracing, and clears JAX's caches that use them.
+
+    Returns the number of tensors released. Compiled functions that used them
+    must be traced again, which `jax.clear_caches()` ensures.
+    """
+    count = len(_pinned)
+    jax.clear_caches()
+    _pinned.clear()
+    return count
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+@jax.tree_util.register_pytree_node_class
+class Tensor:
+    """A tiled tensor. Create with `zeros`, `full`, `from_array`, `random_normal`..."""
+
+    __slots__ = ("token", "handle")
+
+    def __init__(self, token, handle: _Handle):
+        self.token = token
+        self.handle = handle
+
+    def tree_flatten(self):
+        return (self.token,), self.handle
+
+    @classmethod
+    def tree_unflatten(cls, handle, leaves):
+        return cls(leaves[0], handle)
+
+    # ---- metadata
+    @property
+    def id(self) -> int:
+        return self.handle.id
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.handle.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.handle.dtype
+
+    @property
+    def tile_shape(self) -> tuple[int, ...]:
+        return self.handle.tile_shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Tiles per axis."""
+        return tuple(-(-n // t) for n, t in zip(self.shape, self.tile_shape))
+
+    def __repr__(self):
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, tile_shape={self.tile_shape}, id={self.id})"
+
+    # ---- data
+    def numpy(self) -> np.ndarray:
+        """Blocks until the tensor is computed and returns a copy of its values."""
+        return np.asarray(to_array(self))
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    def free(self) -> None:
+        """Releases the tiles now (otherwise released when unreachable)."""
+        self.handle.free()
+
+    def with_token(self, token) -> "Tensor":
+        return Tensor(token, self.handle)
+
+
+def _normalize_tile_shape(shape, tile_shape):
+    if tile_shape is None:
+        return tuple(shape)
+    if isinstance(tile_shape, int):
+        tile_shape = (tile_shape,) * len(shape)
+    tile_shape = tuple(int(t) for t in tile_shape)
+    if len(tile_shape) != len(shape):
+        raise ValueError(f"tile_shape {tile_shape} has {len(tile_shape)} axes but shape {tuple(shape)} has {len(shape)}")
+    for axis, (n, t) in enumerate(zip(shape, tile_shape)):
+        if t <= 0:
+            raise ValueError(f"tile_shape {tile_shape}: axis {axis} must be positive")
+    # A tile larger than its axis is the whole axis.
+    return tuple(min(n, t) for n, t in zip(shape, tile_shape))
+
+
+def new_handle(shape, dtype, tile_shape) -> _Handle:
+    """A handle for a new tensor. Its tiles hold nothing: the first op must write them.
+
+    Handles touched while tracing are pinned by `jnntile.ops._ffi.after`.
+    """
+    shape = tuple(int(n) for n in shape)
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    for axis, n in enumerate(shape):
+        if n <= 0:
+            raise ValueError(f"shape {shape}: axis {axis} must be positive")
+    tile_shape = _normalize_tile_shape(shape, tile_shape)
+    runtime.ensure_started()
+    tensor_id = _xla_ffi.tensor_create(list(shape), list(tile_shape), DTYPES[dtype])
+    return _Handle(tensor_id, shape, dtype, tile_shape)
+
+
+def grad_handle(handle: _Handle) -> _Handle:
+    """The gradient companion of a tensor: same layout, freed with it."""
+    handle.check_alive()
+    if handle.grad is None:
+        grad_id = _xla_ffi.tensor_grad(handle.id)
+        handle.grad = _Handle(grad_id, handle.shape, handle.dtype, handle.tile_shape, owner=False)
+    return handle.grad
+
+
+def grad_of(t: Tensor) -> Tensor:
+    """The accumulated gradient of `t` as a Tensor, ordered after the cotangent `t.token`.
+
+    `jax.grad` of a function of Tensors returns Tensors with the same ids as the
+    inputs; their tiles stay untouched and the gradient values live here.
+    """
+    return Tensor(t.token, grad_handle(t.handle))
+
+
+# ---- constructors and conversions (ops in jnntile.ops.data do the work) ------
+
+def _dtype_name(dtype) -> str:
+    name = np.dtype(dtype).name
+    if name not in DTYPES:
+        raise TypeError(f"dtype {name!r} is not supported; use one of {sorted(DTYPES)}")
+    return name
+
+
+def zeros(shape: Sequence[int], dtype="float32", tile_shape=None) -> Tensor:
+    return full(shape, 0.0, dtype, tile_shape)
+
+
+def full(shape: Sequence[int], value: float, dtype="float32", tile_shape=None) -> Tensor:
+    from jnntile.ops import data
+
+    return data.full(tuple(shape), value, _dtype_name(dtype), tile_shape)
+
+
+def from_array(array, tile_shape=None, dtype=None) -> Tensor:
+    """A new tensor holding `array` (numpy or JAX), cut into tiles of `tile_shape`."""
+    from jnntile.ops import data
+
+    if dtype is not None:
+        array = jnp.asarray(array, dtype=dtype)
+    elif not isinstance(array, jax.Array):
+        array = np.asarray(array)
+    return data.from_array(array, tile_shape)
+
+
+def random_normal(shape, seed: int, std=1.0, mean=0.0, tile_shape=None) -> Tensor:
+    """Normal values that depend only on (seed, element index): same for any tiling."""
+    from jnntile.ops import data
+
+    return data.random(tuple(shape), seed, True, mean, std, tile_shape)
+
+
+def random_uniform(shape, seed: int, low=0.0, high=1.0, tile_shape=None) -> Tensor:
+    from jnntile.ops import data
+
+    return data.random(tuple(shape), seed, False, low, high, tile_shape)
+
+
+def to_array(t: Tensor) -> jax.Array:
+    """The tensor's values as a JAX array (blocks in the compiled program)."""
+    from jnntile.ops import data
+
+    return data.read(t)

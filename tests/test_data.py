@@ -1,0 +1,247 @@
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Load jnntile/data.py as a standalone module rather than `import jnntile.data`:
+# the package __init__ imports the native StarPU extension, which need not be
+# built to test the pure-Python data pipeline.
+_DATA_PY = Path(__file__).resolve().parents[1] / "jnntile" / "data.py"
+_spec = importlib.util.spec_from_file_location("jnntile_data", _DATA_PY)
+data = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = data
+_spec.loader.exec_module(data)
+
+VOCAB_SIZE = 300  # small: the test corpora are too small to learn many merges
+
+
+def _sample_text(paragraphs: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    words = ["the", "model", "tiles", "tensor", "über", "naïve", "日本語", "starpu", "jax", "42", "\t", "{}"]
+    return "\n\n".join(" ".join(rng.choice(words, size=40)) for _ in range(paragraphs)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("src") / "corpus.md"  # a single file may have any name
+    path.write_text(_sample_text(60, seed=0), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(text_file, tmp_path_factory):
+    return data.prepare_dataset(
+        text_file, tmp_path_factory.mktemp("out"), vocab_size=VOCAB_SIZE, val_fraction=0.2, progress=False
+    )
+
+
+@pytest.fixture(scope="module")
+def train(prepared):
+    return data.TokenDataset(prepared / "train.bin")
+
+
+def test_prepare_writes_nanogpt_layout(prepared):
+    meta = json.loads((prepared / "meta.json").read_text())
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (prepared / name).is_file()
+    assert (prepared / "train.bin").stat().st_size == 2 * meta["train_tokens"]
+    assert (prepared / "val.bin").stat().st_size == 2 * meta["val_tokens"]
+    assert meta["tokenizer"] == "tokenizer.json"
+    assert meta["val_fraction"] == 0.2
+    assert meta["requested_vocab_size"] == VOCAB_SIZE
+    assert 257 <= meta["vocab_size"] <= VOCAB_SIZE
+    assert "corpus.md" in meta["source"]
+    assert not list(prepared.glob(".*.tmp"))  # no leftover temporaries
+
+
+def test_split_is_tail_of_stream(prepared):
+    meta = json.loads((prepared / "meta.json").read_text())
+    total = meta["train_tokens"] + meta["val_tokens"]
+    assert meta["val_tokens"] == int(total * 0.2)
+    # The stream ends with the end-of-text token, so val.bin (its tail) does too.
+    val_tokens = np.fromfile(prepared / "val.bin", dtype=np.uint16)
+    assert val_tokens[-1] == meta["end_of_text_id"]
+
+
+def test_tokenizer_round_trips_text(train, text_file):
+    assert train.tokens.dtype == np.uint16
+    assert len(train) == json.loads((train.path.parent / "meta.json").read_text())["train_tokens"]
+    text = "naïve über tensor 日本語\n\tstarpu {} 42"
+    ids = train.encode(text)
+    assert all(0 <= i < train.vocab_size for i in ids)
+    assert train.decode(ids) == text
+    # The stored stream is the encoded file followed by <|endoftext|>.
+    source = text_file.read_text(encoding="utf-8")
+    validation = train.validation()
+    stream = np.concatenate([train.tokens, validation.tokens])
+    assert train.decode(stream) == source + "<|endoftext|>"
+
+
+def test_folder_is_read_recursively_with_glob(tmp_path):
+    source = tmp_path / "docs"
+    (source / "sub").mkdir(parents=True)
+    (source / "a.txt").write_text(_sample_text(5, seed=1))
+    (source / "sub" / "b.txt").write_text(_sample_text(5, seed=2))
+    (source / "skipped.md").write_text("not matched by the default glob")
+    out = data.prepare_dataset(source, tmp_path / "out", vocab_size=VOCAB_SIZE, progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents"] == 2
+    dataset = data.TokenDataset(out)  # a directory means its train.bin
+    stream = np.concatenate([dataset.tokens, dataset.validation().tokens])
+    expected = "".join(path.read_text() + "<|endoftext|>" for path in (source / "a.txt", source / "sub" / "b.txt"))
+    assert dataset.decode(stream) == expected
+    assert meta["val_tokens"] == int(len(stream) * 0.1)
+
+    only_md = data.prepare_dataset(source, tmp_path / "md", vocab_size=VOCAB_SIZE, glob="*.md", progress=False)
+    assert json.loads((only_md / "meta.json").read_text())["documents"] == 1
+
+
+def test_sequential_batches_follow_definition(train):
+    batch_size, seq_len = 3, 8
+    tokens = np.asarray(train.tokens, dtype=np.int32)
+    whole_sequences = (len(tokens) - 1) // seq_len
+    for step in (0, 1, 2, whole_sequences // batch_size + 1):  # the last wraps around
+        inputs, targets = train.batch(step, batch_size, seq_len)
+        assert inputs.shape == targets.shape == (batch_size, seq_len)
+        assert inputs.dtype == targets.dtype == np.int32
+        for j in range(batch_size):
+            start = ((step * batch_size + j) % whole_sequences) * seq_len
+            np.testing.assert_array_equal(inputs[j], tokens[start : start + seq_len])
+            np.testing.assert_array_equal(targets[j], tokens[start + 1 : start + seq_len + 1])
+
+
+def test_random_batches_are_a_function_of_seed_and_step(train):
+    def draw(step, seed=0):
+        return train.batch(step, 4, 16, order="random", seed=seed)
+
+    for a, b in zip(draw(5), draw(5)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(draw(5)[0], draw(6)[0])
+    assert not np.array_equal(draw(5, seed=0)[0], draw(5, seed=1)[0])
+    inputs, targets = draw(7)
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_nanogpt_bin_without_tokenizer(tmp_path):
+    path = tmp_path / "train.bin"
+    np.arange(100, dtype=np.uint16).tofile(path)
+    dataset = data.TokenDataset(path)
+    assert dataset.tokenizer is None
+    assert dataset.vocab_size == 100
+    assert dataset.validation() is None
+    assert dataset.decode([12, 7, 99]) == "[12, 7, 99]"
+    inputs, targets = dataset.batch(0, 2, 5)
+    np.testing.assert_array_equal(inputs, [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        dataset.encode("text")
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        data.prepare_dataset(tmp_path / "nowhere", tmp_path / "out", progress=False)
+    with pytest.raises(FileNotFoundError, match="nowhere.bin"):
+        data.TokenDataset(tmp_path / "nowhere.bin")
+
+
+def test_empty_inputs(tmp_path):
+    empty_file = tmp_path / "empty.txt"
+    empty_file.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.txt is empty"):
+        data.prepare_dataset(empty_file, tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match=r"no files matching '\*\.rst'.*--glob"):
+        data.prepare_dataset(tmp_path, tmp_path / "out", glob="*.rst", progress=False)
+    empty_bin = tmp_path / "empty.bin"
+    empty_bin.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.bin is empty"):
+        data.TokenDataset(empty_bin)
+
+
+def test_vocab_size_limits(text_file, tmp_path):
+    with pytest.raises(ValueError, match="uint16.*65536"):
+        data.prepare_dataset(text_file, tmp_path / "out", vocab_size=70_000, progress=False)
+    with pytest.raises(ValueError, match="at least 257"):
+        data.prepare_dataset(text_file, tmp_path / "out", vocab_size=100, progress=False)
+    assert not (tmp_path / "out").exists()  # checked before any work
+
+
+def test_odd_sized_bin(tmp_path):
+    path = tmp_path / "odd.bin"
+    path.write_bytes(b"\x00\x01\x02")
+    with pytest.raises(ValueError, match=r"odd\.bin has 3 bytes, not a multiple of 2"):
+        data.TokenDataset(path)
+
+
+def test_too_short_for_one_batch(tmp_path):
+    path = tmp_path / "short.bin"
+    np.arange(20, dtype=np.uint16).tofile(path)
+    dataset = data.TokenDataset(path)
+    with pytest.raises(ValueError, match=r"short\.bin has 20 tokens.*needs batch_size\*seq_len\+1 = 21"):
+        dataset.batch(0, 4, 5)
+    dataset.batch(0, 4, 5, order="random")  # random only needs seq_len+1 tokens
+    with pytest.raises(ValueError, match=r"short\.bin has 20 tokens.*needs seq_len\+1 = 21"):
+        dataset.batch(0, 1, 20, order="random")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(batch_size=0), "batch_size=0 must be a positive integer"),
+        (dict(seq_len=-3), "seq_len=-3 must be a positive integer"),
+        (dict(step=-1), "step=-1 must be a non-negative integer"),
+        (dict(order="shuffled"), "order='shuffled' is not one of 'sequential', 'random'"),
+    ],
+)
+def test_bad_batch_arguments(train, kwargs, message):
+    arguments = dict(step=0, batch_size=2, seq_len=4) | kwargs
+    with pytest.raises(ValueError, match=message):
+        train.batch(**arguments)
+
+
+def test_stdlib_selection_is_deterministic_and_excludes_tests():
+    files = data.stdlib_source_files()
+    assert files == data.stdlib_source_files()
+    root = data.stdlib_root()
+    relative = [path.relative_to(root).as_posix() for path in files]
+    assert relative == sorted(relative)
+    assert all(name.endswith(".py") for name in relative)
+    for path in relative:
+        assert not {"test", "tests", "idlelib", "site-packages"} & set(path.split("/")[:-1]), path
+    assert "os.py" in relative
+    capped = data.read_documents(files, max_bytes=50_000)
+    assert sum(len(text.encode()) for text in capped) <= 50_000
+
+
+def test_default_dataset_is_prepared_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("JNNTILE_DATA_DIR", str(tmp_path / "cache"))
+    assert data.default_dataset_dir() == tmp_path / "cache"
+    out = data.ensure_default_dataset(VOCAB_SIZE, max_bytes=30_000, progress=False)
+    assert out == tmp_path / "cache"
+    meta_file = out / "meta.json"
+    first = meta_file.read_text()
+    assert "first 30000 bytes" in json.loads(first)["source"]
+    modified = meta_file.stat().st_mtime_ns
+
+    assert data.ensure_default_dataset(VOCAB_SIZE, max_bytes=30_000, progress=False) == out
+    assert meta_file.stat().st_mtime_ns == modified  # reused, not rebuilt
+
+    data.ensure_default_dataset(VOCAB_SIZE, max_bytes=20_000, progress=False)  # settings changed: rebuilt
+    assert "first 20000 bytes" in json.loads(meta_file.read_text())["source"]
+
+    monkeypatch.delenv("JNNTILE_DATA_DIR")
+    assert data.default_dataset_dir(512).name.endswith("-v512")
+
+
+def test_cli_prepares_input(text_file, tmp_path, capsys):
+    data.main([str(text_file), "--out", str(tmp_path / "cli"), "--vocab-size", "280", "--val-fraction", "0.25"])
+    meta = json.loads((tmp_path / "cli" / "meta.json").read_text())
+    assert meta["requested_vocab_size"] == 280 and meta["val_fraction"] == 0.25
+    summary = capsys.readouterr().out
+    assert f"{meta['train_tokens']} train" in summary and "train.bin" in summary
+
+
+def test_cli_reports_bad_input_without_traceback(tmp_path):
+    with pytest.raises(SystemExit, match="error: input path .*nowhere does not exist"):
+        data.main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])

@@ -1,0 +1,104 @@
+// The nanobind module jnntile._xla_ffi: FFI targets for jax.ffi, the runtime
+// API and the tensor registry API.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "ops/data.h"
+#include "runtime.h"
+#include "task.h"
+#include "tensor.h"
+
+namespace nb = nanobind;
+
+namespace jnntile {
+
+std::vector<std::pair<std::string, void*>>& ffi_targets() {
+  static auto* targets = new std::vector<std::pair<std::string, void*>>();
+  return *targets;
+}
+
+}  // namespace jnntile
+
+NB_MODULE(_xla_ffi, m) {
+  using namespace jnntile;
+
+  m.def("registrations", [] {
+    nb::dict out;
+    for (auto& [name, handler] : ffi_targets()) out[name.c_str()] = nb::capsule(handler);
+    return out;
+  });
+
+  m.def(
+      "runtime_start",
+      [](int workers, const std::string& scheduler, int64_t memory_limit_mb,
+         const std::string& swap_dir, int64_t swap_size_mb, double watchdog_s) {
+        RuntimeConfig config{workers, scheduler, memory_limit_mb, swap_dir, swap_size_mb, watchdog_s};
+        nb::gil_scoped_release release;
+        runtime_start(config);
+      },
+      nb::arg("workers"), nb::arg("scheduler"), nb::arg("memory_limit_mb"), nb::arg("swap_dir"),
+      nb::arg("swap_size_mb"), nb::arg("watchdog_s"));
+  m.def("runtime_stop", [] {
+    nb::gil_scoped_release release;
+    tensor_free_all();
+    runtime_stop();
+  });
+  m.def("runtime_running", &runtime_running);
+  m.def("wait_all", [] {
+    nb::gil_scoped_release release;
+    require_runtime();
+    wait_all("wait_all");
+  });
+  m.def("runtime_stats", [] {
+    RuntimeStats s = runtime_stats();
+    nb::dict out;
+    out["tasks_submitted"] = s.tasks_submitted;
+    out["tasks_completed"] = s.tasks_completed;
+    out["tasks_pending"] = s.tasks_pending;
+    nb::list workers;
+    for (auto& w : s.workers) {
+      nb::dict d;
+      d["id"] = w.id;
+      d["name"] = w.name;
+      d["busy_s"] = w.busy_s;
+      d["tasks"] = w.tasks;
+      workers.append(d);
+    }
+    out["workers"] = workers;
+    nb::list nodes;
+    for (auto& n : s.nodes) {
+      nb::dict d;
+      d["node"] = n.node;
+      d["kind"] = n.kind;
+      d["used_bytes"] = n.used_bytes;
+      d["total_bytes"] = n.total_bytes;
+      nodes.append(d);
+    }
+    out["nodes"] = nodes;
+    out["bytes_moved"] = s.bytes_moved;
+    out["tensors"] = tensor_count();
+    return out;
+  });
+
+  m.def("tensor_create", [](const Index& shape, const Index& tile_shape, int dtype) {
+    return tensor_create(shape, tile_shape, DType(dtype));
+  });
+  m.def("tensor_free", &tensor_free);
+  m.def("tensor_exists", &tensor_exists);
+  m.def("tensor_grad", &tensor_grad);
+  m.def("tensor_write", [](int64_t id, nb::ndarray<nb::c_contig, nb::device::cpu> array) {
+    void* data = array.data();
+    int64_t nbytes = int64_t(array.nbytes());
+    nb::gil_scoped_release release;
+    write_from_host(id, data, nbytes);
+  });
+  m.def("tensor_read", [](int64_t id, nb::ndarray<nb::c_contig, nb::device::cpu> out) {
+    void* data = out.data();
+    int64_t nbytes = int64_t(out.nbytes());
+    nb::gil_scoped_release release;
+    read_to_host(id, data, nbytes);
+  });
+}

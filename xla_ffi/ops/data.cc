@@ -1,0 +1,195 @@
+// Data movement and initialisation: write, read, fill, random, copy.
+#include "ops/data.h"
+
+#include "kernels/cpu/data.h"
+#include "task.h"
+
+namespace jnntile {
+namespace {
+
+constexpr int kMaxDims = 8;
+
+struct TileGeometry {
+  int ndim;
+  int64_t shape[kMaxDims];
+  int64_t offset[kMaxDims];
+  int64_t extent[kMaxDims];
+};
+
+TileGeometry geometry(const TiledTensor& t, int64_t linear) {
+  if (t.ndim() > kMaxDims)
+    throw std::invalid_argument(t.describe() + " has more than 8 axes, which is unsupported");
+  TileGeometry g{};
+  g.ndim = t.ndim();
+  Index coord = t.tile_coord(linear);
+  Index extent = t.tile_extent(coord);
+  for (int a = 0; a < g.ndim; ++a) {
+    g.shape[a] = t.shape[a];
+    g.offset[a] = coord[a] * t.tile_shape[a];
+    g.extent[a] = extent[a];
+  }
+  return g;
+}
+
+struct HostCopyArgs {
+  TileGeometry geo;
+  void* array;
+  size_t elem_size;
+};
+
+void copy_in_kernel(void** buffers, const HostCopyArgs& a) {
+  cpu::copy_tile(tile_ptr<void>(buffers[0]), a.array, a.geo.ndim, a.geo.shape, a.geo.offset,
+                 a.geo.extent, a.elem_size, true);
+}
+
+void copy_out_kernel(void** buffers, const HostCopyArgs& a) {
+  cpu::copy_tile(tile_ptr<void>(buffers[0]), a.array, a.geo.ndim, a.geo.shape, a.geo.offset,
+                 a.geo.extent, a.elem_size, false);
+}
+
+void host_copy(int64_t id, void* data, int64_t nbytes, bool to_tensor) {
+  require_runtime();
+  TiledTensor& t = tensor_get(id);
+  int64_t expected = t.numel() * int64_t(dtype_size(t.dtype));
+  if (nbytes != expected)
+    throw std::invalid_argument(t.describe() + " holds " + std::to_string(expected) +
+                                " bytes but the host array has " + std::to_string(nbytes));
+  static starpu_codelet* in_cl = codelet<HostCopyArgs, copy_in_kernel>("copy_in");
+  static starpu_codelet* out_cl = codelet<HostCopyArgs, copy_out_kernel>("copy_out");
+  auto* group = new TaskGroup();
+  for (int64_t tile = 0; tile < t.num_tiles(); ++tile) {
+    HostCopyArgs args{geometry(t, tile), data, dtype_size(t.dtype)};
+    if (to_tensor) submit_task(in_cl, {{t.tiles[tile], STARPU_W}}, args, 0.0, group);
+    else submit_task(out_cl, {{t.tiles[tile], STARPU_R}}, args, 0.0, group);
+  }
+  wait(group, to_tensor ? "writing a host array into a tensor" : "reading a tensor");
+}
+
+// ---- fill / random / copy ----------------------------------------------------
+
+struct FillArgs {
+  DType dtype;
+  double value;
+  int64_t n;
+};
+
+void fill_kernel(void** buffers, const FillArgs& a) {
+  switch (a.dtype) {
+    case DType::F32: cpu::fill_f32(tile_ptr<float>(buffers[0]), a.n, float(a.value)); break;
+    case DType::I32: cpu::fill_i32(tile_ptr<int32_t>(buffers[0]), a.n, int32_t(a.value)); break;
+    case DType::I64: cpu::fill_i64(tile_ptr<int64_t>(buffers[0]), a.n, int64_t(a.value)); break;
+  }
+}
+
+void fill_tensor(TiledTensor& t, double value) {
+  static starpu_codelet* cl = codelet<FillArgs, fill_kernel>("fill");
+  for (int64_t tile = 0; tile < t.num_tiles(); ++tile)
+    submit_task(cl, {{t.tiles[tile], STARPU_W}}, FillArgs{t.dtype, value, t.tile_numel(tile)});
+}
+
+void fill_submit(const OpCall& call) { fill_tensor(call.tensor(0), attr<double>(call.attrs, "value")); }
+JNNTILE_OP(fill, fill_submit);
+
+struct RandomArgs {
+  TileGeometry geo;
+  uint64_t seed;
+  bool normal;
+  float a, b;
+};
+
+void random_kernel(void** buffers, const RandomArgs& r) {
+  cpu::random_f32(tile_ptr<float>(buffers[0]), r.geo.ndim, r.geo.shape, r.geo.offset,
+                  r.geo.extent, r.seed, r.normal, r.a, r.b);
+}
+
+void random_submit(const OpCall& call) {
+  const ffi::Dictionary& attrs = call.attrs;
+  TiledTensor& t = call.tensor(0);
+  if (t.dtype != DType::F32) throw std::invalid_argument("random init needs float32, got " + t.describe());
+  uint64_t seed = uint64_t(attr<int64_t>(attrs, "seed"));
+  bool normal = attr<int64_t>(attrs, "normal") != 0;
+  float a = float(attr<double>(attrs, "a")), b = float(attr<double>(attrs, "b"));
+  static starpu_codelet* cl = codelet<RandomArgs, random_kernel>("random");
+  for (int64_t tile = 0; tile < t.num_tiles(); ++tile)
+    submit_task(cl, {{t.tiles[tile], STARPU_W}}, RandomArgs{geometry(t, tile), seed, normal, a, b});
+}
+JNNTILE_OP(random, random_submit);
+
+struct CopyArgs {
+  int64_t nbytes;
+};
+
+void copy_kernel(void** buffers, const CopyArgs& a) {
+  std::memcpy(tile_ptr<void>(buffers[1]), tile_ptr<void>(buffers[0]), a.nbytes);
+}
+
+void copy_submit(const OpCall& call) {
+  TiledTensor& src = call.tensor(0);
+  TiledTensor& dst = call.tensor(1);
+  check_same_tiling(src, dst, "copy");
+  if (src.dtype != dst.dtype) throw std::invalid_argument("copy: dtypes differ: " + src.describe() + " vs " + dst.describe());
+  static starpu_codelet* cl = codelet<CopyArgs, copy_kernel>("copy");
+  for (int64_t tile = 0; tile < src.num_tiles(); ++tile)
+    submit_task(cl, {{src.tiles[tile], STARPU_R}, {dst.tiles[tile], STARPU_W}},
+                CopyArgs{src.tile_numel(tile) * int64_t(dtype_size(src.dtype))});
+}
+JNNTILE_OP(copy, copy_submit);
+
+// Marks every tile of a tensor as holding nothing: StarPU frees its memory and
+// never writes it back (DESIGN invariant 7). The next access must be a write.
+void invalidate_submit(const OpCall& call) {
+  TiledTensor& t = call.tensor(0);
+  for (starpu_data_handle_t handle : t.tiles) starpu_data_invalidate_submit(handle);
+}
+JNNTILE_OP(invalidate, invalidate_submit);
+
+// ---- FFI targets that move data between XLA buffers and tensors ----------------
+
+ffi::Error write_impl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer array, ffi::RemainingArgs,
+                      ffi::Result<ffi::BufferR0<ffi::F32>> token) {
+  try {
+    host_copy(ids.typed_data()[0], array.untyped_data(), int64_t(array.size_bytes()), true);
+  } catch (const std::exception& e) {
+    return ffi::Error::InvalidArgument(e.what());
+  }
+  token->typed_data()[0] = 0.0f;
+  return ffi::Error::Success();
+}
+
+ffi::Error read_impl(ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> array) {
+  try {
+    host_copy(ids.typed_data()[0], array->untyped_data(), int64_t(array->size_bytes()), false);
+  } catch (const std::exception& e) {
+    return ffi::Error::InvalidArgument(e.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ffi_handler_write, write_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::BufferR0<ffi::F32>>());
+static RegisterTarget register_write("jnntile_write", reinterpret_cast<void*>(ffi_handler_write));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ffi_handler_read, read_impl,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().Ret<ffi::AnyBuffer>());
+static RegisterTarget register_read("jnntile_read", reinterpret_cast<void*>(ffi_handler_read));
+
+void zero_grads(const std::vector<int64_t>& ids) {
+  for (int64_t id : ids) fill_tensor(tensor_get(tensor_grad(id)), 0.0);
+}
+
+void write_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, true); }
+void read_to_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, false); }
+
+void check_same_tiling(const TiledTensor& a, const TiledTensor& b, const char* op) {
+  if (a.shape != b.shape || a.tile_shape != b.tile_shape)
+    throw std::invalid_argument(std::string(op) + ": shapes or tiles differ: " + a.describe() +
+                                " vs " + b.describe());
+}
+
+}  // namespace jnntile

@@ -1,0 +1,311 @@
+// starpu_disk.h lacks the extern "C" guard the other StarPU headers have.
+extern "C" {
+#include <starpu_disk.h>
+}
+#include "runtime.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <sstream>
+
+namespace jnntile {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct RuntimeState {
+  std::mutex mutex;
+  std::condition_variable progress;  // signalled on every completion
+  bool running = false;
+  bool paused = false;
+  bool failed = false;  // a watchdog fired: tasks are stuck, refuse new work
+  std::string failure;
+  RuntimeConfig config;
+  std::string swap_subdir;  // created by us, removed at stop
+  int64_t pending = 0;
+  int64_t submitted = 0;
+  std::atomic<int64_t> completed{0};
+  Clock::time_point last_progress = Clock::now();
+  std::map<std::string, int64_t> bytes_moved;
+  std::vector<double> worker_busy_s;
+  std::vector<int64_t> worker_tasks;
+};
+
+RuntimeState& state() {
+  static RuntimeState* s = new RuntimeState();  // never destroyed: callbacks may outlive statics
+  return *s;
+}
+
+// Callers hold state().mutex.
+void wake_locked(RuntimeState& s) {
+  if (s.paused) {
+    starpu_resume();
+    s.paused = false;
+  }
+}
+
+void finish_one_locked(RuntimeState& s) {
+  s.pending -= 1;
+  s.last_progress = Clock::now();
+  if (s.pending == 0 && !s.paused && s.running) {
+    // starpu_pause only raises a flag; it is safe from a callback.
+    starpu_pause();
+    s.paused = true;
+  }
+}
+
+void on_task_done(void* arg) {
+  RuntimeState& s = state();
+  s.completed.fetch_add(1, std::memory_order_relaxed);
+  if (arg != nullptr) static_cast<TaskGroup*>(arg)->remaining.fetch_sub(1);
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    finish_one_locked(s);
+  }
+  s.progress.notify_all();
+}
+
+std::string node_kind_name(int node) {
+  switch (starpu_node_get_kind(node)) {
+    case STARPU_CPU_RAM: return "RAM";
+    case STARPU_CUDA_RAM: return "CUDA";
+    case STARPU_DISK_RAM: return "DISK";
+    default: return "OTHER";
+  }
+}
+
+void remove_tree(const std::string& path) {
+  DIR* dir = opendir(path.c_str());
+  if (dir == nullptr) return;
+  while (dirent* entry = readdir(dir)) {
+    std::string name = entry->d_name;
+    if (name == "." || name == "..") continue;
+    std::string child = path + "/" + name;
+    struct stat st;
+    if (lstat(child.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) remove_tree(child);
+    else unlink(child.c_str());
+  }
+  closedir(dir);
+  rmdir(path.c_str());
+}
+
+void collect_profiling_locked(RuntimeState& s) {
+  int nbus = starpu_bus_get_count();
+  for (int bus = 0; bus < nbus; ++bus) {
+    starpu_profiling_bus_info info;
+    if (starpu_bus_get_profiling_info(bus, &info) != 0) continue;  // resets the counters
+    if (info.transferred_bytes == 0) continue;
+    std::string key = node_kind_name(starpu_bus_get_src(bus)) + "->" +
+                      node_kind_name(starpu_bus_get_dst(bus));
+    s.bytes_moved[key] += info.transferred_bytes;
+  }
+  unsigned nworkers = starpu_worker_get_count();
+  s.worker_busy_s.resize(nworkers, 0.0);
+  s.worker_tasks.resize(nworkers, 0);
+  for (unsigned w = 0; w < nworkers; ++w) {
+    starpu_profiling_worker_info info;
+    if (starpu_profiling_worker_get_info(w, &info) != 0) continue;  // resets the counters
+    s.worker_busy_s[w] += starpu_timing_timespec_to_us(&info.executing_time) * 1e-6;
+    s.worker_tasks[w] += info.executed_tasks;
+  }
+}
+
+}  // namespace
+
+void runtime_start(const RuntimeConfig& config) {
+  RuntimeState& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.running) throw std::runtime_error("jnntile runtime is already running; call stop() first");
+  if (config.workers < 1)
+    throw std::invalid_argument("workers must be >= 1, got " + std::to_string(config.workers));
+  if (config.memory_limit_mb <= 0)
+    throw std::invalid_argument("memory_limit_mb must be > 0 (StarPU's own guess is wrong on VMs)");
+
+  // StarPU reads its settings from the environment at starpu_init.
+  setenv("STARPU_LIMIT_CPU_MEM", std::to_string(config.memory_limit_mb).c_str(), 1);
+  setenv("STARPU_SILENT", "1", 0);
+  setenv("STARPU_NCUDA", "0", 0);
+  setenv("STARPU_NOPENCL", "0", 0);
+
+  starpu_conf conf;
+  starpu_conf_init(&conf);
+  conf.ncpus = config.workers;
+  conf.sched_policy_name = config.scheduler.c_str();
+  int ret = starpu_init(&conf);
+  if (ret != 0) {
+    std::ostringstream msg;
+    msg << "StarPU failed to start (starpu_init returned " << ret << ") with workers="
+        << config.workers << " scheduler='" << config.scheduler
+        << "'. Debian's StarPU allows at most 4 CPU workers; check the scheduler name.";
+    throw std::runtime_error(msg.str());
+  }
+  starpu_profiling_status_set(STARPU_PROFILING_ENABLE);
+
+  if (!config.swap_dir.empty()) {
+    std::string pattern = config.swap_dir + "/jnntile-swap-XXXXXX";
+    std::vector<char> buf(pattern.begin(), pattern.end());
+    buf.push_back('\0');
+    if (mkdir(config.swap_dir.c_str(), 0700) != 0 && errno != EEXIST) {
+      starpu_shutdown();
+      throw std::runtime_error("cannot create swap directory '" + config.swap_dir + "'");
+    }
+    if (mkdtemp(buf.data()) == nullptr) {
+      starpu_shutdown();
+      throw std::runtime_error("cannot create a swap subdirectory in '" + config.swap_dir +
+                               "': check that it is writable");
+    }
+    s.swap_subdir = buf.data();
+    int64_t bytes = config.swap_size_mb * (int64_t(1) << 20);
+    int node = starpu_disk_register(&starpu_disk_unistd_ops, (void*)s.swap_subdir.c_str(), bytes);
+    if (node < 0) {
+      starpu_shutdown();
+      remove_tree(s.swap_subdir);
+      throw std::runtime_error("StarPU could not register disk swap in '" + config.swap_dir +
+                               "' of " + std::to_string(config.swap_size_mb) + " MB");
+    }
+  }
+  starpu_pause();  // nothing to do yet: do not spin
+  s.paused = true;
+  s.running = true;
+  s.failed = false;
+  s.failure.clear();
+  s.config = config;
+  s.pending = 0;
+  s.submitted = 0;
+  s.completed = 0;
+  s.bytes_moved.clear();
+  s.worker_busy_s.clear();
+  s.worker_tasks.clear();
+  s.last_progress = Clock::now();
+}
+
+void runtime_stop() {
+  RuntimeState& s = state();
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (!s.running) return;
+  }
+  if (!state().failed) wait_all("runtime stop");
+  std::lock_guard<std::mutex> lock(s.mutex);
+  wake_locked(s);
+  s.running = false;
+  starpu_shutdown();
+  if (!s.swap_subdir.empty()) {
+    remove_tree(s.swap_subdir);
+    s.swap_subdir.clear();
+  }
+}
+
+bool runtime_running() { return state().running; }
+const RuntimeConfig& runtime_config() { return state().config; }
+
+void require_runtime() {
+  RuntimeState& s = state();
+  if (!s.running)
+    throw std::runtime_error("jnntile runtime is not running: call jnntile.runtime.start()");
+  if (s.failed) throw std::runtime_error("jnntile runtime failed earlier: " + s.failure);
+}
+
+void submit(starpu_task* task, TaskGroup* group) {
+  RuntimeState& s = state();
+  task->callback_func = on_task_done;
+  task->callback_arg = group;
+  task->detach = 1;
+  task->destroy = 1;
+  if (group != nullptr) group->remaining.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    wake_locked(s);
+    s.pending += 1;
+    s.submitted += 1;
+    if (s.pending == 1) s.last_progress = Clock::now();
+  }
+  int ret = starpu_task_submit(task);
+  if (ret != 0) {
+    std::string name = task->cl != nullptr && task->cl->name ? task->cl->name : "?";
+    on_task_done(group);
+    s.completed.fetch_sub(1);
+    throw std::runtime_error("StarPU refused task '" + name + "' (error " + std::to_string(ret) +
+                             ")");
+  }
+}
+
+void begin_pending() {
+  RuntimeState& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  wake_locked(s);
+  s.pending += 1;
+  if (s.pending == 1) s.last_progress = Clock::now();
+}
+
+void end_pending() {
+  RuntimeState& s = state();
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    finish_one_locked(s);
+  }
+  s.progress.notify_all();
+}
+
+namespace {
+template <class Done>
+void wait_until(Done done, const char* what) {
+  RuntimeState& s = state();
+  std::unique_lock<std::mutex> lock(s.mutex);
+  while (!done()) {
+    s.progress.wait_for(lock, std::chrono::milliseconds(50));
+    if (done()) break;
+    double quiet_s = std::chrono::duration<double>(Clock::now() - s.last_progress).count();
+    if (s.pending > 0 && quiet_s > s.config.watchdog_s) {
+      std::ostringstream msg;
+      msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << " ("
+          << s.pending << " tasks pending, memory limit " << s.config.memory_limit_mb << " MB, "
+          << (s.swap_subdir.empty() ? "no disk swap" : "disk swap in " + s.config.swap_dir)
+          << "). The working set likely exceeds the memory limit: raise memory_limit_mb, "
+             "add swap_dir, or use smaller tiles. Raise watchdog_s if tasks are just slow.";
+      s.failed = true;
+      s.failure = msg.str();
+      throw std::runtime_error(s.failure);
+    }
+  }
+}
+}  // namespace
+
+void wait(TaskGroup* group, const char* what) {
+  wait_until([&] { return group->remaining.load() == 0; }, what);
+  delete group;
+}
+
+void wait_all(const char* what) {
+  wait_until([&] { return state().pending == 0; }, what);
+}
+
+RuntimeStats runtime_stats() {
+  RuntimeState& s = state();
+  RuntimeStats out{};
+  std::lock_guard<std::mutex> lock(s.mutex);
+  out.tasks_submitted = s.submitted;
+  out.tasks_completed = s.completed.load();
+  out.tasks_pending = s.pending;
+  if (!s.running) return out;
+  collect_profiling_locked(s);
+  for (size_t w = 0; w < s.worker_busy_s.size(); ++w) {
+    char name[128];
+    starpu_worker_get_name(int(w), name, sizeof(name));
+    out.workers.push_back({int(w), name, s.worker_busy_s[w], s.worker_tasks[w]});
+  }
+  unsigned nnodes = starpu_memory_nodes_get_count();
+  for (unsigned node = 0; node < nnodes; ++node) {
+    int64_t total = starpu_memory_get_total(node);
+    int64_t available = starpu_memory_get_available(node);
+    out.nodes.push_back({int(node), node_kind_name(node), total >= 0 ? total - available : -1, total});
+  }
+  out.bytes_moved = s.bytes_moved;
+  return out;
+}
+
+}  // namespace jnntile

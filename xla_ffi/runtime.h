@@ -1,0 +1,83 @@
+// StarPU lifetime, task accounting, idle pausing, watchdog and statistics.
+//
+// Every task jnntile submits goes through `submit()`, which keeps a count of
+// pending work. Debian's StarPU busy-waits when idle (DESIGN invariant 5), so
+// the workers are paused whenever that count drops to zero and resumed on the
+// next submission. Blocking waits never hang: they fail when no task has
+// completed for `watchdog_s` seconds (DESIGN invariant 6).
+#pragma once
+
+#include <starpu.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace jnntile {
+
+struct RuntimeConfig {
+  int workers = 2;
+  std::string scheduler = "lws";
+  int64_t memory_limit_mb = 0;  // 0: chosen by the Python side; must be > 0 here
+  std::string swap_dir;         // empty: no disk swap
+  int64_t swap_size_mb = 0;
+  double watchdog_s = 120.0;
+};
+
+// A set of tasks a caller waits for. Heap-allocated and shared with the task
+// callbacks; a waiter that gives up (watchdog) leaks it on purpose, because the
+// stuck tasks may still complete and touch it.
+struct TaskGroup {
+  std::atomic<int64_t> remaining{0};
+};
+
+struct WorkerStats {
+  int id;
+  std::string name;
+  double busy_s;
+  int64_t tasks;
+};
+
+struct NodeStats {
+  int node;
+  std::string kind;
+  int64_t used_bytes;
+  int64_t total_bytes;
+};
+
+struct RuntimeStats {
+  int64_t tasks_submitted;
+  int64_t tasks_completed;
+  int64_t tasks_pending;
+  std::vector<WorkerStats> workers;
+  std::vector<NodeStats> nodes;
+  // bytes moved, keyed by "src->dst" memory-node kinds, e.g. "RAM->DISK"
+  std::map<std::string, int64_t> bytes_moved;
+};
+
+void runtime_start(const RuntimeConfig& config);
+void runtime_stop();
+bool runtime_running();
+const RuntimeConfig& runtime_config();
+// Throws std::runtime_error naming the problem when the runtime is not usable.
+void require_runtime();
+
+// Submits `task`, counting it as pending work; `group` may be null.
+void submit(starpu_task* task, TaskGroup* group = nullptr);
+// Brackets work that needs the workers awake but is not a task (data acquire).
+void begin_pending();
+void end_pending();
+// Blocks until every task of `group` completed; deletes the group. Throws
+// std::runtime_error when no task anywhere completed for watchdog_s.
+void wait(TaskGroup* group, const char* what);
+// Blocks until nothing is pending.
+void wait_all(const char* what);
+
+RuntimeStats runtime_stats();
+
+}  // namespace jnntile

@@ -1,0 +1,167 @@
+// What every op file needs: building StarPU tasks, declaring codelets, and
+// exposing a submit function as an XLA FFI target.
+#pragma once
+
+#include <starpu.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime.h"
+#include "tensor.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jnntile {
+
+namespace ffi = xla::ffi;
+
+struct Buffer {
+  starpu_data_handle_t handle;
+  starpu_data_access_mode mode;
+};
+
+template <class T>
+T* tile_ptr(void* buffer) {
+  return reinterpret_cast<T*>(STARPU_VECTOR_GET_PTR(buffer));
+}
+
+// A codelet runs `Kernel(buffers, args)` with a by-value argument struct.
+template <class Args, void (*Kernel)(void** buffers, const Args& args)>
+void codelet_entry(void* buffers[], void* cl_arg) {
+  Kernel(buffers, *static_cast<const Args*>(cl_arg));
+}
+
+template <class Args, void (*Kernel)(void** buffers, const Args& args)>
+starpu_codelet make_codelet(const char* name) {
+  starpu_codelet cl;
+  starpu_codelet_init(&cl);
+  cl.where = STARPU_CPU;
+  cl.cpu_funcs[0] = codelet_entry<Args, Kernel>;
+  cl.cpu_funcs_name[0] = name;
+  cl.nbuffers = STARPU_VARIABLE_NBUFFERS;
+  cl.name = name;
+  return cl;
+}
+
+// Declares a codelet once: `static starpu_codelet* cl = codelet<Args, kernel>("name");`
+template <class Args, void (*Kernel)(void** buffers, const Args& args)>
+starpu_codelet* codelet(const char* name) {
+  static starpu_codelet cl = make_codelet<Args, Kernel>(name);
+  return &cl;
+}
+
+template <class Args>
+void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const Args& args,
+                 double flops = 0.0, TaskGroup* group = nullptr) {
+  starpu_task* task = starpu_task_create();
+  task->cl = cl;
+  task->nbuffers = int(buffers.size());
+  starpu_data_handle_t* handles = task->handles;
+  starpu_data_access_mode* modes = task->modes;
+  if (buffers.size() > STARPU_NMAXBUFS) {
+    // StarPU frees dyn_handles/dyn_modes with the task.
+    task->dyn_handles = static_cast<starpu_data_handle_t*>(malloc(buffers.size() * sizeof(*handles)));
+    task->dyn_modes = static_cast<starpu_data_access_mode*>(malloc(buffers.size() * sizeof(*modes)));
+    handles = task->dyn_handles;
+    modes = task->dyn_modes;
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    handles[i] = buffers[i].handle;
+    modes[i] = buffers[i].mode;
+  }
+  void* arg = malloc(sizeof(Args));
+  std::memcpy(arg, &args, sizeof(Args));
+  task->cl_arg = arg;
+  task->cl_arg_size = sizeof(Args);
+  task->cl_arg_free = 1;
+  task->flops = flops;
+  submit(task, group);
+}
+
+// ---- attributes -----------------------------------------------------------
+
+template <class T>
+T attr(const ffi::Dictionary& attrs, const char* name) {
+  auto value = attrs.get<T>(name);
+  if (value.has_error()) throw std::invalid_argument(std::string("missing or mistyped attribute '") + name + "'");
+  return value.value();
+}
+
+inline Index attr_index(const ffi::Dictionary& attrs, const char* name) {
+  auto value = attrs.get<ffi::Span<const int64_t>>(name);
+  if (value.has_error()) throw std::invalid_argument(std::string("missing or mistyped attribute '") + name + "'");
+  return Index(value.value().begin(), value.value().end());
+}
+
+// ---- FFI targets ----------------------------------------------------------
+
+// An op's FFI target takes an int32 buffer of tensor ids (ids travel as data,
+// not attributes, so one compiled call serves every tensor), then the tokens of
+// the tensors it touches (only to order the call), and returns a fresh token.
+// Parameters that select code (transposes, alpha) are attributes. The target
+// submits tasks and returns without waiting.
+struct OpCall {
+  std::vector<int64_t> ids;
+  const ffi::Dictionary& attrs;
+  TiledTensor& tensor(size_t i) const {
+    if (i >= ids.size()) throw std::invalid_argument("op got " + std::to_string(ids.size()) + " tensor ids, needs more");
+    return tensor_get(ids[i]);
+  }
+};
+using OpSubmit = void (*)(const OpCall& call);
+
+// Zeroes the gradient companions of `ids` with write-only tasks.
+void zero_grads(const std::vector<int64_t>& ids);
+
+// The last `zero_grads` attribute entries of the id buffer name tensors whose
+// gradients start at zero here: the forward call that creates an activation
+// also clears its gradient, so every backward call may accumulate into it.
+inline ffi::Error run_op(OpSubmit submit_fn, ffi::Buffer<ffi::S32> id_buffer,
+                         ffi::Result<ffi::BufferR0<ffi::F32>> token, const ffi::Dictionary& attrs) {
+  try {
+    require_runtime();
+    std::vector<int64_t> ids(id_buffer.typed_data(), id_buffer.typed_data() + id_buffer.element_count());
+    auto n_zero = attrs.get<int64_t>("zero_grads");
+    size_t n_zero_grads = n_zero.has_error() ? 0 : size_t(n_zero.value());
+    if (n_zero_grads > ids.size()) throw std::invalid_argument("zero_grads exceeds the id count");
+    std::vector<int64_t> grad_ids(ids.end() - n_zero_grads, ids.end());
+    ids.resize(ids.size() - n_zero_grads);
+    submit_fn(OpCall{std::move(ids), attrs});
+    zero_grads(grad_ids);
+  } catch (const std::exception& e) {
+    return ffi::Error::InvalidArgument(e.what());
+  }
+  token->typed_data()[0] = 0.0f;
+  return ffi::Error::Success();
+}
+
+std::vector<std::pair<std::string, void*>>& ffi_targets();
+
+struct RegisterTarget {
+  RegisterTarget(const char* name, void* handler) { ffi_targets().emplace_back(name, handler); }
+};
+
+#define JNNTILE_CONCAT_(a, b) a##b
+#define JNNTILE_CONCAT(a, b) JNNTILE_CONCAT_(a, b)
+
+// Declares the FFI target `jnntile_<name>` that calls `submit_fn(call)`.
+#define JNNTILE_OP(name, submit_fn)                                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                               \
+      JNNTILE_CONCAT(ffi_handler_, name),                                                      \
+      [](ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs,                                        \
+         ffi::Result<ffi::BufferR0<ffi::F32>> token, ffi::Dictionary attrs) {                  \
+        return ::jnntile::run_op(submit_fn, ids, token, attrs);                                \
+      },                                                                                       \
+      ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().Ret<ffi::BufferR0<ffi::F32>>().Attrs()); \
+  static ::jnntile::RegisterTarget JNNTILE_CONCAT(register_, name)(                            \
+      "jnntile_" #name, reinterpret_cast<void*>(JNNTILE_CONCAT(ffi_handler_, name)))
+
+// ---- tile geometry ----------------------------------------------------------
+
+void check_same_tiling(const TiledTensor& a, const TiledTensor& b, const char* op);
+
+}  // namespace jnntile

@@ -1,0 +1,184 @@
+#include "tensor.h"
+
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "runtime.h"
+
+namespace jnntile {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, std::unique_ptr<TiledTensor>> tensors;
+  int64_t next_id = 1;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();
+  return *r;
+}
+
+std::string shape_str(const Index& shape) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  if (shape.size() == 1) out << ",";
+  out << ")";
+  return out.str();
+}
+
+void unregister_locked(Registry& r, int64_t id) {
+  auto it = r.tensors.find(id);
+  if (it == r.tensors.end()) return;
+  int64_t grad_id = it->second->grad_id;
+  // Asynchronous: StarPU unregisters each tile after the tasks that use it.
+  for (starpu_data_handle_t handle : it->second->tiles) starpu_data_unregister_submit(handle);
+  r.tensors.erase(it);
+  if (grad_id >= 0) unregister_locked(r, grad_id);
+}
+
+}  // namespace
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return 4;
+    case DType::I32: return 4;
+    case DType::I64: return 8;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return "float32";
+    case DType::I32: return "int32";
+    case DType::I64: return "int64";
+  }
+  return "?";
+}
+
+int64_t TiledTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+Index TiledTensor::tile_extent(const Index& coord) const {
+  Index extent(shape.size());
+  for (size_t a = 0; a < shape.size(); ++a)
+    extent[a] = std::min(tile_shape[a], shape[a] - coord[a] * tile_shape[a]);
+  return extent;
+}
+
+Index TiledTensor::tile_coord(int64_t linear) const {
+  Index coord(grid.size());
+  for (int a = int(grid.size()) - 1; a >= 0; --a) {
+    coord[a] = linear % grid[a];
+    linear /= grid[a];
+  }
+  return coord;
+}
+
+int64_t TiledTensor::tile_linear(const Index& coord) const {
+  int64_t linear = 0;
+  for (size_t a = 0; a < grid.size(); ++a) linear = linear * grid[a] + coord[a];
+  return linear;
+}
+
+int64_t TiledTensor::tile_numel(int64_t linear) const {
+  int64_t n = 1;
+  for (int64_t e : tile_extent(tile_coord(linear))) n *= e;
+  return n;
+}
+
+std::string TiledTensor::describe() const {
+  std::ostringstream out;
+  out << "tensor " << id << " " << dtype_name(dtype) << " " << shape_str(shape) << " tiles "
+      << shape_str(tile_shape);
+  return out.str();
+}
+
+int64_t tensor_create(const Index& shape, const Index& tile_shape, DType dtype) {
+  require_runtime();
+  if (shape.size() != tile_shape.size())
+    throw std::invalid_argument("tile shape " + shape_str(tile_shape) + " has " +
+                                std::to_string(tile_shape.size()) + " axes but shape " +
+                                shape_str(shape) + " has " + std::to_string(shape.size()));
+  for (size_t a = 0; a < shape.size(); ++a) {
+    if (shape[a] <= 0)
+      throw std::invalid_argument("shape " + shape_str(shape) + " has a non-positive axis " +
+                                  std::to_string(a));
+    if (tile_shape[a] <= 0)
+      throw std::invalid_argument("tile shape " + shape_str(tile_shape) +
+                                  " has a non-positive axis " + std::to_string(a));
+  }
+  auto tensor = std::make_unique<TiledTensor>();
+  tensor->dtype = dtype;
+  tensor->shape = shape;
+  tensor->tile_shape = tile_shape;
+  int64_t ntiles = 1;
+  for (size_t a = 0; a < shape.size(); ++a) {
+    // A tile larger than its axis is clipped: it is simply the whole axis.
+    tensor->tile_shape[a] = std::min(tile_shape[a], shape[a]);
+    tensor->grid.push_back((shape[a] + tensor->tile_shape[a] - 1) / tensor->tile_shape[a]);
+    ntiles *= tensor->grid.back();
+  }
+  tensor->tiles.resize(ntiles);
+  for (int64_t t = 0; t < ntiles; ++t)
+    starpu_vector_data_register(&tensor->tiles[t], -1, 0, tensor->tile_numel(t), dtype_size(dtype));
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  tensor->id = r.next_id++;
+  int64_t id = tensor->id;
+  r.tensors.emplace(id, std::move(tensor));
+  return id;
+}
+
+void tensor_free(int64_t id) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (!runtime_running()) return;
+  unregister_locked(r, id);
+}
+
+void tensor_free_all() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  while (!r.tensors.empty()) unregister_locked(r, r.tensors.begin()->first);
+}
+
+TiledTensor& tensor_get(int64_t id) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.tensors.find(id);
+  if (it == r.tensors.end())
+    throw std::invalid_argument("tensor " + std::to_string(id) +
+                                " does not exist: it was freed or the runtime was restarted");
+  return *it->second;
+}
+
+bool tensor_exists(int64_t id) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.tensors.count(id) != 0;
+}
+
+int64_t tensor_grad(int64_t id) {
+  TiledTensor& t = tensor_get(id);
+  if (t.grad_id >= 0) return t.grad_id;
+  int64_t grad_id = tensor_create(t.shape, t.tile_shape, t.dtype);
+  t.grad_id = grad_id;
+  return grad_id;
+}
+
+int64_t tensor_count() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return int64_t(r.tensors.size());
+}
+
+}  // namespace jnntile

@@ -1,0 +1,55 @@
+// Registry of tiled tensors: id -> grid of StarPU data handles.
+//
+// A tensor of shape (n_0, ..., n_{d-1}) with tile shape (t_0, ..., t_{d-1}) is
+// cut into ceil(n_i / t_i) tiles per axis; the last tile on an axis may be
+// smaller. Each tile is one contiguous row-major StarPU vector registered with
+// home node -1, so it takes no memory until first written (and that first
+// access must be write-only, DESIGN invariant 3) and StarPU may evict it.
+#pragma once
+
+#include <starpu.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jnntile {
+
+enum class DType : int { F32 = 0, I32 = 1, I64 = 2 };
+size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);
+
+using Index = std::vector<int64_t>;
+
+struct TiledTensor {
+  int64_t id;
+  DType dtype;
+  Index shape;
+  Index tile_shape;
+  Index grid;  // tiles per axis
+  std::vector<starpu_data_handle_t> tiles;  // row-major over the grid
+  int64_t grad_id = -1;  // companion gradient tensor, created on demand
+
+  int ndim() const { return int(shape.size()); }
+  int64_t numel() const;
+  int64_t num_tiles() const { return int64_t(tiles.size()); }
+  // Shape of the tile at grid coordinates `coord`.
+  Index tile_extent(const Index& coord) const;
+  Index tile_coord(int64_t linear) const;
+  int64_t tile_linear(const Index& coord) const;
+  starpu_data_handle_t tile(const Index& coord) const { return tiles[tile_linear(coord)]; }
+  int64_t tile_numel(int64_t linear) const;
+  std::string describe() const;  // "tensor 3 f32 (64, 48) tiles (32, 32)"
+};
+
+int64_t tensor_create(const Index& shape, const Index& tile_shape, DType dtype);
+void tensor_free(int64_t id);
+// Throws std::invalid_argument naming the id when it is unknown or freed.
+TiledTensor& tensor_get(int64_t id);
+bool tensor_exists(int64_t id);
+// The gradient companion of `id` (same shape, tiles and dtype), created once.
+int64_t tensor_grad(int64_t id);
+int64_t tensor_count();
+void tensor_free_all();
+
+}  // namespace jnntile
