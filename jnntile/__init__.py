@@ -1,6 +1,7 @@
 """jnntile: train models larger than fast memory. JAX traces, StarPU executes."""
 
 from jnntile import runtime
+from jnntile.grad import grad, value_and_grad, zero_grads
 from jnntile.tensor import (
     Tensor,
     from_array,
@@ -14,6 +15,6 @@ from jnntile.tensor import (
 )
 
 __all__ = [
-    "Tensor", "from_array", "full", "grad_of", "random_normal", "random_uniform",
+    "Tensor", "from_array", "full", "grad", "grad_of", "value_and_grad", "zero_grads", "random_normal", "random_uniform",
     "release_traced", "runtime", "to_array", "zeros",
 ]

@@ -31,7 +31,8 @@ _live: "weakref.WeakSet[_Handle]" = weakref.WeakSet()
 class _Handle:
     """Owns one registry id; the static part of a Tensor pytree."""
 
-    __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "freed", "last_token", "grad", "__weakref__")
+    __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "freed", "last_token", "grad",
+                 "grad_zeroed", "__weakref__")
 
     def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True):
         self.id = tensor_id
@@ -42,6 +43,7 @@ class _Handle:
         self.freed = False
         self.last_token = None  # the latest concrete token, waited on before freeing
         self.grad = None
+        self.grad_zeroed = False  # backward ops accumulate only into zeroed gradients
         _live.add(self)
 
     def key(self):
@@ -213,9 +215,12 @@ def grad_handle(handle: _Handle) -> _Handle:
 def grad_of(t: Tensor) -> Tensor:
     """The accumulated gradient of `t` as a Tensor, ordered after the cotangent `t.token`.
 
-    `jax.grad` of a function of Tensors returns Tensors with the same ids as the
-    inputs; their tiles stay untouched and the gradient values live here.
+    `jnntile.grad` of a function of Tensors returns Tensors with the same ids as
+    the inputs; their tiles stay untouched and the gradient values live here.
     """
+    if not t.handle.grad_zeroed:
+        raise ValueError(f"{t.handle!r} has no gradient: differentiate with jnntile.grad or "
+                         "jnntile.value_and_grad, which start its gradient at zero")
     return Tensor(t.token, grad_handle(t.handle))
 
 

@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "kernels/cpu/gemm.h"
 #include "ops/data.h"
 #include "runtime.h"
 #include "task.h"
@@ -37,6 +38,7 @@ NB_MODULE(_xla_ffi, m) {
          const std::string& swap_dir, int64_t swap_size_mb, double watchdog_s) {
         RuntimeConfig config{workers, scheduler, memory_limit_mb, swap_dir, swap_size_mb, watchdog_s};
         nb::gil_scoped_release release;
+        cpu::gemm_single_threaded();
         runtime_start(config);
       },
       nb::arg("workers"), nb::arg("scheduler"), nb::arg("memory_limit_mb"), nb::arg("swap_dir"),

@@ -33,16 +33,18 @@ def _attr(value):
     raise TypeError(f"unsupported attribute value {value!r}")
 
 
-def _ids(handles: Sequence[_Handle]) -> np.ndarray:
+def _ids(handles: Sequence[_Handle | None]) -> np.ndarray:
+    """Tensor ids; None (a gradient nobody needs) becomes -1 and is skipped natively."""
     for handle in handles:
-        handle.check_alive()
-    return np.asarray([h.id for h in handles], dtype=np.int32)
+        if handle is not None:
+            handle.check_alive()
+    return np.asarray([-1 if h is None else h.id for h in handles], dtype=np.int32)
 
 
 def after(token, *handles: _Handle):
     """Records `token` as the latest op on `handles` (pins them if tracing)."""
     tracing = isinstance(token, jax.core.Tracer)
-    for handle in handles:
+    for handle in (h for h in handles if h is not None):
         if tracing:  # the compiled program refers to this id: keep it
             tensor_mod._pinned.add(handle)
         else:
@@ -59,6 +61,7 @@ def call(target: str, handles: Sequence[_Handle], tokens: Sequence, *,
     """
     for handle in zero_grads:  # create the companions now, before the native call needs them
         tensor_mod.grad_handle(handle)
+        handle.grad_zeroed = True
     ids = _ids(list(handles) + list(zero_grads))
     if zero_grads:
         attrs["zero_grads"] = len(zero_grads)
@@ -74,3 +77,10 @@ def join(*tokens):
     for t in tokens[1:]:
         out = out + t
     return out
+
+
+def grad_target(t: Tensor) -> _Handle | None:
+    """Where a backward op accumulates the gradient of `t`, or None if nobody zeroed it."""
+    if t.dtype != "float32" or not t.handle.grad_zeroed:
+        return None
+    return tensor_mod.grad_handle(t.handle)

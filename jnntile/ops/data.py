@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, after
+from jnntile.ops._ffi import after, call, grad_target
 from jnntile.tensor import Tensor
 
 
@@ -30,24 +30,55 @@ def from_array(array, tile_shape) -> Tensor:
     return write(Tensor(None, handle), array)
 
 
+def _write(t: Tensor, array, accumulate: bool):
+    fn = jax.ffi.ffi_call("jnntile_write", jax.ShapeDtypeStruct((), jnp.float32), has_side_effect=True)
+    ids = np.asarray([t.id], dtype=np.int32)
+    tokens = [] if t.token is None else [t.token]
+    return after(fn(ids, array, *tokens, accumulate=np.int64(accumulate)), t.handle)
+
+
 def write(t: Tensor, array) -> Tensor:
     """Overwrites every tile of `t` with `array` (same shape and dtype); blocks."""
     if tuple(array.shape) != t.shape:
         raise ValueError(f"cannot write an array of shape {tuple(array.shape)} into {t!r}")
     if np.dtype(array.dtype).name != t.dtype:
         raise TypeError(f"cannot write an array of dtype {np.dtype(array.dtype).name} into {t!r}")
-    fn = jax.ffi.ffi_call("jnntile_write", jax.ShapeDtypeStruct((), jnp.float32), has_side_effect=True)
-    ids = np.asarray([t.id], dtype=np.int32)
-    tokens = [] if t.token is None else [t.token]
-    return t.with_token(after(fn(ids, array, *tokens), t.handle))
+    return t.with_token(_write(t, array, accumulate=False))
 
 
-def read(t: Tensor) -> jax.Array:
-    """The values of `t` as a JAX array, after the op that produced `t.token`."""
+def _read(t: Tensor) -> jax.Array:
     t.handle.check_alive()
     fn = jax.ffi.ffi_call("jnntile_read", jax.ShapeDtypeStruct(t.shape, jnp.dtype(t.dtype)),
                           has_side_effect=True)
     return fn(np.asarray([t.id], dtype=np.int32), t.token)
+
+
+@jax.custom_vjp
+def _read_differentiable(t: Tensor) -> jax.Array:
+    return _read(t)
+
+
+def _read_fwd(t):
+    return _read(t), t
+
+
+def _read_bwd(t, g):
+    # The cotangent of the values is added into the tensor's gradient.
+    grad = grad_target(t)
+    if grad is None:
+        return (t,)
+    return (t.with_token(_write(Tensor(t.token, grad), g, accumulate=True)),)
+
+
+_read_differentiable.defvjp(_read_fwd, _read_bwd)
+
+
+def read(t: Tensor) -> jax.Array:
+    """The values of `t` as a JAX array, after the op that produced `t.token`.
+
+    Differentiable for float32 tensors: the gradient flows back into `t`.
+    """
+    return _read_differentiable(t) if t.dtype == "float32" else _read(t)
 
 
 def fill(t: Tensor, value: float) -> Tensor:

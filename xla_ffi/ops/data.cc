@@ -47,7 +47,14 @@ void copy_out_kernel(void** buffers, const HostCopyArgs& a) {
                  a.geo.extent, a.elem_size, false);
 }
 
-void host_copy(int64_t id, void* data, int64_t nbytes, bool to_tensor) {
+void add_in_kernel(void** buffers, const HostCopyArgs& a) {
+  cpu::add_to_tile(tile_ptr<float>(buffers[0]), static_cast<const float*>(a.array), a.geo.ndim, a.geo.shape,
+                   a.geo.offset, a.geo.extent);
+}
+
+enum class Direction { Write, Add, Read };
+
+void host_copy(int64_t id, void* data, int64_t nbytes, Direction direction) {
   require_runtime();
   TiledTensor& t = tensor_get(id);
   int64_t expected = t.numel() * int64_t(dtype_size(t.dtype));
@@ -56,13 +63,19 @@ void host_copy(int64_t id, void* data, int64_t nbytes, bool to_tensor) {
                                 " bytes but the host array has " + std::to_string(nbytes));
   static starpu_codelet* in_cl = codelet<HostCopyArgs, copy_in_kernel>("copy_in");
   static starpu_codelet* out_cl = codelet<HostCopyArgs, copy_out_kernel>("copy_out");
+  static starpu_codelet* add_cl = codelet<HostCopyArgs, add_in_kernel>("add_in");
+  if (direction == Direction::Add && t.dtype != DType::F32)
+    throw std::invalid_argument("only float32 tensors can be accumulated into: " + t.describe());
   auto* group = new TaskGroup();
   for (int64_t tile = 0; tile < t.num_tiles(); ++tile) {
     HostCopyArgs args{geometry(t, tile), data, dtype_size(t.dtype)};
-    if (to_tensor) submit_task(in_cl, {{t.tiles[tile], STARPU_W}}, args, 0.0, group);
-    else submit_task(out_cl, {{t.tiles[tile], STARPU_R}}, args, 0.0, group);
+    switch (direction) {
+      case Direction::Write: submit_task(in_cl, {{t.tiles[tile], STARPU_W}}, args, 0.0, group); break;
+      case Direction::Add: submit_task(add_cl, {{t.tiles[tile], STARPU_RW}}, args, 0.0, group); break;
+      case Direction::Read: submit_task(out_cl, {{t.tiles[tile], STARPU_R}}, args, 0.0, group); break;
+    }
   }
-  wait(group, to_tensor ? "writing a host array into a tensor" : "reading a tensor");
+  wait(group, direction == Direction::Read ? "reading a tensor" : "writing a host array into a tensor");
 }
 
 // ---- fill / random / copy ----------------------------------------------------
@@ -146,9 +159,10 @@ JNNTILE_OP(invalidate, invalidate_submit);
 // ---- FFI targets that move data between XLA buffers and tensors ----------------
 
 ffi::Error write_impl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer array, ffi::RemainingArgs,
-                      ffi::Result<ffi::BufferR0<ffi::F32>> token) {
+                      ffi::Result<ffi::BufferR0<ffi::F32>> token, int64_t accumulate) {
   try {
-    host_copy(ids.typed_data()[0], array.untyped_data(), int64_t(array.size_bytes()), true);
+    host_copy(ids.typed_data()[0], array.untyped_data(), int64_t(array.size_bytes()),
+              accumulate ? Direction::Add : Direction::Write);
   } catch (const std::exception& e) {
     return ffi::Error::InvalidArgument(e.what());
   }
@@ -158,7 +172,7 @@ ffi::Error write_impl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer array, ffi::Rema
 
 ffi::Error read_impl(ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> array) {
   try {
-    host_copy(ids.typed_data()[0], array->untyped_data(), int64_t(array->size_bytes()), false);
+    host_copy(ids.typed_data()[0], array->untyped_data(), int64_t(array->size_bytes()), Direction::Read);
   } catch (const std::exception& e) {
     return ffi::Error::InvalidArgument(e.what());
   }
@@ -172,7 +186,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ffi_handler_write, write_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .Ret<ffi::BufferR0<ffi::F32>>());
+                                  .Ret<ffi::BufferR0<ffi::F32>>()
+                                  .Attr<int64_t>("accumulate"));
 static RegisterTarget register_write("jnntile_write", reinterpret_cast<void*>(ffi_handler_write));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ffi_handler_read, read_impl,
@@ -183,8 +198,9 @@ void zero_grads(const std::vector<int64_t>& ids) {
   for (int64_t id : ids) fill_tensor(tensor_get(tensor_grad(id)), 0.0);
 }
 
-void write_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, true); }
-void read_to_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, false); }
+void write_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Write); }
+void add_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Add); }
+void read_to_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Read); }
 
 void check_same_tiling(const TiledTensor& a, const TiledTensor& b, const char* op) {
   if (a.shape != b.shape || a.tile_shape != b.tile_shape)

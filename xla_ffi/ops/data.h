@@ -6,5 +6,7 @@
 
 namespace jnntile {
 void write_from_host(int64_t id, void* data, int64_t nbytes);
+// Adds a float32 host array into the tensor (the backward of reading it).
+void add_from_host(int64_t id, void* data, int64_t nbytes);
 void read_to_host(int64_t id, void* data, int64_t nbytes);
 }  // namespace jnntile

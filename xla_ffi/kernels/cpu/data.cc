@@ -56,6 +56,14 @@ void copy_tile(void* tile, void* array, int ndim, const int64_t* shape, const in
   });
 }
 
+void add_to_tile(float* tile, const float* array, int ndim, const int64_t* shape, const int64_t* offset,
+                 const int64_t* extent) {
+  int64_t row_len = ndim == 0 ? 1 : extent[ndim - 1];
+  for_each_row(ndim, shape, offset, extent, [&](int64_t tile_start, int64_t global_start) {
+    for (int64_t i = 0; i < row_len; ++i) tile[tile_start + i] += array[global_start + i];
+  });
+}
+
 void fill_f32(float* dst, int64_t n, float value) { std::fill(dst, dst + n, value); }
 void fill_i32(int32_t* dst, int64_t n, int32_t value) { std::fill(dst, dst + n, value); }
 void fill_i64(int64_t* dst, int64_t n, int64_t value) { std::fill(dst, dst + n, value); }

@@ -10,6 +10,9 @@ namespace jnntile::cpu {
 // contiguous row-major buffer. `to_tile` picks the direction.
 void copy_tile(void* tile, void* array, int ndim, const int64_t* shape, const int64_t* offset,
                const int64_t* extent, size_t elem_size, bool to_tile);
+// Adds the matching part of a whole float32 array into a tile.
+void add_to_tile(float* tile, const float* array, int ndim, const int64_t* shape, const int64_t* offset,
+                 const int64_t* extent);
 
 void fill_f32(float* dst, int64_t n, float value);
 void fill_i32(int32_t* dst, int64_t n, int32_t value);

@@ -1,0 +1,139 @@
+"""Elementwise ops on tensors of identical shape and tiling.
+
+Unary functions are declared once in `UNARY` (name -> native code and the jnp
+reference used by tests); `gelu_tanh`, `relu`, ... are generated from it.
+Linear ops (add, axpby, scale, copy) share one backward: accumulate the output
+gradient, scaled, into each input gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jnntile import tensor as tensor_mod
+from jnntile.ops._ffi import call, grad_target
+from jnntile.tensor import Tensor
+
+# name: (code in xla_ffi/kernels/cpu/elementwise.h, jnp reference)
+UNARY = {
+    "gelu_tanh": (0, lambda x: jax.nn.gelu(x, approximate=True)),
+    "relu": (1, jax.nn.relu),
+    "tanh": (2, jnp.tanh),
+    "exp": (3, jnp.exp),
+    "silu": (4, jax.nn.silu),
+    "sigmoid": (5, jax.nn.sigmoid),
+}
+
+
+def _require_float(*tensors: Tensor):
+    for t in tensors:
+        if t.dtype != "float32":
+            raise TypeError(f"elementwise ops need float32 tensors, got {t!r}")
+
+
+def _require_same_layout(x: Tensor, y: Tensor):
+    if x.shape != y.shape:
+        raise ValueError(f"shapes differ: {x.shape} vs {y.shape}")
+    if x.tile_shape != y.tile_shape:
+        raise ValueError(f"tile shapes differ for shape {x.shape}: {x.tile_shape} vs {y.tile_shape}")
+
+
+def _new_like(x: Tensor):
+    return tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
+
+
+# ---- unary family --------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _unary(x: Tensor, code: int) -> Tensor:
+    out = _new_like(x)
+    return Tensor(call("unary", [x.handle, out], [x.token], op=code), out)
+
+
+def _unary_fwd(x, code):
+    out = _new_like(x)
+    token = call("unary", [x.handle, out], [x.token], zero_grads=[out], op=code)
+    return Tensor(token, out), (x, Tensor(token, out))
+
+
+def _unary_bwd(code, residuals, g):
+    x, out = residuals
+    token = call("unary_backward", [x.handle, tensor_mod.grad_handle(out.handle), grad_target(x)],
+                 [out.token, g.token, x.token], op=code)
+    return (x.with_token(token),)
+
+
+_unary.defvjp(_unary_fwd, _unary_bwd)
+
+
+def _make_unary(name: str, code: int):
+    def op(x: Tensor) -> Tensor:
+        _require_float(x)
+        return _unary(x, code)
+
+    op.__name__ = name
+    op.__doc__ = f"Elementwise {name}, differentiable."
+    return op
+
+
+gelu_tanh = _make_unary("gelu_tanh", UNARY["gelu_tanh"][0])
+relu = _make_unary("relu", UNARY["relu"][0])
+tanh = _make_unary("tanh", UNARY["tanh"][0])
+exp = _make_unary("exp", UNARY["exp"][0])
+silu = _make_unary("silu", UNARY["silu"][0])
+sigmoid = _make_unary("sigmoid", UNARY["sigmoid"][0])
+
+
+# ---- linear family: out = a * x (+ b * y) -------------------------------------------
+
+def _linear_forward(inputs, coeffs, zero_grad):
+    out = _new_like(inputs[0])
+    attrs = {"a": coeffs[0]} if len(inputs) == 1 else {"a": coeffs[0], "b": coeffs[1]}
+    token = call("axpby", [t.handle for t in inputs] + [out], [t.token for t in inputs],
+                 zero_grads=[out] if zero_grad else [], **attrs)
+    return Tensor(token, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _linear(inputs: tuple, coeffs: tuple) -> Tensor:
+    return _linear_forward(inputs, coeffs, zero_grad=False)
+
+
+def _linear_fwd(inputs, coeffs):
+    out = _linear_forward(inputs, coeffs, zero_grad=True)
+    return out, (inputs, out)
+
+
+def _linear_bwd(coeffs, residuals, g):
+    inputs, out = residuals
+    token = call("accumulate", [tensor_mod.grad_handle(out.handle)] + [grad_target(t) for t in inputs],
+                 [out.token, g.token] + [t.token for t in inputs], alphas=list(coeffs))
+    return (tuple(t.with_token(token) for t in inputs),)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def axpby(a: float, x: Tensor, b: float, y: Tensor) -> Tensor:
+    """a * x + b * y as a new tensor."""
+    _require_float(x, y)
+    _require_same_layout(x, y)
+    return _linear((x, y), (float(a), float(b)))
+
+
+def add(x: Tensor, y: Tensor) -> Tensor:
+    return axpby(1.0, x, 1.0, y)
+
+
+def scale(a: float, x: Tensor) -> Tensor:
+    """a * x as a new tensor."""
+    _require_float(x)
+    return _linear((x,), (float(a),))
+
+
+def copy(x: Tensor) -> Tensor:
+    """A new tensor with the values (and tiling) of x."""
+    return scale(1.0, x)

@@ -1,0 +1,84 @@
+"""Tiled matrix multiplication with transposes, alpha and leading batch axes.
+
+Axes are grouped (see xla_ffi/ops/gemm.cc): `a` is [batch][M..][K..] (or
+[batch][K..][M..] with trans_a), `b` is [batch][K..][N..] (or [batch][N..][K..]
+with trans_b) and the result is [batch][M..][N..]; `ndim` counts the K axes.
+Tiles must agree on shared axes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jnntile import tensor as tensor_mod
+from jnntile.ops._ffi import call, grad_target
+from jnntile.tensor import Tensor
+
+
+def _layout(a: Tensor, b: Tensor, trans_a, trans_b, ndim, batch_ndim):
+    """Shape and tile shape of the result; raises naming the mismatch."""
+    if a.dtype != "float32" or b.dtype != "float32":
+        raise TypeError(f"matmul needs float32 tensors, got {a.dtype} and {b.dtype}")
+    m_ndim = a.ndim - batch_ndim - ndim
+    n_ndim = b.ndim - batch_ndim - ndim
+    if ndim < 1 or batch_ndim < 0 or m_ndim < 0 or n_ndim < 0:
+        raise ValueError(f"matmul: a {a.shape} and b {b.shape} have too few axes for ndim={ndim}, "
+                         f"batch_ndim={batch_ndim}")
+
+    def groups(t, first_ndim):
+        s, ts = t.shape, t.tile_shape
+        bb, mid = batch_ndim, batch_ndim + first_ndim
+        return (s[:bb], ts[:bb]), (s[bb:mid], ts[bb:mid]), (s[mid:], ts[mid:])
+
+    a_batch, a_first, a_second = groups(a, ndim if trans_a else m_ndim)
+    b_batch, b_first, b_second = groups(b, n_ndim if trans_b else ndim)
+    a_m, a_k = (a_second, a_first) if trans_a else (a_first, a_second)
+    b_k, b_n = (b_second, b_first) if trans_b else (b_first, b_second)
+    for what, x, y in (("batch axes", a_batch, b_batch), ("contraction axes", a_k, b_k)):
+        if x[0] != y[0]:
+            raise ValueError(f"matmul: {what} differ: {x[0]} in a {a.shape} vs {y[0]} in b {b.shape}")
+        if x[1] != y[1]:
+            raise ValueError(f"matmul: tiles on the {what} differ: {x[1]} in a (tile_shape "
+                             f"{a.tile_shape}) vs {y[1]} in b (tile_shape {b.tile_shape})")
+    return a_batch[0] + a_m[0] + b_n[0], a_batch[1] + a_m[1] + b_n[1]
+
+
+def matmul(a: Tensor, b: Tensor, *, trans_a=False, trans_b=False, alpha=1.0, ndim=1,
+           batch_ndim=0) -> Tensor:
+    """alpha * op(a) @ op(b) as a new tensor; differentiable in a and b."""
+    _layout(a, b, trans_a, trans_b, ndim, batch_ndim)
+    return _matmul(a, b, (bool(trans_a), bool(trans_b), float(alpha), int(ndim), int(batch_ndim)))
+
+
+def _forward(a, b, params, zero_grad):
+    trans_a, trans_b, alpha, ndim, batch_ndim = params
+    shape, tile_shape = _layout(a, b, trans_a, trans_b, ndim, batch_ndim)
+    out = tensor_mod.new_handle(shape, "float32", tile_shape)
+    token = call("gemm", [a.handle, b.handle, out], [a.token, b.token], zero_grads=[out] if zero_grad else [],
+                 trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=0.0, ndim=ndim, batch_ndim=batch_ndim)
+    return Tensor(token, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(a, b, params):
+    return _forward(a, b, params, zero_grad=False)
+
+
+def _matmul_fwd(a, b, params):
+    out = _forward(a, b, params, zero_grad=True)
+    return out, (a, b, out)
+
+
+def _matmul_bwd(params, residuals, g):
+    a, b, out = residuals
+    trans_a, trans_b, alpha, ndim, batch_ndim = params
+    # Invariant 1: the backward call consumes the forward token (out.token).
+    token = call("gemm_backward", [a.handle, b.handle, grad_target(a), grad_target(b), tensor_mod.grad_handle(out.handle)],
+                 [out.token, g.token, a.token, b.token],
+                 trans_a=trans_a, trans_b=trans_b, alpha=alpha, ndim=ndim, batch_ndim=batch_ndim)
+    return a.with_token(token), b.with_token(token)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)

@@ -1,0 +1,186 @@
+"""GPT-2 configuration shared by the jnntile model and the pure-JAX reference.
+
+Sizes follow the Hugging Face / OpenAI GPT-2 naming (n_layer, n_head, n_embd,
+vocab_size, n_positions). The tile_* fields only matter to the tiled jnntile
+model; None lets jnntile choose a tile size for that logical axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Optional
+
+_SIZE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
+_TILE_FIELDS = ("tile_batch", "tile_seq", "tile_embd", "tile_hidden", "tile_vocab", "tile_heads")
+
+# Hugging Face `GPT2Config` defaults for keys that old or hand-written
+# config.json files may leave out. The architecture sizes have no default here:
+# guessing them would load a checkpoint into the wrong model.
+_HF_REQUIRED_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
+_HF_DEFAULT_DROPOUT = 0.1
+_HF_DEFAULT_EPSILON = 1e-5
+# Both names denote the tanh approximation of GELU that GPT-2 was trained with.
+_TANH_GELU_NAMES = ("gelu_new", "gelu_pytorch_tanh")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """Hyper-parameters of a GPT-2 model. Defaults are GPT-2 small (124M).
+
+    Frozen, hence hashable: it can be passed to `jax.jit` as a static argument.
+    """
+
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    dropout: float = 0.0
+    layer_norm_epsilon: float = 1e-5
+    # Tile sizes per logical axis (None = automatic). tile_heads counts heads
+    # per tile; tile_hidden is the MLP hidden axis (4 * n_embd).
+    tile_batch: Optional[int] = None
+    tile_seq: Optional[int] = None
+    tile_embd: Optional[int] = None
+    tile_hidden: Optional[int] = None
+    tile_vocab: Optional[int] = None
+    tile_heads: Optional[int] = None
+
+    def __post_init__(self):
+        for name in _SIZE_FIELDS:
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in _TILE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value <= 0):
+                raise ValueError(
+                    f"{name}={value!r} must be a positive integer, or None to let jnntile choose"
+                )
+        if self.n_embd % self.n_head != 0:
+            divisors = [d for d in range(1, self.n_embd + 1) if self.n_embd % d == 0]
+            raise ValueError(
+                f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
+                f"choose n_head among divisors {divisors} or change n_embd"
+            )
+        if not isinstance(self.dropout, numbers.Real) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if not isinstance(self.layer_norm_epsilon, numbers.Real) or not self.layer_norm_epsilon > 0:
+            raise ValueError(f"layer_norm_epsilon={self.layer_norm_epsilon!r} must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def n_params(self) -> int:
+        """Number of parameters, counting the tied LM head once (as GPT-2 does)
+        and including LayerNorm weights and all biases. GPT-2 small: 124,439,808."""
+        C = self.n_embd
+        per_layer = (
+            2 * C  # ln_1
+            + C * 3 * C + 3 * C  # attn.c_attn
+            + C * C + C  # attn.c_proj
+            + 2 * C  # ln_2
+            + C * 4 * C + 4 * C  # mlp.c_fc
+            + 4 * C * C + C  # mlp.c_proj
+        )
+        embeddings = self.vocab_size * C + self.n_positions * C
+        return embeddings + self.n_layer * per_layer + 2 * C  # + ln_f
+
+    # ----------------------------------------------------------- Hugging Face
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` content of this model (tile sizes are
+        jnntile-only and are not written)."""
+        return {
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_embd": self.n_embd,
+            "vocab_size": self.vocab_size,
+            "n_positions": self.n_positions,
+            "n_ctx": self.n_positions,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "activation_function": "gelu_new",
+            "resid_pdrop": self.dropout,
+            "embd_pdrop": self.dropout,
+            "attn_pdrop": self.dropout,
+            "tie_word_embeddings": True,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], **overrides) -> "GPT2Config":
+        """Build a config from a Hugging Face GPT-2 `config.json` dict.
+
+        Optional keys take Hugging Face defaults. Settings this GPT-2 does not
+        implement (untied head, another activation, per-site dropout rates,
+        attention scaling variants) raise instead of loading a different model.
+        `overrides` sets fields absent from config.json, e.g. tile sizes.
+        """
+        missing = [key for key in _HF_REQUIRED_KEYS if key not in hf]
+        if missing:
+            raise ValueError(
+                f"Hugging Face config is missing required key(s) {missing}; "
+                f"a GPT-2 config.json needs {list(_HF_REQUIRED_KEYS)}"
+            )
+        model_type = hf.get("model_type", "gpt2")
+        if model_type != "gpt2":
+            raise ValueError(f"model_type={model_type!r} is not supported; only 'gpt2' is")
+        activation = hf.get("activation_function", "gelu_new")
+        if activation not in _TANH_GELU_NAMES:
+            raise ValueError(
+                f"activation_function={activation!r} is not supported; "
+                f"GPT-2 here uses the tanh GELU {_TANH_GELU_NAMES}"
+            )
+        if not hf.get("tie_word_embeddings", True):
+            raise ValueError("tie_word_embeddings=false is not supported: the LM head is tied to wte")
+        n_inner = hf.get("n_inner")
+        if n_inner is not None and n_inner != 4 * hf["n_embd"]:
+            raise ValueError(f"n_inner={n_inner} is not supported; the MLP width is 4 * n_embd")
+        if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
+            raise ValueError(
+                "only the standard attention scaling 1/sqrt(head_dim) is supported "
+                "(scale_attn_weights=true, scale_attn_by_inverse_layer_idx=false)"
+            )
+        n_ctx = hf.get("n_ctx", hf["n_positions"])
+        if n_ctx != hf["n_positions"]:
+            raise ValueError(f"n_ctx={n_ctx} differs from n_positions={hf['n_positions']}")
+        rates = {key: hf.get(key, _HF_DEFAULT_DROPOUT) for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+        if len(set(rates.values())) != 1:
+            raise ValueError(f"dropout rates differ {rates}; this GPT-2 has a single dropout rate")
+        fields = {key: hf[key] for key in _HF_REQUIRED_KEYS}
+        fields["dropout"] = rates["resid_pdrop"]
+        fields["layer_norm_epsilon"] = hf.get("layer_norm_epsilon", _HF_DEFAULT_EPSILON)
+        fields.update(overrides)
+        return cls(**fields)
+
+    # ---------------------------------------------------------------- presets
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPT2Config":
+        """A named configuration from PRESETS, with fields replaced by `overrides`,
+        e.g. `GPT2Config.preset("tiny", vocab_size=65)`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+# "tiny" and "small" are for tests, notebooks and laptop-sized runs. They keep
+# the GPT-2 BPE vocabulary (50257) so they work with the GPT-2 tokenizer; a
+# dataset with its own vocabulary (e.g. characters) overrides it:
+# `GPT2Config.preset("tiny", vocab_size=dataset.vocab_size)`.
+# tiny uses n_positions=256 so a full-length batch stays cheap on a CPU.
+PRESETS: dict[str, GPT2Config] = {
+    "tiny": GPT2Config(n_layer=2, n_head=4, n_embd=128, n_positions=256),
+    "small": GPT2Config(n_layer=6, n_head=6, n_embd=384),
+    "gpt2": GPT2Config(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPT2Config(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPT2Config(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPT2Config(n_layer=48, n_head=25, n_embd=1600),
+}

@@ -1,0 +1,11 @@
+#pragma once
+#include <cstdint>
+
+namespace jnntile::cpu {
+// C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] for b in [0, batch), row-major,
+// op(A) is (M, K), op(B) is (K, N); consecutive batch matrices are contiguous.
+void gemm_f32(bool trans_a, bool trans_b, int64_t batch, int64_t m, int64_t n, int64_t k,
+              float alpha, const float* a, const float* b, float beta, float* c);
+// Makes the BLAS single-threaded: StarPU workers provide the parallelism.
+void gemm_single_threaded();
+}  // namespace jnntile::cpu

@@ -1,0 +1,110 @@
+// Elementwise ops on tensors of identical shape and tiling: one task per tile.
+#include "kernels/cpu/elementwise.h"
+#include "task.h"
+
+namespace jnntile {
+namespace {
+
+void require_f32(const TiledTensor& t, const char* op) {
+  if (t.dtype != DType::F32) throw std::invalid_argument(std::string(op) + " needs float32: " + t.describe());
+}
+
+struct UnaryArgs {
+  cpu::Unary op;
+  int64_t n;
+};
+
+void unary_kernel(void** buffers, const UnaryArgs& a) {
+  cpu::unary_forward(a.op, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+}
+
+void unary_backward_kernel(void** buffers, const UnaryArgs& a) {
+  cpu::unary_backward(a.op, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                      tile_ptr<float>(buffers[2]));
+}
+
+// ids [x, y]: y = f(x)
+void unary_submit(const OpCall& call) {
+  const TiledTensor &x = call.tensor(0), &y = call.tensor(1);
+  require_f32(x, "unary op");
+  check_same_tiling(x, y, "unary op");
+  auto op = cpu::Unary(attr<int64_t>(call.attrs, "op"));
+  static starpu_codelet* cl = codelet<UnaryArgs, unary_kernel>("unary");
+  for (int64_t t = 0; t < x.num_tiles(); ++t)
+    submit_task(cl, {{x.tiles[t], STARPU_R}, {y.tiles[t], STARPU_W}}, UnaryArgs{op, x.tile_numel(t)},
+                double(x.tile_numel(t)));
+}
+JNNTILE_OP(unary, unary_submit);
+
+// ids [x, dy, dx]: dx += dy * f'(x)
+void unary_backward_submit(const OpCall& call) {
+  const TiledTensor &x = call.tensor(0), &dy = call.tensor(1), &dx = call.tensor(2);
+  check_same_tiling(x, dy, "unary op backward");
+  check_same_tiling(x, dx, "unary op backward");
+  auto op = cpu::Unary(attr<int64_t>(call.attrs, "op"));
+  static starpu_codelet* cl = codelet<UnaryArgs, unary_backward_kernel>("unary_backward");
+  for (int64_t t = 0; t < x.num_tiles(); ++t)
+    submit_task(cl, {{x.tiles[t], STARPU_R}, {dy.tiles[t], STARPU_R}, {dx.tiles[t], STARPU_RW}},
+                UnaryArgs{op, x.tile_numel(t)}, 2.0 * x.tile_numel(t));
+}
+JNNTILE_OP(unary_backward, unary_backward_submit);
+
+struct AxpbyArgs {
+  int64_t n;
+  float a, b;
+  bool has_y;
+};
+
+void axpby_kernel(void** buffers, const AxpbyArgs& a) {
+  const float* y = a.has_y ? tile_ptr<float>(buffers[1]) : nullptr;
+  cpu::axpby(a.n, a.a, tile_ptr<float>(buffers[0]), a.b, y, tile_ptr<float>(buffers[a.has_y ? 2 : 1]));
+}
+
+// ids [x, y, out]: out = a x + b y;  ids [x, out]: out = a x.
+void axpby_submit(const OpCall& call) {
+  bool has_y = call.ids.size() == 3;
+  const TiledTensor &x = call.tensor(0), &out = call.tensor(has_y ? 2 : 1);
+  require_f32(x, "axpby");
+  check_same_tiling(x, out, "axpby");
+  if (has_y) check_same_tiling(x, call.tensor(1), "axpby");
+  float a = float(attr<double>(call.attrs, "a")), b = has_y ? float(attr<double>(call.attrs, "b")) : 0.0f;
+  static starpu_codelet* cl = codelet<AxpbyArgs, axpby_kernel>("axpby");
+  for (int64_t t = 0; t < x.num_tiles(); ++t) {
+    std::vector<Buffer> buffers{{x.tiles[t], STARPU_R}};
+    if (has_y) buffers.push_back({call.tensor(1).tiles[t], STARPU_R});
+    buffers.push_back({out.tiles[t], STARPU_W});
+    submit_task(cl, buffers, AxpbyArgs{x.tile_numel(t), a, b, has_y}, 2.0 * x.tile_numel(t));
+  }
+}
+JNNTILE_OP(axpby, axpby_submit);
+
+struct AccumulateArgs {
+  int64_t n;
+  float a;
+};
+
+void accumulate_kernel(void** buffers, const AccumulateArgs& a) {
+  cpu::accumulate(a.n, a.a, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+}
+
+// ids [src, dst_0, dst_1, ...], attr alphas: dst_i += alphas[i] * src (ids < 0 skipped).
+// The backward of every linear elementwise op.
+void accumulate_submit(const OpCall& call) {
+  const TiledTensor& src = call.tensor(0);
+  auto alphas = call.attrs.get<ffi::Span<const double>>("alphas");
+  if (alphas.has_error() || alphas.value().size() != call.ids.size() - 1)
+    throw std::invalid_argument("accumulate: needs one alpha per destination");
+  static starpu_codelet* cl = codelet<AccumulateArgs, accumulate_kernel>("accumulate");
+  for (size_t d = 1; d < call.ids.size(); ++d) {
+    if (call.ids[d] < 0) continue;
+    const TiledTensor& dst = call.tensor(d);
+    check_same_tiling(src, dst, "accumulate");
+    for (int64_t t = 0; t < src.num_tiles(); ++t)
+      submit_task(cl, {{src.tiles[t], STARPU_R}, {dst.tiles[t], STARPU_RW}},
+                  AccumulateArgs{src.tile_numel(t), float(alphas.value()[d - 1])}, 2.0 * src.tile_numel(t));
+  }
+}
+JNNTILE_OP(accumulate, accumulate_submit);
+
+}  // namespace
+}  // namespace jnntile

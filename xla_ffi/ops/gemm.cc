@@ -1,0 +1,147 @@
+// Tiled GEMM: C = alpha * op(A) @ op(B) + beta * C with leading batch axes.
+//
+// Axes are grouped: A is [batch][M..][K..] (or [batch][K..][M..] when
+// transposed), B is [batch][K..][N..] (or [batch][N..][K..]), C is
+// [batch][M..][N..]; `ndim` is the number of contraction axes K. Every C tile
+// gets one task per K tile; the first is write-only when beta == 0 (DESIGN
+// invariant 3), the rest accumulate.
+#include "kernels/cpu/gemm.h"
+#include "task.h"
+
+namespace jnntile {
+namespace {
+
+struct GemmArgs {
+  bool trans_a, trans_b;
+  int64_t batch, m, n, k;
+  float alpha, beta;
+};
+
+void gemm_kernel(void** buffers, const GemmArgs& g) {
+  cpu::gemm_f32(g.trans_a, g.trans_b, g.batch, g.m, g.n, g.k, g.alpha, tile_ptr<float>(buffers[0]),
+                tile_ptr<float>(buffers[1]), g.beta, tile_ptr<float>(buffers[2]));
+}
+
+Index slice(const Index& v, int start, int count) {
+  return Index(v.begin() + start, v.begin() + start + count);
+}
+
+Index concat(std::initializer_list<Index> parts) {
+  Index out;
+  for (const Index& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+int64_t product(const Index& v) {
+  int64_t p = 1;
+  for (int64_t x : v) p *= x;
+  return p;
+}
+
+// The axes of one operand, split into its two matrix groups after the batch.
+struct Operand {
+  Index batch, rows, cols;  // shapes
+  Index batch_tiles, rows_tiles, cols_tiles;
+};
+
+Operand split(const TiledTensor& t, int batch_ndim, int rows_ndim, const char* name) {
+  if (t.dtype != DType::F32) throw std::invalid_argument(std::string("gemm: ") + name + " must be float32: " + t.describe());
+  int cols_ndim = t.ndim() - batch_ndim - rows_ndim;
+  if (rows_ndim < 0 || cols_ndim < 0)
+    throw std::invalid_argument(std::string("gemm: ") + name + " has too few axes: " + t.describe());
+  return {slice(t.shape, 0, batch_ndim), slice(t.shape, batch_ndim, rows_ndim),
+          slice(t.shape, batch_ndim + rows_ndim, cols_ndim), slice(t.tile_shape, 0, batch_ndim),
+          slice(t.tile_shape, batch_ndim, rows_ndim), slice(t.tile_shape, batch_ndim + rows_ndim, cols_ndim)};
+}
+
+void require_match(const Index& s1, const Index& t1, const Index& s2, const Index& t2, const std::string& what,
+                   const TiledTensor& x, const TiledTensor& y) {
+  if (s1 != s2 || t1 != t2)
+    throw std::invalid_argument("gemm: " + what + " differ in shape or tiles: " + x.describe() + " vs " + y.describe());
+}
+
+}  // namespace
+
+void gemm(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool trans_a, bool trans_b, float alpha,
+          float beta, int ndim, int batch_ndim) {
+  int m_ndim = A.ndim() - batch_ndim - ndim;
+  int n_ndim = B.ndim() - batch_ndim - ndim;
+  if (m_ndim < 0 || n_ndim < 0 || C.ndim() != batch_ndim + m_ndim + n_ndim)
+    throw std::invalid_argument("gemm: axis counts do not fit (ndim=" + std::to_string(ndim) + ", batch_ndim=" +
+                                std::to_string(batch_ndim) + "): " + A.describe() + ", " + B.describe() + ", " +
+                                C.describe());
+  Operand a = split(A, batch_ndim, trans_a ? ndim : m_ndim, "A");
+  Operand b = split(B, batch_ndim, trans_b ? n_ndim : ndim, "B");
+  Operand c = split(C, batch_ndim, m_ndim, "C");
+  const Index &a_m = trans_a ? a.cols : a.rows, &a_k = trans_a ? a.rows : a.cols;
+  const Index &a_mt = trans_a ? a.cols_tiles : a.rows_tiles, &a_kt = trans_a ? a.rows_tiles : a.cols_tiles;
+  const Index &b_k = trans_b ? b.cols : b.rows, &b_n = trans_b ? b.rows : b.cols;
+  const Index &b_kt = trans_b ? b.cols_tiles : b.rows_tiles, &b_nt = trans_b ? b.rows_tiles : b.cols_tiles;
+  require_match(a_k, a_kt, b_k, b_kt, "contraction axes of A and B", A, B);
+  require_match(a_m, a_mt, c.rows, c.rows_tiles, "row axes of A and C", A, C);
+  require_match(b_n, b_nt, c.cols, c.cols_tiles, "column axes of B and C", B, C);
+  require_match(a.batch, a.batch_tiles, c.batch, c.batch_tiles, "batch axes of A and C", A, C);
+  require_match(b.batch, b.batch_tiles, c.batch, c.batch_tiles, "batch axes of B and C", B, C);
+
+  static starpu_codelet* cl = codelet<GemmArgs, gemm_kernel>("gemm");
+  Index k_grid = slice(A.grid, batch_ndim + (trans_a ? 0 : m_ndim), ndim);
+  int64_t k_tiles = product(k_grid);
+  for (int64_t linear = 0; linear < C.num_tiles(); ++linear) {
+    Index c_coord = C.tile_coord(linear);
+    Index c_ext = C.tile_extent(c_coord);
+    Index bat = slice(c_coord, 0, batch_ndim), mc = slice(c_coord, batch_ndim, m_ndim),
+          nc = slice(c_coord, batch_ndim + m_ndim, n_ndim);
+    int64_t batch = product(slice(c_ext, 0, batch_ndim));
+    int64_t m = product(slice(c_ext, batch_ndim, m_ndim)), n = product(slice(c_ext, batch_ndim + m_ndim, n_ndim));
+    Index kc(ndim, 0);
+    for (int64_t kt = 0; kt < k_tiles; ++kt) {
+      Index a_coord = trans_a ? concat({bat, kc, mc}) : concat({bat, mc, kc});
+      Index b_coord = trans_b ? concat({bat, nc, kc}) : concat({bat, kc, nc});
+      Index a_ext = A.tile_extent(a_coord);
+      int64_t k = product(slice(a_ext, batch_ndim + (trans_a ? 0 : m_ndim), ndim));
+      bool first = kt == 0;
+      float tile_beta = first ? beta : 1.0f;
+      starpu_data_access_mode c_mode = (first && beta == 0.0f) ? STARPU_W : STARPU_RW;
+      submit_task(cl, {{A.tile(a_coord), STARPU_R}, {B.tile(b_coord), STARPU_R}, {C.tiles[linear], c_mode}},
+                  GemmArgs{trans_a, trans_b, batch, m, n, k, alpha, tile_beta}, 2.0 * batch * m * n * k);
+      for (int ax = ndim - 1; ax >= 0; --ax) {  // next K tile
+        if (++kc[ax] < k_grid[ax]) break;
+        kc[ax] = 0;
+      }
+    }
+  }
+}
+
+namespace {
+
+void gemm_submit(const OpCall& call) {
+  gemm(call.tensor(0), call.tensor(1), call.tensor(2), attr<int64_t>(call.attrs, "trans_a") != 0,
+       attr<int64_t>(call.attrs, "trans_b") != 0, float(attr<double>(call.attrs, "alpha")),
+       float(attr<double>(call.attrs, "beta")), int(attr<int64_t>(call.attrs, "ndim")),
+       int(attr<int64_t>(call.attrs, "batch_ndim")));
+}
+JNNTILE_OP(gemm, gemm_submit);
+
+// Backward of C = alpha op(A) op(B): ids [A, B, gA or -1, gB or -1, gC];
+// accumulates into the gradients that are given.
+void gemm_backward_submit(const OpCall& call) {
+  const TiledTensor &A = call.tensor(0), &B = call.tensor(1), &gC = call.tensor(4);
+  bool ta = attr<int64_t>(call.attrs, "trans_a") != 0, tb = attr<int64_t>(call.attrs, "trans_b") != 0;
+  float alpha = float(attr<double>(call.attrs, "alpha"));
+  int ndim = int(attr<int64_t>(call.attrs, "ndim")), batch_ndim = int(attr<int64_t>(call.attrs, "batch_ndim"));
+  int m_ndim = A.ndim() - batch_ndim - ndim, n_ndim = B.ndim() - batch_ndim - ndim;
+  if (call.ids[2] >= 0) {
+    const TiledTensor& gA = call.tensor(2);
+    if (!ta) gemm(gC, B, gA, false, !tb, alpha, 1.0f, n_ndim, batch_ndim);  // dA = dC op(B)^T
+    else gemm(B, gC, gA, tb, true, alpha, 1.0f, n_ndim, batch_ndim);       // dA^T = op(B) dC^T
+  }
+  if (call.ids[3] >= 0) {
+    const TiledTensor& gB = call.tensor(3);
+    if (!tb) gemm(A, gC, gB, !ta, false, alpha, 1.0f, m_ndim, batch_ndim);  // dB = op(A)^T dC
+    else gemm(gC, A, gB, true, ta, alpha, 1.0f, m_ndim, batch_ndim);        // dB^T = dC^T op(A)
+  }
+}
+JNNTILE_OP(gemm_backward, gemm_backward_submit);
+
+}  // namespace
+}  // namespace jnntile

@@ -1,0 +1,85 @@
+// Sum of squares and Euclidean norm of a whole tensor into a scalar tensor.
+//
+// Each tile writes its partial sum (double) to a scratch handle; one final
+// task combines them, so tiles are reduced in parallel and the result does not
+// depend on the order tasks ran in.
+#include <cmath>
+
+#include "kernels/cpu/reduce.h"
+#include "task.h"
+
+namespace jnntile {
+namespace {
+
+struct PartialArgs {
+  int64_t n;
+};
+
+void partial_kernel(void** buffers, const PartialArgs& a) {
+  *tile_ptr<double>(buffers[1]) = cpu::sumsq(a.n, tile_ptr<float>(buffers[0]));
+}
+
+struct CombineArgs {
+  int64_t count;
+  bool take_sqrt;
+};
+
+void combine_kernel(void** buffers, const CombineArgs& a) {
+  std::vector<const double*> partials(a.count);
+  for (int64_t i = 0; i < a.count; ++i) partials[i] = tile_ptr<double>(buffers[i]);
+  double sum = cpu::sum_partials(a.count, partials.data());
+  *tile_ptr<float>(buffers[a.count]) = float(a.take_sqrt ? std::sqrt(sum) : sum);
+}
+
+// ids [x, out]: out = sum(x^2), or its square root when attr sqrt = 1.
+void sumsq_submit(const OpCall& call) {
+  const TiledTensor &x = call.tensor(0), &out = call.tensor(1);
+  if (x.dtype != DType::F32 || out.dtype != DType::F32 || out.numel() != 1)
+    throw std::invalid_argument("sumsq: needs a float32 input and a float32 scalar output: " + x.describe() +
+                                ", " + out.describe());
+  bool take_sqrt = attr<int64_t>(call.attrs, "sqrt") != 0;
+  static starpu_codelet* partial_cl = codelet<PartialArgs, partial_kernel>("sumsq_partial");
+  static starpu_codelet* combine_cl = codelet<CombineArgs, combine_kernel>("sumsq_combine");
+  std::vector<Buffer> combine_buffers;
+  for (int64_t t = 0; t < x.num_tiles(); ++t) {
+    starpu_data_handle_t partial;
+    starpu_variable_data_register(&partial, -1, 0, sizeof(double));
+    submit_task(partial_cl, {{x.tiles[t], STARPU_R}, {partial, STARPU_W}}, PartialArgs{x.tile_numel(t)},
+                2.0 * x.tile_numel(t));
+    combine_buffers.push_back({partial, STARPU_R});
+  }
+  combine_buffers.push_back({out.tiles[0], STARPU_W});
+  submit_task(combine_cl, combine_buffers, CombineArgs{x.num_tiles(), take_sqrt});
+  for (size_t i = 0; i + 1 < combine_buffers.size(); ++i) starpu_data_unregister_submit(combine_buffers[i].handle);
+}
+JNNTILE_OP(sumsq, sumsq_submit);
+
+struct SumsqBackwardArgs {
+  int64_t n;
+  bool take_sqrt;
+};
+
+// dx += c * x with c = 2 dout (sum of squares) or dout / out (norm).
+void sumsq_backward_kernel(void** buffers, const SumsqBackwardArgs& a) {
+  const float* x = tile_ptr<float>(buffers[0]);
+  float out = *tile_ptr<float>(buffers[1]), dout = *tile_ptr<float>(buffers[2]);
+  float* dx = tile_ptr<float>(buffers[3]);
+  float c = a.take_sqrt ? (out > 0.0f ? dout / out : 0.0f) : 2.0f * dout;
+  for (int64_t i = 0; i < a.n; ++i) dx[i] += c * x[i];
+}
+
+// ids [x, out, dout, dx]
+void sumsq_backward_submit(const OpCall& call) {
+  const TiledTensor &x = call.tensor(0), &out = call.tensor(1), &dout = call.tensor(2), &dx = call.tensor(3);
+  check_same_tiling(x, dx, "sumsq backward");
+  bool take_sqrt = attr<int64_t>(call.attrs, "sqrt") != 0;
+  static starpu_codelet* cl = codelet<SumsqBackwardArgs, sumsq_backward_kernel>("sumsq_backward");
+  for (int64_t t = 0; t < x.num_tiles(); ++t)
+    submit_task(cl,
+                {{x.tiles[t], STARPU_R}, {out.tiles[0], STARPU_R}, {dout.tiles[0], STARPU_R}, {dx.tiles[t], STARPU_RW}},
+                SumsqBackwardArgs{x.tile_numel(t), take_sqrt}, 2.0 * x.tile_numel(t));
+}
+JNNTILE_OP(sumsq_backward, sumsq_backward_submit);
+
+}  // namespace
+}  // namespace jnntile
