@@ -107,6 +107,11 @@ inline Index attr_index(const ffi::Dictionary& attrs, const char* name) {
 struct OpCall {
   std::vector<int64_t> ids;
   const ffi::Dictionary& attrs;
+  // Extra array operands (per-step values such as a learning rate or a seed:
+  // DESIGN invariant 4); they come before the tokens.
+  std::vector<ffi::AnyBuffer> inputs;
+  // The first element of extra input `i`, converted to double.
+  double input_scalar(size_t i) const;
   TiledTensor& tensor(size_t i) const {
     if (i >= ids.size()) throw std::invalid_argument("op got " + std::to_string(ids.size()) + " tensor ids, needs more");
     return tensor_get(ids[i]);
@@ -120,7 +125,7 @@ void zero_grads(const std::vector<int64_t>& ids);
 // The last `zero_grads` attribute entries of the id buffer name tensors whose
 // gradients start at zero here: the forward call that creates an activation
 // also clears its gradient, so every backward call may accumulate into it.
-inline ffi::Error run_op(OpSubmit submit_fn, ffi::Buffer<ffi::S32> id_buffer,
+inline ffi::Error run_op(OpSubmit submit_fn, ffi::Buffer<ffi::S32> id_buffer, const ffi::RemainingArgs& args,
                          ffi::Result<ffi::BufferR0<ffi::F32>> token, const ffi::Dictionary& attrs) {
   try {
     require_runtime();
@@ -130,7 +135,14 @@ inline ffi::Error run_op(OpSubmit submit_fn, ffi::Buffer<ffi::S32> id_buffer,
     if (n_zero_grads > ids.size()) throw std::invalid_argument("zero_grads exceeds the id count");
     std::vector<int64_t> grad_ids(ids.end() - n_zero_grads, ids.end());
     ids.resize(ids.size() - n_zero_grads);
-    submit_fn(OpCall{std::move(ids), attrs});
+    auto n_inputs = attrs.get<int64_t>("n_inputs");
+    std::vector<ffi::AnyBuffer> inputs;
+    for (int64_t i = 0; i < (n_inputs.has_error() ? 0 : n_inputs.value()); ++i) {
+      auto buffer = args.get<ffi::AnyBuffer>(size_t(i));
+      if (buffer.has_error()) throw std::invalid_argument("missing extra input " + std::to_string(i));
+      inputs.push_back(buffer.value());
+    }
+    submit_fn(OpCall{std::move(ids), attrs, std::move(inputs)});
     zero_grads(grad_ids);
   } catch (const std::exception& e) {
     return ffi::Error::InvalidArgument(e.what());
@@ -152,9 +164,9 @@ struct RegisterTarget {
 #define JNNTILE_OP(name, submit_fn)                                                            \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                               \
       JNNTILE_CONCAT(ffi_handler_, name),                                                      \
-      [](ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs,                                        \
+      [](ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs args,                                   \
          ffi::Result<ffi::BufferR0<ffi::F32>> token, ffi::Dictionary attrs) {                  \
-        return ::jnntile::run_op(submit_fn, ids, token, attrs);                                \
+        return ::jnntile::run_op(submit_fn, ids, args, token, attrs);                          \
       },                                                                                       \
       ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().Ret<ffi::BufferR0<ffi::F32>>().Attrs()); \
   static ::jnntile::RegisterTarget JNNTILE_CONCAT(register_, name)(                            \

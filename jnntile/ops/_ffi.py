@@ -57,7 +57,9 @@ def call(target: str, handles: Sequence[_Handle], tokens: Sequence, *,
     """Calls FFI target `jnntile_<target>` on `handles` after `tokens`.
 
     `zero_grads` names tensors whose gradient companions this call zeroes;
-    `inputs` are extra array operands placed after the id buffer.
+    `inputs` are extra array operands placed after the id buffer: per-step
+    values (a learning rate, a seed) that must not be attributes, because an
+    attribute is compiled into the program (DESIGN invariant 4).
     """
     for handle in zero_grads:  # create the companions now, before the native call needs them
         tensor_mod.grad_handle(handle)
@@ -65,6 +67,8 @@ def call(target: str, handles: Sequence[_Handle], tokens: Sequence, *,
     ids = _ids(list(handles) + list(zero_grads))
     if zero_grads:
         attrs["zero_grads"] = len(zero_grads)
+    if inputs:
+        attrs["n_inputs"] = len(inputs)
     fn = jax.ffi.ffi_call(f"jnntile_{target}", TOKEN, has_side_effect=True)
     token = fn(ids, *inputs, *tokens, **{k: _attr(v) for k, v in attrs.items()})
     return after(token, *handles)

@@ -202,6 +202,17 @@ void write_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, dat
 void add_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Add); }
 void read_to_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Read); }
 
+double OpCall::input_scalar(size_t i) const {
+  if (i >= inputs.size()) throw std::invalid_argument("op needs extra input " + std::to_string(i));
+  const ffi::AnyBuffer& b = inputs[i];
+  switch (b.element_type()) {
+    case ffi::DataType::F32: return double(*static_cast<const float*>(b.untyped_data()));
+    case ffi::DataType::S32: return double(*static_cast<const int32_t*>(b.untyped_data()));
+    case ffi::DataType::U32: return double(*static_cast<const uint32_t*>(b.untyped_data()));
+    default: throw std::invalid_argument("extra input " + std::to_string(i) + " must be float32, int32 or uint32");
+  }
+}
+
 void check_same_tiling(const TiledTensor& a, const TiledTensor& b, const char* op) {
   if (a.shape != b.shape || a.tile_shape != b.tile_shape)
     throw std::invalid_argument(std::string(op) + ": shapes or tiles differ: " + a.describe() +
