@@ -18,6 +18,9 @@ import jax
 from jnntile import _xla_ffi
 
 MAX_CPU_WORKERS = 4  # Debian's StarPU is built with STARPU_MAXCPUS=4
+# StarPU 1.3's schedulers (an unknown name would silently fall back to the default).
+SCHEDULERS = ("eager", "prio", "random", "lws", "ws", "dm", "dmda", "dmdap", "dmdar", "dmdas", "dmdasd",
+              "pheft", "peager", "heteroprio")
 
 
 def _default_memory_limit_mb() -> int:
@@ -46,6 +49,8 @@ class RuntimeConfig:
         if not 1 <= self.workers <= MAX_CPU_WORKERS:
             raise ValueError(
                 f"workers={self.workers}: Debian's StarPU allows 1 to {MAX_CPU_WORKERS} CPU workers")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={self.scheduler!r} is not a StarPU scheduler; use one of {SCHEDULERS}")
         if self.memory_limit_mb <= 0:
             raise ValueError(f"memory_limit_mb={self.memory_limit_mb} must be positive")
         if self.swap_dir is not None and self.swap_size_mb <= 0:
@@ -71,8 +76,9 @@ def configure(**settings) -> RuntimeConfig:
     global _config
     if is_running():
         raise RuntimeError("configure() while the runtime is running: call jnntile.runtime.stop() first")
-    _config = dataclasses.replace(_config, **settings)
-    _config.validate()
+    candidate = dataclasses.replace(_config, **settings)
+    candidate.validate()  # a bad setting leaves the configuration as it was
+    _config = candidate
     return _config
 
 

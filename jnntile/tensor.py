@@ -157,7 +157,9 @@ class Tensor:
     # ---- data
     def numpy(self) -> np.ndarray:
         """Blocks until the tensor is computed and returns a copy of its values."""
-        return np.asarray(to_array(self))
+        from jnntile.ops import data
+
+        return data.to_numpy(self)
 
     def __array__(self, dtype=None, copy=None):
         out = self.numpy()
@@ -199,6 +201,12 @@ def new_handle(shape, dtype, tile_shape) -> _Handle:
             raise ValueError(f"shape {shape}: axis {axis} must be positive")
     tile_shape = _normalize_tile_shape(shape, tile_shape)
     runtime.ensure_started()
+    tile_mb = math.prod(tile_shape) * np.dtype(dtype).itemsize / 2**20
+    limit_mb = runtime.config().memory_limit_mb
+    if tile_mb > limit_mb:
+        raise ValueError(f"one tile of shape {tile_shape} ({tile_mb:.1f} MB) of a tensor of shape {shape} is "
+                         f"larger than the memory limit of {limit_mb} MB: use smaller tiles or raise "
+                         "memory_limit_mb")
     tensor_id = _xla_ffi.tensor_create(list(shape), list(tile_shape), DTYPES[dtype])
     return _Handle(tensor_id, shape, dtype, tile_shape)
 

@@ -189,11 +189,13 @@ void runtime_stop() {
     std::lock_guard<std::mutex> lock(s.mutex);
     if (!s.running) return;
   }
-  if (!state().failed) wait_all("runtime stop");
+  if (!s.failed) wait_all("runtime stop");
   std::lock_guard<std::mutex> lock(s.mutex);
   wake_locked(s);
   s.running = false;
-  starpu_shutdown();
+  // After a watchdog failure tasks are stuck and starpu_shutdown would wait
+  // for them forever: leave StarPU as it is and let the process exit.
+  if (!s.failed) starpu_shutdown();
   if (!s.swap_subdir.empty()) {
     remove_tree(s.swap_subdir);
     s.swap_subdir.clear();

@@ -29,7 +29,8 @@ def _attr(value):
     if isinstance(value, (float, np.floating)):
         return np.float64(value)
     if isinstance(value, (tuple, list)):
-        return np.asarray(value, dtype=np.int64)
+        is_int = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+        return np.asarray(value, dtype=np.int64 if is_int else np.float64)
     raise TypeError(f"unsupported attribute value {value!r}")
 
 

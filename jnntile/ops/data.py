@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jnntile import _xla_ffi
 from jnntile import tensor as tensor_mod
 from jnntile.ops._ffi import after, call, grad_target
 from jnntile.tensor import Tensor
@@ -23,10 +24,7 @@ def random(shape, seed, normal, a, b, tile_shape) -> Tensor:
 
 
 def from_array(array, tile_shape) -> Tensor:
-    dtype = np.dtype(array.dtype).name
-    if dtype == "int64" and not jax.config.jax_enable_x64 and isinstance(array, jax.Array):
-        dtype = "int32"
-    handle = tensor_mod.new_handle(array.shape, tensor_mod._dtype_name(dtype), tile_shape)
+    handle = tensor_mod.new_handle(array.shape, tensor_mod._dtype_name(array.dtype), tile_shape)
     return write(Tensor(None, handle), array)
 
 
@@ -43,7 +41,24 @@ def write(t: Tensor, array) -> Tensor:
         raise ValueError(f"cannot write an array of shape {tuple(array.shape)} into {t!r}")
     if np.dtype(array.dtype).name != t.dtype:
         raise TypeError(f"cannot write an array of dtype {np.dtype(array.dtype).name} into {t!r}")
+    if isinstance(array, np.ndarray):
+        # Host data needs no XLA program (and int64 survives without jax x64).
+        if t.token is not None:
+            jax.block_until_ready(t.token)
+        _xla_ffi.tensor_write(t.id, np.ascontiguousarray(array))
+        return t.with_token(after(jnp.zeros((), jnp.float32), t.handle))
     return t.with_token(_write(t, array, accumulate=False))
+
+
+def to_numpy(t: Tensor) -> np.ndarray:
+    """The values of `t` as a new numpy array; blocks. Eager only (use `read` under jit)."""
+    t.handle.check_alive()
+    if isinstance(t.token, jax.core.Tracer):
+        raise TypeError(f"{t!r} is being traced: use jnntile.to_array inside jax.jit")
+    jax.block_until_ready(t.token)
+    out = np.empty(t.shape, dtype=t.dtype)
+    _xla_ffi.tensor_read(t.id, out)
+    return out
 
 
 def _read(t: Tensor) -> jax.Array:

@@ -1,0 +1,62 @@
+"""Elementwise ops: the unary family and the linear family, values and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import check_op
+
+import jnntile
+from jnntile.ops import elementwise as ew
+
+TILINGS = {"one tile": None, "many tiles": (2, 4), "uneven tiles": (3, 5)}
+SHAPE = (6, 8)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiles", TILINGS.values(), ids=TILINGS.keys())
+@pytest.mark.parametrize("name", sorted(ew.UNARY))
+def test_unary(rng, jit, tiles, name):
+    x = rng.standard_normal(SHAPE).astype(np.float32) * 2
+    reference = ew.UNARY[name][1]
+    check_op(getattr(ew, name), reference, [x], [tiles], jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiles", TILINGS.values(), ids=TILINGS.keys())
+def test_axpby(rng, jit, tiles):
+    x, y = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
+    check_op(lambda a, b: ew.axpby(2.0, a, -0.5, b), lambda a, b: 2.0 * a - 0.5 * b, [x, y], [tiles, tiles], jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_add_scale_copy(rng, jit):
+    x, y = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
+    check_op(ew.add, lambda a, b: a + b, [x, y], [(4, 3), (4, 3)], jit=jit)
+    check_op(lambda a: ew.scale(3.0, a), lambda a: 3.0 * a, [x], [(4, 3)], jit=jit)
+    check_op(ew.copy, lambda a: a, [x], [(4, 3)], jit=jit)
+
+
+def test_chain_with_reuse(rng):
+    # x feeds two branches that meet again: its gradient must sum both paths.
+    x = rng.standard_normal(SHAPE).astype(np.float32)
+
+    def op(t):
+        return ew.add(ew.gelu_tanh(t), ew.scale(2.0, ew.tanh(t)))
+
+    def reference(a):
+        return jax.nn.gelu(a, approximate=True) + 2.0 * jnp.tanh(a)
+
+    check_op(op, reference, [x], [(2, 3)], jit=True)
+
+
+def test_mismatched_shapes_and_tiles():
+    with pytest.raises(ValueError, match="shapes differ"):
+        ew.add(jnntile.zeros((2, 3)), jnntile.zeros((3, 2)))
+    with pytest.raises(ValueError, match="tile shapes differ"):
+        ew.add(jnntile.zeros((4, 4), tile_shape=2), jnntile.zeros((4, 4), tile_shape=4))
+
+
+def test_int_tensor_is_refused():
+    with pytest.raises(TypeError, match="float32"):
+        ew.relu(jnntile.from_array(np.ones(3, np.int32)))

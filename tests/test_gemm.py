@@ -1,0 +1,101 @@
+"""Tiled GEMM: values and gradients against jnp, every transpose, batch axes, tilings."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import check_op
+
+import jnntile
+from jnntile.ops import gemm
+
+# (shape of a, tiles of a, shape of b, tiles of b) for C = A @ B with M=6, K=10, N=7
+TILINGS = {
+    "one tile": (None, None),
+    "many tiles": ((3, 5), (5, 7)),
+    "uneven tiles": ((4, 3), (3, 4)),
+}
+
+
+def _transpose_layout(shape, tiles, trans):
+    if not trans:
+        return shape, tiles
+    return shape[::-1], None if tiles is None else tiles[::-1]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiles", TILINGS.values(), ids=TILINGS.keys())
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_matmul(rng, jit, tiles, trans_a, trans_b):
+    a_shape, a_tiles = _transpose_layout((6, 10), tiles[0], trans_a)
+    b_shape, b_tiles = _transpose_layout((10, 7), tiles[1], trans_b)
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+
+    def reference(x, y):
+        return 0.5 * ((x.T if trans_a else x) @ (y.T if trans_b else y))
+
+    check_op(lambda x, y: gemm.matmul(x, y, trans_a=trans_a, trans_b=trans_b, alpha=0.5), reference,
+             [a, b], [a_tiles, b_tiles], jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_leading_axes_fold_into_rows(rng, jit):
+    # A linear layer: x (B, T, C) @ w (C, 3, H) -> (B, T, 3, H); several row and column axes.
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 3, 4)).astype(np.float32)
+    check_op(gemm.matmul, lambda x, w: jnp.einsum("btc,cjh->btjh", x, w), [x, w],
+             [(1, 3, 4), (4, 1, 3)], jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_contraction_over_several_axes(rng, jit):
+    # The weight gradient of a linear layer: x^T (B, T, C) contracted over (B, T) with dy (B, T, N).
+    x = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    y = rng.standard_normal((3, 4, 6)).astype(np.float32)
+    check_op(lambda a, b: gemm.matmul(a, b, trans_a=True, ndim=2), lambda a, b: jnp.einsum("btc,btn->cn", a, b),
+             [x, y], [(2, 3, 2), (2, 3, 4)], jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_batched(rng, jit, trans_b):
+    a = rng.standard_normal((4, 5, 6)).astype(np.float32)
+    b_shape = (4, 7, 6) if trans_b else (4, 6, 7)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    b_tiles = (3, 4, 4) if trans_b else (3, 4, 4)
+
+    def reference(x, y):
+        return x @ (jnp.swapaxes(y, 1, 2) if trans_b else y)
+
+    check_op(lambda x, y: gemm.matmul(x, y, trans_b=trans_b, batch_ndim=1), reference, [a, b],
+             [(3, 2, 4), b_tiles], jit=jit)
+
+
+def test_same_input_twice_accumulates_both_gradients(rng):
+    # d/dA sum((A @ A) * W) needs both uses of A: the gradients must add up.
+    a = rng.standard_normal((5, 5)).astype(np.float32)
+    check_op(lambda x: gemm.matmul(x, x), lambda x: x @ x, [a], [(2, 2)], jit=True)
+
+
+def test_mismatched_inner_axes():
+    a, b = jnntile.zeros((4, 5)), jnntile.zeros((6, 3))
+    with pytest.raises(ValueError, match="contraction axes differ"):
+        gemm.matmul(a, b)
+
+
+def test_mismatched_tiles_on_the_contraction():
+    a, b = jnntile.zeros((4, 6), tile_shape=(4, 3)), jnntile.zeros((6, 3), tile_shape=(2, 3))
+    with pytest.raises(ValueError, match="tiles on the contraction axes differ"):
+        gemm.matmul(a, b)
+
+
+def test_int_tensors_are_refused():
+    a = jnntile.from_array(np.ones((2, 2), np.int32))
+    with pytest.raises(TypeError, match="float32"):
+        gemm.matmul(a, a)
+
+
+def test_too_few_axes():
+    with pytest.raises(ValueError, match="too few axes"):
+        gemm.matmul(jnntile.zeros((4,)), jnntile.zeros((4, 2)), ndim=1, batch_ndim=1)

@@ -1,0 +1,104 @@
+"""The StarPU runtime: configuration, statistics, idle behaviour, failures."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import jnntile
+from jnntile.ops import gemm
+
+
+def test_statistics_count_tasks_workers_and_memory():
+    jnntile.runtime.ensure_started()
+    before = jnntile.runtime.stats()
+    a = jnntile.random_normal((256, 256), seed=1, tile_shape=64)
+    c = gemm.matmul(a, a)
+    c.numpy()
+    after = jnntile.runtime.stats()
+    # 16 random tiles + 16 C tiles x 4 K tiles + 16 reads
+    assert after["tasks_completed"] - before["tasks_completed"] >= 16 + 64 + 16
+    assert after["tasks_pending"] == 0
+    assert len(after["workers"]) == jnntile.runtime.config().workers
+    assert sum(w["busy_s"] for w in after["workers"]) > 0
+    assert sum(w["tasks"] for w in after["workers"]) > 0
+    ram = [n for n in after["nodes"] if n["kind"] == "RAM"][0]
+    # StarPU keeps the smaller of the limit and its own estimate of RAM.
+    assert 0 < ram["total_bytes"] <= jnntile.runtime.config().memory_limit_mb * 2**20
+    assert ram["used_bytes"] >= 2 * 256 * 256 * 4
+    assert isinstance(after["bytes_moved"], dict)
+
+
+def test_idle_process_does_not_spin():
+    a = jnntile.random_normal((512, 512), seed=1, tile_shape=128)
+    gemm.matmul(a, a).numpy()
+    start_cpu, start_wall = time.process_time(), time.perf_counter()
+    time.sleep(1.0)
+    cpu_per_s = (time.process_time() - start_cpu) / (time.perf_counter() - start_wall)
+    assert cpu_per_s < 0.2, f"idle workers used {cpu_per_s:.2f} CPU-seconds per second"
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"workers": 5}, "1 to 4 CPU workers"),
+    ({"workers": 0}, "1 to 4 CPU workers"),
+    ({"scheduler": "fastest"}, "not a StarPU scheduler"),
+    ({"memory_limit_mb": 0}, "must be positive"),
+    ({"swap_dir": "/tmp/x", "swap_size_mb": 0}, "must be positive"),
+])
+def test_bad_configuration(settings, message):
+    jnntile.runtime.stop()
+    previous = jnntile.runtime.config()
+    with pytest.raises(ValueError, match=message):
+        jnntile.runtime.configure(**settings)
+    assert jnntile.runtime.config() == previous
+
+
+def test_configure_while_running_is_refused():
+    jnntile.runtime.ensure_started()
+    with pytest.raises(RuntimeError, match="stop"):
+        jnntile.runtime.configure(workers=1)
+
+
+def test_other_scheduler_runs_ops():
+    jnntile.runtime.stop()
+    jnntile.runtime.start(scheduler="eager", workers=1)
+    try:
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        a = jnntile.from_array(x, (2, 2))
+        np.testing.assert_allclose(gemm.matmul(a, a, trans_b=True).numpy(), x @ x.T)
+    finally:
+        jnntile.runtime.stop()
+        jnntile.runtime.configure(scheduler="lws", workers=2)
+
+
+def test_runtime_that_fails_to_start_gives_a_clear_error(tmp_path):
+    jnntile.runtime.stop()
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the swap directory should be")
+    jnntile.runtime.configure(swap_dir=str(blocker / "swap"))
+    try:
+        with pytest.raises(RuntimeError, match="swap"):
+            jnntile.zeros((2, 2))
+        assert not jnntile.runtime.is_running()
+    finally:
+        jnntile.runtime.configure(swap_dir=None)
+    assert jnntile.zeros((2, 2)).numpy().sum() == 0
+
+
+def test_stuck_tasks_raise_instead_of_hanging():
+    # 4 tiles of 1 MB must all stay in RAM (no disk swap) under a 2 MB limit:
+    # StarPU can never run the last writes. The watchdog turns that into an error.
+    script = textwrap.dedent("""
+        import numpy as np, jnntile
+        jnntile.runtime.start(memory_limit_mb=2, watchdog_s=2)
+        t = jnntile.from_array(np.ones((1024, 1024), np.float32), (256, 1024))
+    """)
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "no StarPU task completed" in result.stderr
+    assert "memory limit 2 MB" in result.stderr
+    assert time.perf_counter() - started < 60

@@ -1,0 +1,139 @@
+"""Tiled tensors: creation, round trips, random init, lifetime and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jnntile
+from jnntile import tensor as tensor_mod
+
+TILINGS = {"one tile": None, "many tiles": (2, 3), "uneven tiles": (4, 5)}
+
+
+@pytest.mark.parametrize("tile_shape", TILINGS.values(), ids=TILINGS.keys())
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_round_trip(rng, tile_shape, dtype):
+    array = (rng.standard_normal((6, 12)) * 100).astype(dtype)
+    t = jnntile.from_array(array, tile_shape)
+    assert t.shape == (6, 12) and t.dtype == dtype
+    np.testing.assert_array_equal(t.numpy(), array)
+
+
+def test_tiles_per_axis_and_leftover():
+    t = jnntile.zeros((10, 7, 3), tile_shape=(4, 7, 2))
+    assert t.grid == (3, 1, 2)
+    assert t.tile_shape == (4, 7, 2)
+    # A tile larger than the axis is clipped to the axis.
+    assert jnntile.zeros((3, 5), tile_shape=(8, 8)).tile_shape == (3, 5)
+
+
+def test_zeros_full_and_scalar():
+    np.testing.assert_array_equal(jnntile.zeros((3, 4), tile_shape=2).numpy(), np.zeros((3, 4)))
+    np.testing.assert_array_equal(jnntile.full((5,), 2.5, tile_shape=2).numpy(), np.full(5, 2.5))
+    np.testing.assert_array_equal(jnntile.full((4,), 7, dtype="int32").numpy(), np.full(4, 7))
+    assert jnntile.full((), 3.0).numpy() == 3.0
+
+
+def test_int64_tensor_round_trip():
+    array = np.arange(10, dtype=np.int64) * (2**40)
+    np.testing.assert_array_equal(jnntile.from_array(array, 3).numpy(), array)
+
+
+@pytest.mark.parametrize("normal", [True, False])
+def test_random_is_independent_of_tiling(normal):
+    make = jnntile.random_normal if normal else jnntile.random_uniform
+    whole = make((33, 17), seed=7).numpy()
+    tiled = make((33, 17), seed=7, tile_shape=(5, 4)).numpy()
+    np.testing.assert_array_equal(whole, tiled)
+    assert not np.array_equal(whole, make((33, 17), seed=8).numpy())
+    if normal:
+        assert abs(whole.mean()) < 0.1 and abs(whole.std() - 1) < 0.1
+    else:
+        assert whole.min() >= 0 and whole.max() < 1 and abs(whole.mean() - 0.5) < 0.05
+
+
+def test_random_is_independent_of_worker_count():
+    values = jnntile.random_normal((40, 40), seed=3, tile_shape=8).numpy()
+    jnntile.runtime.stop()
+    jnntile.runtime.start(workers=1)
+    try:
+        np.testing.assert_array_equal(jnntile.random_normal((40, 40), seed=3, tile_shape=8).numpy(), values)
+    finally:
+        jnntile.runtime.stop()
+        jnntile.runtime.configure(workers=2)
+
+
+def test_write_and_read_under_jit(rng):
+    array = rng.standard_normal((5, 6)).astype(np.float32)
+
+    @jax.jit
+    def round_trip(x):
+        t = jnntile.from_array(x, (2, 4))
+        return jnntile.to_array(t) * 2
+
+    np.testing.assert_array_equal(round_trip(array), array * 2)
+    np.testing.assert_array_equal(round_trip(array + 1), (array + 1) * 2)
+
+
+def test_free_releases_and_use_after_free_raises():
+    t = jnntile.zeros((4, 4))
+    before = jnntile.runtime.stats()["tensors"]
+    t.free()
+    assert jnntile.runtime.stats()["tensors"] == before - 1
+    with pytest.raises(ValueError, match="was freed"):
+        t.numpy()
+
+
+def test_unreachable_eager_tensor_is_released():
+    before = jnntile.runtime.stats()["tensors"]
+    t = jnntile.full((8, 8), 1.0, tile_shape=4)
+    assert jnntile.runtime.stats()["tensors"] == before + 1
+    del t
+    assert jnntile.runtime.stats()["tensors"] == before
+
+
+def test_tensors_made_while_tracing_live_as_long_as_the_program():
+    @jax.jit
+    def f(x):
+        t = jnntile.full((4,), 1.0)
+        return jnntile.to_array(t) + x
+
+    np.testing.assert_array_equal(f(1.0), np.full(4, 2.0))
+    import gc
+
+    gc.collect()
+    np.testing.assert_array_equal(f(2.0), np.full(4, 3.0))  # same compiled program, same tensor id
+    assert jnntile.release_traced() >= 1
+
+
+@pytest.mark.parametrize("shape, tile_shape, error, message", [
+    ((4, 4), (2,), ValueError, "has 1 axes"),
+    ((4, 0), None, ValueError, "must be positive"),
+    ((4, 4), (0, 2), ValueError, "must be positive"),
+])
+def test_bad_shapes(shape, tile_shape, error, message):
+    with pytest.raises(error, match=message):
+        jnntile.zeros(shape, tile_shape=tile_shape)
+
+
+def test_unsupported_dtype():
+    with pytest.raises(TypeError, match="not supported"):
+        jnntile.from_array(np.zeros(3, dtype=np.float16))
+
+
+def test_write_of_wrong_shape_is_refused_before_submission():
+    from jnntile.ops import data
+
+    t = jnntile.zeros((3, 3))
+    submitted = jnntile.runtime.stats()["tasks_submitted"]
+    with pytest.raises(ValueError, match="shape"):
+        data.write(t, np.zeros((3, 4), np.float32))
+    assert jnntile.runtime.stats()["tasks_submitted"] == submitted
+
+
+def test_tile_larger_than_memory_limit_is_refused():
+    limit = jnntile.runtime.config().memory_limit_mb
+    side = int((limit * 2**20 / 4) ** 0.5) + 64
+    with pytest.raises(ValueError, match="larger than the memory limit"):
+        jnntile.zeros((side, side))
