@@ -85,6 +85,11 @@ NB_MODULE(_xla_ffi, m) {
     return out;
   });
 
+  m.def("measure_empty_task_latency", [](int count) {
+    nb::gil_scoped_release release;
+    return measure_empty_task_latency(count);
+  });
+
   m.def("tensor_create", [](const Index& shape, const Index& tile_shape, int dtype) {
     return tensor_create(shape, tile_shape, DType(dtype));
   });

@@ -11,15 +11,23 @@ extern "C" {
 #include <chrono>
 #include <cstdlib>
 #include <sstream>
+#include <thread>
 
 namespace jnntile {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Workers keep spinning this long after the last task before they are paused:
+// a blocking read followed by the next submission then costs no wake-up.
+constexpr auto kPauseGrace = std::chrono::milliseconds(2);
+
 struct RuntimeState {
   std::mutex mutex;
   std::condition_variable progress;  // signalled on every completion
+  std::condition_variable idle;      // wakes the pauser thread
+  std::thread pauser;
+  bool stopping = false;
   bool running = false;
   bool paused = false;
   bool failed = false;  // a watchdog fired: tasks are stuck, refuse new work
@@ -51,10 +59,21 @@ void wake_locked(RuntimeState& s) {
 void finish_one_locked(RuntimeState& s) {
   s.pending -= 1;
   s.last_progress = Clock::now();
-  if (s.pending == 0 && !s.paused && s.running) {
-    // starpu_pause only raises a flag; it is safe from a callback.
-    starpu_pause();
-    s.paused = true;
+  if (s.pending == 0) s.idle.notify_all();
+}
+
+// Pauses the workers once nothing has been pending for kPauseGrace.
+void pauser_loop() {
+  RuntimeState& s = state();
+  std::unique_lock<std::mutex> lock(s.mutex);
+  while (!s.stopping) {
+    s.idle.wait(lock, [&] { return s.stopping || (s.pending == 0 && !s.paused); });
+    if (s.stopping) break;
+    bool busy_again = s.idle.wait_for(lock, kPauseGrace, [&] { return s.stopping || s.pending > 0; });
+    if (!busy_again && s.pending == 0 && !s.paused) {
+      starpu_pause();
+      s.paused = true;
+    }
   }
 }
 
@@ -171,6 +190,8 @@ void runtime_start(const RuntimeConfig& config) {
   starpu_pause();  // nothing to do yet: do not spin
   s.paused = true;
   s.running = true;
+  s.stopping = false;
+  s.pauser = std::thread(pauser_loop);
   s.failed = false;
   s.failure.clear();
   s.config = config;
@@ -190,6 +211,12 @@ void runtime_stop() {
     if (!s.running) return;
   }
   if (!s.failed) wait_all("runtime stop");
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.stopping = true;
+  }
+  s.idle.notify_all();
+  s.pauser.join();
   std::lock_guard<std::mutex> lock(s.mutex);
   wake_locked(s);
   s.running = false;
@@ -284,6 +311,32 @@ void wait(TaskGroup* group, const char* what) {
 
 void wait_all(const char* what) {
   wait_until([&] { return state().pending == 0; }, what);
+}
+
+namespace {
+void empty_kernel(void**, void*) {}
+}  // namespace
+
+double measure_empty_task_latency(int count) {
+  require_runtime();
+  static starpu_codelet cl = [] {
+    starpu_codelet c;
+    starpu_codelet_init(&c);
+    c.where = STARPU_CPU;
+    c.cpu_funcs[0] = empty_kernel;
+    c.nbuffers = 0;
+    c.name = "empty";
+    return c;
+  }();
+  auto start = Clock::now();
+  for (int i = 0; i < count; ++i) {
+    auto* group = new TaskGroup();
+    starpu_task* task = starpu_task_create();
+    task->cl = &cl;
+    submit(task, group);
+    wait(group, "an empty task");
+  }
+  return std::chrono::duration<double>(Clock::now() - start).count() / count;
 }
 
 RuntimeStats runtime_stats() {

@@ -80,4 +80,8 @@ void wait_all(const char* what);
 
 RuntimeStats runtime_stats();
 
+// Submits `count` empty tasks one at a time, each waited for, and returns the
+// mean seconds from submission to completion: the scheduler's per-task overhead.
+double measure_empty_task_latency(int count);
+
 }  // namespace jnntile
