@@ -38,7 +38,7 @@ def main():
         jnntile.runtime.configure(workers=args.workers)
     jnntile.runtime.start()
     print(f"workers={jnntile.runtime.config().workers} scheduler={jnntile.runtime.config().scheduler} "
-          f"jax devices={jax.devices()}")
+          f"OpenBLAS kernels={jnntile.runtime.blas_core()} jax devices={jax.devices()}")
     print(f"{'n':>6} {'tile':>6} {'jnntile ms':>11} {'GFLOP/s':>8} {'XLA ms':>8} {'GFLOP/s':>8} {'ratio':>6}")
     dot = jax.jit(jnp.dot)
     for n in args.sizes:

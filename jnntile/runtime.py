@@ -15,7 +15,11 @@ from pathlib import Path
 
 import jax
 
-from jnntile import _xla_ffi
+from jnntile import _blas
+
+_blas.configure_openblas()  # must run before the native module loads OpenBLAS
+
+from jnntile import _xla_ffi  # noqa: E402
 
 MAX_CPU_WORKERS = 4  # Debian's StarPU is built with STARPU_MAXCPUS=4
 # StarPU 1.3's schedulers (an unknown name would silently fall back to the default).
@@ -130,6 +134,11 @@ def wait_all() -> None:
     """Blocks until every submitted task has completed (with the watchdog)."""
     if is_running():
         _xla_ffi.wait_all()
+
+
+def blas_core() -> str:
+    """The OpenBLAS kernel family in use (see jnntile/_blas.py)."""
+    return _xla_ffi.blas_core()
 
 
 def stats() -> dict:

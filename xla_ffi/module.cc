@@ -49,6 +49,7 @@ NB_MODULE(_xla_ffi, m) {
     runtime_stop();
   });
   m.def("runtime_running", &runtime_running);
+  m.def("blas_core", [] { return std::string(cpu::blas_core()); });
   m.def("wait_all", [] {
     nb::gil_scoped_release release;
     require_runtime();

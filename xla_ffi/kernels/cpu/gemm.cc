@@ -14,4 +14,6 @@ void gemm_f32(bool trans_a, bool trans_b, int64_t batch, int64_t m, int64_t n, i
 
 void gemm_single_threaded() { openblas_set_num_threads(1); }
 
+const char* blas_core() { return openblas_get_corename(); }
+
 }  // namespace jnntile::cpu

@@ -8,4 +8,6 @@ void gemm_f32(bool trans_a, bool trans_b, int64_t batch, int64_t m, int64_t n, i
               float alpha, const float* a, const float* b, float beta, float* c);
 // Makes the BLAS single-threaded: StarPU workers provide the parallelism.
 void gemm_single_threaded();
+// The name of the kernel family the BLAS picked, e.g. "SkylakeX".
+const char* blas_core();
 }  // namespace jnntile::cpu
