@@ -55,7 +55,9 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         args = list(args)
         for i in nums:
             args[i] = zero_grads(args[i])
-        return differentiated(*args, **kwargs)
+        value, grads = differentiated(*args, **kwargs)
+        return value, jax.tree.map(lambda g: tensor_mod.Gradient(g.token, g.handle) if _is_tensor(g) else g,
+                                   grads, is_leaf=_is_tensor)
 
     return wrapped
 

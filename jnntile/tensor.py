@@ -173,6 +173,26 @@ class Tensor:
         return Tensor(token, self.handle)
 
 
+@jax.tree_util.register_pytree_node_class
+class Gradient(Tensor):
+    """The gradient of a Tensor argument, as returned by `jnntile.grad`.
+
+    Same id as the argument; the values live in the argument's gradient
+    companion (`grad_of`). A distinct pytree type so that an optimizer that
+    does not know tiles (plain Optax) fails loudly instead of only changing
+    tokens (DESIGN invariant 8): use a `jnntile.optim` transformation.
+    """
+
+    __slots__ = ()
+
+    def with_token(self, token) -> "Gradient":
+        return Gradient(token, self.handle)
+
+    def __repr__(self):
+        return (f"Gradient(of tensor {self.id}, shape={self.shape}: update parameters with a jnntile.optim "
+                "transformation; Optax's own transformations cannot update tiled tensors)")
+
+
 def _normalize_tile_shape(shape, tile_shape):
     if tile_shape is None:
         return tuple(shape)
@@ -226,6 +246,8 @@ def grad_of(t: Tensor) -> Tensor:
     `jnntile.grad` of a function of Tensors returns Tensors with the same ids as
     the inputs; their tiles stay untouched and the gradient values live here.
     """
+    if isinstance(t, Gradient):
+        t = Tensor(t.token, t.handle)
     if not t.handle.grad_zeroed:
         raise ValueError(f"{t.handle!r} has no gradient: differentiate with jnntile.grad or "
                          "jnntile.value_and_grad, which start its gradient at zero")

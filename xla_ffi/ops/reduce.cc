@@ -31,25 +31,30 @@ void combine_kernel(void** buffers, const CombineArgs& a) {
   *tile_ptr<float>(buffers[a.count]) = float(a.take_sqrt ? std::sqrt(sum) : sum);
 }
 
-// ids [x, out]: out = sum(x^2), or its square root when attr sqrt = 1.
+// ids [x_0, ..., x_{n-1}, out]: out = sum of x_i^2 over all tensors (one tensor for
+// sumsq/norm, all gradients for a global norm), or its square root when attr sqrt = 1.
 void sumsq_submit(const OpCall& call) {
-  const TiledTensor &x = call.tensor(0), &out = call.tensor(1);
-  if (x.dtype != DType::F32 || out.dtype != DType::F32 || out.numel() != 1)
-    throw std::invalid_argument("sumsq: needs a float32 input and a float32 scalar output: " + x.describe() +
-                                ", " + out.describe());
+  const TiledTensor& out = call.tensor(call.ids.size() - 1);
+  if (out.dtype != DType::F32 || out.numel() != 1)
+    throw std::invalid_argument("sumsq: needs a float32 scalar output: " + out.describe());
   bool take_sqrt = attr<int64_t>(call.attrs, "sqrt") != 0;
   static starpu_codelet* partial_cl = codelet<PartialArgs, partial_kernel>("sumsq_partial");
   static starpu_codelet* combine_cl = codelet<CombineArgs, combine_kernel>("sumsq_combine");
   std::vector<Buffer> combine_buffers;
-  for (int64_t t = 0; t < x.num_tiles(); ++t) {
-    starpu_data_handle_t partial;
-    starpu_variable_data_register(&partial, -1, 0, sizeof(double));
-    submit_task(partial_cl, {{x.tiles[t], STARPU_R}, {partial, STARPU_W}}, PartialArgs{x.tile_numel(t)},
-                2.0 * x.tile_numel(t));
-    combine_buffers.push_back({partial, STARPU_R});
+  for (size_t i = 0; i + 1 < call.ids.size(); ++i) {
+    const TiledTensor& x = call.tensor(i);
+    if (x.dtype != DType::F32) throw std::invalid_argument("sumsq: needs float32 inputs: " + x.describe());
+    for (int64_t t = 0; t < x.num_tiles(); ++t) {
+      starpu_data_handle_t partial;
+      starpu_variable_data_register(&partial, -1, 0, sizeof(double));
+      submit_task(partial_cl, {{x.tiles[t], STARPU_R}, {partial, STARPU_W}}, PartialArgs{x.tile_numel(t)},
+                  2.0 * x.tile_numel(t));
+      combine_buffers.push_back({partial, STARPU_R});
+    }
   }
+  int64_t count = int64_t(combine_buffers.size());
   combine_buffers.push_back({out.tiles[0], STARPU_W});
-  submit_task(combine_cl, combine_buffers, CombineArgs{x.num_tiles(), take_sqrt});
+  submit_task(combine_cl, combine_buffers, CombineArgs{count, take_sqrt});
   for (size_t i = 0; i + 1 < combine_buffers.size(); ++i) starpu_data_unregister_submit(combine_buffers[i].handle);
 }
 JNNTILE_OP(sumsq, sumsq_submit);

@@ -1,0 +1,113 @@
+"""Flax NNX layers whose parameters are tiled jnntile Tensors.
+
+Parameters are `nnx.Param`s holding `jnntile.Tensor` pytrees, so `nnx.split`,
+`nnx.merge`, `nnx.state` and `jax.jit` work as usual. Differentiate with
+`jnntile.nn.value_and_grad` (or `jnntile.value_and_grad` on the split state),
+which starts every parameter gradient at zero; the gradients come back as an
+`nnx.State` of Tensors with the parameters' ids (`jnntile.grad_of` reads them).
+
+Initial values are counter-based (`jnntile.random_normal`): a parameter's seed
+is derived from the model seed and the parameter's name, so the same seed
+gives the same weights for any tiling and any number of workers.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import jax
+from flax import nnx
+
+import jnntile
+from jnntile.ops import bias as bias_ops
+from jnntile.ops import dropout as dropout_ops
+from jnntile.ops import embedding as embedding_ops
+from jnntile.ops import gemm
+from jnntile.ops import layernorm as layernorm_ops
+from jnntile.tensor import Tensor
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A per-parameter seed: stable across runs, tilings and Python versions."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+class Linear(nnx.Module):
+    """y = x @ W + b, contracting the last `in_ndim` axes of x with the first of W.
+
+    W: (*in_shape, *out_shape) tiled (*in_tiles, *out_tiles); b: out_shape.
+    """
+
+    def __init__(self, in_shape, out_shape, *, in_tiles, out_tiles, seed: int, name: str,
+                 std: float = 0.02, use_bias: bool = True):
+        in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+        self.in_ndim = len(in_shape)
+        self.weight = nnx.Param(jnntile.random_normal(in_shape + out_shape, param_seed(seed, name + ".weight"),
+                                                      std=std, tile_shape=tuple(in_tiles) + tuple(out_tiles)))
+        self.bias = nnx.Param(jnntile.zeros(out_shape, tile_shape=tuple(out_tiles))) if use_bias else None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = gemm.matmul(x, self.weight.get_value(), ndim=self.in_ndim)
+        if self.bias is not None:
+            y = bias_ops.add_bias(y, self.bias.get_value())
+        return y
+
+
+class LayerNorm(nnx.Module):
+    """Layer norm over the last axis, with weight (ones) and bias (zeros)."""
+
+    def __init__(self, features: int, *, tile: int, eps: float = 1e-5):
+        self.eps = float(eps)
+        self.weight = nnx.Param(jnntile.full((features,), 1.0, tile_shape=(tile,)))
+        self.bias = nnx.Param(jnntile.zeros((features,), tile_shape=(tile,)))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return layernorm_ops.layer_norm(x, self.weight.get_value(), self.bias.get_value(), self.eps)
+
+
+class Embedding(nnx.Module):
+    """A (num_embeddings, features) table looked up by int32 ids."""
+
+    def __init__(self, num_embeddings: int, features: int, *, tiles, seed: int, name: str, std: float = 0.02):
+        self.weight = nnx.Param(jnntile.random_normal((num_embeddings, features), param_seed(seed, name + ".weight"),
+                                                      std=std, tile_shape=tuple(tiles)))
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        return embedding_ops.embedding(ids, self.weight.get_value())
+
+
+class Dropout(nnx.Module):
+    """Dropout with a per-call seed (a JAX int32 scalar, so it never recompiles)."""
+
+    def __init__(self, rate: float, site: int):
+        self.rate = float(rate)
+        self.site = int(site)  # distinguishes the masks of different layers under one seed
+
+    def __call__(self, x: Tensor, seed) -> Tensor:
+        if self.rate == 0.0 or seed is None:
+            return x
+        return dropout_ops.dropout(x, self.rate, seed * 7919 + self.site)
+
+
+def value_and_grad(loss_fn: Callable, has_aux: bool = False):
+    """`loss_fn(model, *args)` -> (loss, grads): grads is an nnx.State of Tensors like the params.
+
+    The model's graph is split off, its parameters differentiated with
+    `jnntile.value_and_grad`, and merged back for the call.
+    """
+
+    def wrapped(model: nnx.Module, *args, **kwargs):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def pure(params, *args, **kwargs):
+            return loss_fn(nnx.merge(graphdef, params, rest), *args, **kwargs)
+
+        return jnntile.value_and_grad(pure, has_aux=has_aux)(params, *args, **kwargs)
+
+    return wrapped
+
+
+def tensors(state) -> list[Tensor]:
+    """The Tensor leaves of an nnx.State (parameters or gradients), in a fixed order."""
+    return jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, Tensor))
