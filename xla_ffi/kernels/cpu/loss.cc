@@ -1,5 +1,6 @@
 #include "kernels/cpu/loss.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
