@@ -1,0 +1,106 @@
+"""Causal attention against plain jnp softmax attention with a causal mask."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jnntile
+from jnntile.ops import attention, gemm, reduce
+
+B, T, H, D = 2, 12, 3, 8
+TILINGS = {  # qkv tile shapes (tb, tt, 1, th, D)
+    "one_tile": (B, T, 1, H, D),
+    "seq_tiles": (B, 4, 1, H, D),
+    "uneven_seq": (B, 5, 1, H, D),  # T = 5 + 5 + 2
+    "batch_heads_seq_tiles": (1, 4, 1, 1, D),
+    "uneven_heads_seq": (1, 5, 1, 2, D),  # H = 2 + 1
+}
+
+
+def rel_err(a, b):
+    return np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64)) / np.linalg.norm(b)
+
+
+def reference(qkv):
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    t = qkv.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(qkv.shape[-1])
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def make_data(seed=0):
+    rng = np.random.default_rng(seed)
+    # Scaled so that the running max changes between key tiles.
+    qkv = (2.0 * rng.standard_normal((B, T, 3, H, D))).astype(np.float32)
+    weight = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    return qkv, weight
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_values_and_gradients(tiling, jit):
+    qkv, weight = make_data()
+    tiles = TILINGS[tiling]
+    x = jnntile.from_array(qkv, tiles)
+
+    def f(x):
+        out = attention.causal_attention(x)
+        assert out.shape == (B, T, H, D) and out.tile_shape == tiles[:2] + tiles[3:]
+        return jnp.sum(jnntile.to_array(out) * weight)
+
+    vg = jnntile.value_and_grad(f)
+    value, grad = (jax.jit(vg) if jit else vg)(x)
+    ref_value, ref_grad = jax.value_and_grad(lambda z: jnp.sum(reference(z) * weight))(qkv)
+    assert grad.id == x.id
+    assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
+    assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_forward_values(tiling):
+    qkv, _ = make_data(seed=1)
+    out = attention.causal_attention(jnntile.from_array(qkv, TILINGS[tiling]))
+    assert rel_err(out.numpy(), reference(qkv)) <= 1e-5
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_after_projection(jit):
+    """qkv made by a matmul (as c_attn does): the gradient flows on into x and w."""
+    rng = np.random.default_rng(2)
+    C = 16
+    x_val = rng.standard_normal((B, T, C)).astype(np.float32)
+    w_val = (0.3 * rng.standard_normal((C, 3, H, D))).astype(np.float32)
+    x = jnntile.from_array(x_val, (1, 5, 8))
+    w = jnntile.from_array(w_val, (8, 1, 2, D))
+
+    def f(x, w):
+        return jnntile.to_array(reduce.sumsq(attention.causal_attention(gemm.matmul(x, w))))
+
+    vg = jnntile.value_and_grad(f, argnums=(0, 1))
+    value, (gx, gw) = (jax.jit(vg) if jit else vg)(x, w)
+
+    def ref(x, w):
+        return jnp.sum(reference(jnp.einsum("btc,cshd->btshd", x, w)) ** 2)
+
+    ref_value, (ref_gx, ref_gw) = jax.value_and_grad(ref, argnums=(0, 1))(x_val, w_val)
+    assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
+    assert rel_err(jnntile.grad_of(gx).numpy(), ref_gx) <= 1e-5
+    assert rel_err(jnntile.grad_of(gw).numpy(), ref_gw) <= 1e-5
+
+
+def test_bad_inputs():
+    good = np.zeros((B, T, 3, H, D), np.float32)
+    with pytest.raises(TypeError, match="must be float32"):
+        attention.causal_attention(jnntile.from_array(good.astype(np.int32), (B, 4, 1, H, D)))
+    with pytest.raises(ValueError, match=r"shape \(B, T, 3, H, D\)"):
+        attention.causal_attention(jnntile.from_array(np.zeros((B, T, 3 * H * D), np.float32), (B, 4, 24)))
+    with pytest.raises(ValueError, match=r"shape \(B, T, 3, H, D\)"):
+        attention.causal_attention(jnntile.from_array(np.zeros((B, T, 2, H, D), np.float32), (B, 4, 1, H, D)))
+    with pytest.raises(ValueError, match=r"1 on axis 2 .* use tile_shape \(2, 4, 1, 3, 8\)"):
+        attention.causal_attention(jnntile.from_array(good, (B, 4, 3, H, D)))
+    with pytest.raises(ValueError, match="head dimension D=8 whole"):
+        attention.causal_attention(jnntile.from_array(good, (B, 4, 1, H, 4)))
+    with pytest.raises(TypeError, match="jnntile Tensor"):
+        attention.causal_attention(good)

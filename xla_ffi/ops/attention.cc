@@ -1,0 +1,159 @@
+// Causal multi-head self-attention, FlashAttention-2 style.
+//
+// qkv: (B, T, 3, H, D) tiles (tb, tt, 1, th, D): q, k and v of a (batch, seq,
+// head) block are separate tiles (axis 2 index 0, 1, 2) and D is whole.
+// out: (B, T, H, D) tiles (tb, tt, th, D); lse: (B, T, H) tiles (tb, tt, th),
+// the logsumexp of each query row, kept for the backward.
+//
+// Forward, for every (batch tile, head tile, query tile i): one task per key
+// tile j <= i (later key tiles are entirely in the future) updates out_i and
+// the running (max, sum) per row in a scratch handle with an online softmax,
+// the first write-only; a finish task normalises out_i and writes lse_i. Only a
+// (tt, tt) score block per task exists, so memory does not grow with T^2.
+//
+// Backward: delta_i = rowsum(dout_i * out_i) per query tile, then one task per
+// pair (i, j <= i) recomputes P = exp(S - lse) and accumulates into the dq_i,
+// dk_j and dv_j tiles of grad(qkv).
+#include <cmath>
+
+#include "kernels/cpu/attention.h"
+#include "task.h"
+
+namespace jnntile {
+namespace {
+
+using cpu::AttentionPair;
+
+struct StepArgs {
+  bool first;
+  AttentionPair pair;
+};
+
+// buffers: q_i, k_j, v_j, out_i, stats_i
+void forward_step_kernel(void** buffers, const StepArgs& a) {
+  cpu::attention_forward_step(a.first, a.pair, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                              tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]));
+}
+
+struct RowsArgs {
+  int64_t rows, d;
+};
+
+// buffers: stats_i, out_i, lse_i
+void forward_finish_kernel(void** buffers, const RowsArgs& a) {
+  cpu::attention_forward_finish(a.rows, a.d, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                                tile_ptr<float>(buffers[2]));
+}
+
+// buffers: out_i, dout_i, delta_i
+void backward_delta_kernel(void** buffers, const RowsArgs& a) {
+  cpu::attention_backward_delta(a.rows, a.d, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                                tile_ptr<float>(buffers[2]));
+}
+
+// buffers: q_i, k_j, v_j, dout_i, lse_i, delta_i, dq_i, dk_j, dv_j
+void backward_step_kernel(void** buffers, const AttentionPair& p) {
+  cpu::attention_backward_step(p, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                               tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]),
+                               tile_ptr<float>(buffers[5]), tile_ptr<float>(buffers[6]), tile_ptr<float>(buffers[7]),
+                               tile_ptr<float>(buffers[8]));
+}
+
+// The tile grid shared by qkv, out and lse, checked once.
+struct Layout {
+  int64_t gb, gt, gh;  // tiles on B, T, H
+  int64_t tt, d;
+  float scale;
+};
+
+Layout check_layout(const TiledTensor& qkv, const TiledTensor& out, const TiledTensor& lse, const char* op) {
+  auto fail = [&](const std::string& why) {
+    throw std::invalid_argument(std::string(op) + ": " + why + ": qkv " + qkv.describe() + ", out " +
+                                out.describe() + ", lse " + lse.describe());
+  };
+  if (qkv.dtype != DType::F32 || qkv.ndim() != 5 || qkv.shape[2] != 3) fail("qkv must be float32 (B, T, 3, H, D)");
+  if (qkv.tile_shape[2] != 1 || qkv.tile_shape[4] != qkv.shape[4]) fail("qkv tiles must be (tb, tt, 1, th, D)");
+  const Index &s = qkv.shape, &ts = qkv.tile_shape;
+  if (out.dtype != DType::F32 || out.shape != Index{s[0], s[1], s[3], s[4]} ||
+      out.tile_shape != Index{ts[0], ts[1], ts[3], ts[4]})
+    fail("out must be float32 (B, T, H, D) tiled (tb, tt, th, D)");
+  if (lse.dtype != DType::F32 || lse.shape != Index{s[0], s[1], s[3]} || lse.tile_shape != Index{ts[0], ts[1], ts[3]})
+    fail("lse must be float32 (B, T, H) tiled (tb, tt, th)");
+  return {qkv.grid[0], qkv.grid[1], qkv.grid[3], ts[1], s[4], float(1.0 / std::sqrt(double(s[4])))};
+}
+
+// The pair (query tile i, key tile j) of batch tile ib and head tile ih.
+AttentionPair pair_of(const TiledTensor& qkv, const Layout& l, int64_t ib, int64_t ih, int64_t i, int64_t j) {
+  Index q_ext = qkv.tile_extent({ib, i, 0, ih, 0}), k_ext = qkv.tile_extent({ib, j, 0, ih, 0});
+  return {q_ext[0], q_ext[3], q_ext[1], k_ext[1], l.d, i * l.tt, j * l.tt, l.scale};
+}
+
+double pair_flops(const AttentionPair& p) { return double(p.nb) * p.nh * p.nq * p.nk * p.d; }
+
+// ids [qkv, out, lse]
+void attention_submit(const OpCall& call) {
+  const TiledTensor &qkv = call.tensor(0), &out = call.tensor(1), &lse = call.tensor(2);
+  const Layout l = check_layout(qkv, out, lse, "causal_attention");
+  static starpu_codelet* step_cl = codelet<StepArgs, forward_step_kernel>("attention_forward_step");
+  static starpu_codelet* finish_cl = codelet<RowsArgs, forward_finish_kernel>("attention_forward_finish");
+  for (int64_t ib = 0; ib < l.gb; ++ib)
+    for (int64_t ih = 0; ih < l.gh; ++ih)
+      for (int64_t i = 0; i < l.gt; ++i) {
+        starpu_data_handle_t out_i = out.tile({ib, i, ih, 0}), q_i = qkv.tile({ib, i, 0, ih, 0});
+        AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
+        int64_t rows = diag.nb * diag.nq * diag.nh;
+        // stats: (tb, tt, th, 2) running max and sum of this query tile
+        starpu_data_handle_t stats;
+        starpu_vector_data_register(&stats, -1, 0, rows * 2, sizeof(float));
+        for (int64_t j = 0; j <= i; ++j) {
+          AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
+          starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
+          starpu_data_handle_t k_j = qkv.tile({ib, j, 1, ih, 0}), v_j = qkv.tile({ib, j, 2, ih, 0});
+          submit_task(step_cl, {{q_i, STARPU_R}, {k_j, STARPU_R}, {v_j, STARPU_R}, {out_i, mode}, {stats, mode}},
+                      StepArgs{j == 0, p}, 4.0 * pair_flops(p));
+        }
+        submit_task(finish_cl, {{stats, STARPU_R}, {out_i, STARPU_RW}, {lse.tile({ib, i, ih}), STARPU_W}},
+                    RowsArgs{rows, l.d}, double(rows * l.d));
+        starpu_data_unregister_submit(stats);
+      }
+}
+JNNTILE_OP(attention, attention_submit);
+
+// ids [qkv, out, lse, dout, dqkv or -1]: grad(qkv) += the attention backward.
+void attention_backward_submit(const OpCall& call) {
+  if (call.ids.size() != 5) throw std::invalid_argument("causal_attention backward: needs 5 tensor ids");
+  if (call.ids[4] < 0) return;  // nobody differentiates qkv
+  const TiledTensor &qkv = call.tensor(0), &out = call.tensor(1), &lse = call.tensor(2), &dout = call.tensor(3),
+                    &dqkv = call.tensor(4);
+  const Layout l = check_layout(qkv, out, lse, "causal_attention backward");
+  check_same_tiling(out, dout, "causal_attention backward");
+  check_same_tiling(qkv, dqkv, "causal_attention backward");
+  static starpu_codelet* delta_cl = codelet<RowsArgs, backward_delta_kernel>("attention_backward_delta");
+  static starpu_codelet* step_cl = codelet<AttentionPair, backward_step_kernel>("attention_backward_step");
+  for (int64_t ib = 0; ib < l.gb; ++ib)
+    for (int64_t ih = 0; ih < l.gh; ++ih)
+      for (int64_t i = 0; i < l.gt; ++i) {
+        Index o_coord{ib, i, ih, 0};
+        AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
+        int64_t rows = diag.nb * diag.nq * diag.nh;
+        // delta: (tb, tt, th) rowsum(dout * out) of this query tile
+        starpu_data_handle_t delta;
+        starpu_vector_data_register(&delta, -1, 0, rows, sizeof(float));
+        submit_task(delta_cl, {{out.tile(o_coord), STARPU_R}, {dout.tile(o_coord), STARPU_R}, {delta, STARPU_W}},
+                    RowsArgs{rows, l.d}, 2.0 * rows * l.d);
+        for (int64_t j = 0; j <= i; ++j) {
+          AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
+          submit_task(step_cl,
+                      {{qkv.tile({ib, i, 0, ih, 0}), STARPU_R}, {qkv.tile({ib, j, 1, ih, 0}), STARPU_R},
+                       {qkv.tile({ib, j, 2, ih, 0}), STARPU_R}, {dout.tile(o_coord), STARPU_R},
+                       {lse.tile({ib, i, ih}), STARPU_R}, {delta, STARPU_R}, {dqkv.tile({ib, i, 0, ih, 0}), STARPU_RW},
+                       {dqkv.tile({ib, j, 1, ih, 0}), STARPU_RW}, {dqkv.tile({ib, j, 2, ih, 0}), STARPU_RW}},
+                      p, 10.0 * pair_flops(p));
+        }
+        starpu_data_unregister_submit(delta);
+      }
+}
+JNNTILE_OP(attention_backward, attention_backward_submit);
+
+}  // namespace
+}  // namespace jnntile
