@@ -7,29 +7,6 @@
 namespace jnntile::cpu {
 namespace {
 
-// Calls row(tile_row_index, global_row_start_index) for every contiguous row
-// (last axis) of the tile.
-template <class Row>
-void for_each_row(int ndim, const int64_t* shape, const int64_t* offset, const int64_t* extent,
-                  Row row) {
-  if (ndim == 0) {
-    row(0, 0);
-    return;
-  }
-  int64_t rows = 1;
-  for (int a = 0; a + 1 < ndim; ++a) rows *= extent[a];
-  std::vector<int64_t> coord(ndim, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t global = 0;
-    for (int a = 0; a < ndim; ++a) global = global * shape[a] + offset[a] + coord[a];
-    row(r * extent[ndim - 1], global);
-    for (int a = ndim - 2; a >= 0; --a) {  // advance the row coordinate
-      if (++coord[a] < extent[a]) break;
-      coord[a] = 0;
-    }
-  }
-}
-
 uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -37,13 +14,12 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Uniform in (0, 1): 24 random bits, never exactly 0 (log is taken below).
+}  // namespace
+
 double uniform01(uint64_t seed, uint64_t counter) {
   uint64_t bits = splitmix64(seed ^ splitmix64(counter)) >> 40;
   return (double(bits) + 0.5) / double(uint64_t(1) << 24);
 }
-
-}  // namespace
 
 void copy_tile(void* tile, void* array, int ndim, const int64_t* shape, const int64_t* offset,
                const int64_t* extent, size_t elem_size, bool to_tile) {

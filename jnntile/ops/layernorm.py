@@ -1,0 +1,72 @@
+"""Layer normalization over the last axis, differentiable in x, weight and bias.
+
+`x` is (..., C) tiled (..., tc); `weight` and `bias` are (C,) tiled (tc,). The
+C axis may be split into several tiles: per-row statistics are combined across
+them natively (in double). The variance is the biased one and `eps` is added
+inside the square root, as in `torch.nn.LayerNorm` and GPT-2. The forward saves
+per-row (mean, rstd) as a float32 tensor (..., 2) for the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jnntile import tensor as tensor_mod
+from jnntile.ops._ffi import call, grad_target
+from jnntile.tensor import Tensor
+
+
+def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float):
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t.dtype != "float32":
+            raise TypeError(f"layer_norm: {name} must be float32, got {t!r}")
+    if x.ndim < 1:
+        raise ValueError("layer_norm: x must have at least one axis (the normalized one)")
+    C, tc = x.shape[-1], x.tile_shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t.shape != (C,):
+            raise ValueError(f"layer_norm: {name} has shape {t.shape} but x {x.shape} needs ({C},)")
+        if t.tile_shape != (tc,):
+            raise ValueError(f"layer_norm: {name} tile_shape {t.tile_shape} must equal x's tile on the normalized "
+                             f"axis ({tc},) (x tile_shape {x.tile_shape}); tile {name} the same way")
+    if not eps >= 0.0:
+        raise ValueError(f"layer_norm: eps={eps} must be non-negative")
+
+
+def _forward(x, weight, bias, eps, keep_stats):
+    y = tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
+    stats = tensor_mod.new_handle(x.shape[:-1] + (2,), "float32", x.tile_shape[:-1] + (2,)) if keep_stats else None
+    token = call("layer_norm", [x.handle, weight.handle, bias.handle, y, stats], [x.token, weight.token, bias.token],
+                 zero_grads=[y] if keep_stats else [], eps=eps)
+    return Tensor(token, y), (None if stats is None else Tensor(token, stats))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    return _forward(x, weight, bias, eps, keep_stats=False)[0]
+
+
+def _layer_norm_fwd(x, weight, bias, eps):
+    y, stats = _forward(x, weight, bias, eps, keep_stats=True)
+    return y, (x, weight, bias, stats, y)
+
+
+def _layer_norm_bwd(eps, residuals, g):
+    x, weight, bias, stats, y = residuals
+    token = call("layer_norm_backward",
+                 [x.handle, weight.handle, stats.handle, tensor_mod.grad_handle(y.handle), grad_target(x),
+                  grad_target(weight), grad_target(bias)],
+                 [y.token, g.token, x.token, weight.token, bias.token])
+    return x.with_token(token), weight.with_token(token), bias.with_token(token)
+
+
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis; same layout as x."""
+    eps = float(eps)
+    _check(x, weight, bias, eps)
+    return _layer_norm(x, weight, bias, eps)

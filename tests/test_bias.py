@@ -1,0 +1,107 @@
+"""add_bias and linear: values and gradients against jnp, for every tiling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jnntile
+from jnntile.ops.bias import add_bias, linear
+
+# x shape, x tile; b is x's trailing axes (given by their count) with x's tiles on them
+BIAS_TILINGS = {
+    "one_tile": ((2, 4, 6), (2, 4, 6), 1),
+    "many_tiles": ((2, 4, 6), (1, 2, 3), 1),
+    "uneven_tiles": ((3, 5, 7), (2, 2, 3), 1),
+    "vector_x": ((7,), (3,), 1),
+    "several_bias_axes": ((3, 5, 3, 2, 4), (2, 3, 1, 2, 3), 3),
+}
+
+# x shape, x tile, w shape, w tile
+LINEAR_TILINGS = {
+    "one_tile": ((2, 4, 6), (2, 4, 6), (6, 5), (6, 5)),
+    "many_tiles": ((2, 4, 6), (1, 2, 3), (6, 4), (3, 2)),
+    "uneven_tiles": ((3, 5, 7), (2, 3, 3), (7, 5), (3, 2)),
+    "fused_qkv": ((2, 5, 6), (1, 3, 4), (6, 3, 2, 3), (4, 1, 2, 2)),
+}
+
+
+def rel_err(a, b):
+    return np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b))
+
+
+def normal(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def check_value_and_grads(loss, reference, tensors, arrays, jit):
+    argnums = tuple(range(len(tensors)))
+    fn = jnntile.value_and_grad(loss, argnums=argnums)
+    value, grads = (jax.jit(fn) if jit else fn)(*tensors)
+    ref_value, ref_grads = jax.value_and_grad(reference, argnums=argnums)(*arrays)
+    assert rel_err(value, ref_value) <= 1e-5
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiling", BIAS_TILINGS)
+def test_add_bias(tiling, jit):
+    shape, tile, k = BIAS_TILINGS[tiling]
+    x_np, b_np, weight = normal(shape, 0), normal(shape[-k:], 1), normal(shape, 2)
+    x, b = jnntile.from_array(x_np, tile), jnntile.from_array(b_np, tile[-k:])
+
+    out = add_bias(x, b)
+    assert out.shape == shape and out.tile_shape == tile
+    forward = lambda x, b: jnntile.to_array(add_bias(x, b))  # noqa: E731
+    assert rel_err((jax.jit(forward) if jit else forward)(x, b), x_np + b_np) <= 1e-6
+
+    def loss(x, b):
+        return jnp.sum(jnntile.to_array(add_bias(x, b)) * weight)
+
+    def reference(x, b):
+        return jnp.sum((x + b) * weight)
+
+    check_value_and_grads(loss, reference, (x, b), (x_np, b_np), jit)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiling", LINEAR_TILINGS)
+def test_linear(tiling, jit, with_bias):
+    x_shape, x_tile, w_shape, w_tile = LINEAR_TILINGS[tiling]
+    out_shape = x_shape[:-1] + w_shape[1:]
+    x_np, w_np, b_np, weight = normal(x_shape, 0), normal(w_shape, 1), normal(w_shape[1:], 2), normal(out_shape, 3)
+    tensors = [jnntile.from_array(x_np, x_tile), jnntile.from_array(w_np, w_tile)]
+    arrays = [x_np, w_np]
+    if with_bias:
+        tensors.append(jnntile.from_array(b_np, w_tile[1:]))
+        arrays.append(b_np)
+
+    out = linear(*tensors)
+    assert out.shape == out_shape and out.tile_shape == x_tile[:-1] + w_tile[1:]
+
+    def loss(*tensors):
+        return jnp.sum(jnntile.to_array(linear(*tensors)) * weight)
+
+    def reference(x, w, b=0.0):
+        return jnp.sum((jnp.tensordot(x, w, axes=1) + b) * weight)
+
+    check_value_and_grads(loss, reference, tensors, arrays, jit)
+
+
+def test_bad_inputs():
+    x = jnntile.zeros((4, 6), tile_shape=(2, 3))
+    with pytest.raises(ValueError, match=r"b of shape \(5,\) must equal the trailing axes of x \(4, 6\)"):
+        add_bias(x, jnntile.zeros((5,)))
+    with pytest.raises(ValueError, match=r"b's tile_shape \(2,\) must equal x's tiles on its trailing axes \(3,\)"):
+        add_bias(x, jnntile.zeros((6,), tile_shape=(2,)))
+    with pytest.raises(ValueError, match="trailing axes"):
+        add_bias(x, jnntile.zeros((2, 4, 6)))
+    with pytest.raises(TypeError, match="float32"):
+        add_bias(x, jnntile.from_array(np.zeros(6, np.int32), (3,)))
+    w = jnntile.zeros((6, 5), tile_shape=(3, 5))
+    with pytest.raises(ValueError, match=r"linear: b .* must match w's output axes"):
+        linear(x, w, jnntile.zeros((4,)))
+    with pytest.raises(ValueError, match="contraction axes"):
+        linear(x, jnntile.zeros((6, 5), tile_shape=(2, 5)))

@@ -1,0 +1,113 @@
+"""Embedding: values and table gradients against table[ids] in jnp, for every tiling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jnntile
+from jnntile.ops.embedding import check_ids, embedding, position_ids
+
+# (B, T, V, C, ids tile, table tile)
+TILINGS = {
+    "one_tile": (2, 8, 16, 8, (2, 8), (16, 8)),
+    "many_tiles": (2, 8, 16, 8, (1, 4), (4, 4)),
+    "uneven_tiles": (3, 7, 17, 10, (2, 3), (5, 3)),
+}
+
+
+def rel_err(a, b):
+    return np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b))
+
+
+def make_case(B, T, V, C, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, V, size=(B, T)).astype(np.int32)
+    ids[0, :3] = ids[-1, -1]  # repeated ids must add up in the gradient
+    table = rng.standard_normal((V, C)).astype(np.float32)
+    weight = rng.standard_normal((B, T, C)).astype(np.float32)
+    return ids, table, weight
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_values_and_gradient(tiling, jit):
+    B, T, V, C, ids_tile, table_tile = TILINGS[tiling]
+    ids_np, table_np, weight = make_case(B, T, V, C)
+    ids = jnntile.from_array(ids_np, ids_tile)
+    table = jnntile.from_array(table_np, table_tile)
+
+    out = embedding(ids, table)
+    assert out.shape == (B, T, C) and out.tile_shape == ids_tile + table_tile[1:]
+    forward = lambda ids, table: jnntile.to_array(embedding(ids, table))  # noqa: E731
+    np.testing.assert_array_equal((jax.jit(forward) if jit else forward)(ids, table), table_np[ids_np])
+
+    def loss(ids, table):
+        return jnp.sum(jnntile.to_array(embedding(ids, table)) * weight)
+
+    def reference(table):
+        return jnp.sum(table[ids_np] * weight)
+
+    fn = jnntile.value_and_grad(loss, argnums=1)
+    value, grad = (jax.jit(fn) if jit else fn)(ids, table)
+    ref_value, ref_grad = jax.value_and_grad(reference)(table_np)
+    assert rel_err(value, ref_value) <= 1e-5
+    assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
+def test_position_embedding():
+    B, T, C = 3, 5, 4
+    wpe = np.random.default_rng(1).standard_normal((8, C)).astype(np.float32)
+    pos = position_ids(B, T, (2, 2))
+    assert pos.dtype == "int32" and pos.tile_shape == (2, 2)
+    out = embedding(pos, jnntile.from_array(wpe, (3, 4)))
+    np.testing.assert_array_equal(out.numpy(), np.broadcast_to(wpe[:T], (B, T, C)))
+
+
+def test_gradients_accumulate_across_uses():
+    # A tied table used twice gets the sum of both gradients.
+    ids_np, table_np, weight = make_case(2, 4, 6, 3, seed=2)
+    ids, table = jnntile.from_array(ids_np, (1, 2)), jnntile.from_array(table_np, (4, 2))
+
+    def loss(ids, table):
+        return jnp.sum((jnntile.to_array(embedding(ids, table)) + jnntile.to_array(embedding(ids, table))) * weight)
+
+    _, grad = jnntile.value_and_grad(loss, argnums=1)(ids, table)
+    ref = jax.grad(lambda t: jnp.sum(2 * t[ids_np] * weight))(table_np)
+    assert rel_err(jnntile.grad_of(grad).numpy(), ref) <= 1e-5
+
+
+def test_out_of_range_ids_never_touch_memory_outside_the_table():
+    # The native safety net: such ids give zero rows and no gradient, never a crash.
+    ids_np = np.array([[0, 5, -1, 2]], dtype=np.int32)
+    table_np = np.arange(10, dtype=np.float32).reshape(5, 2)
+    ids, table = jnntile.from_array(ids_np, (1, 2)), jnntile.from_array(table_np, (2, 2))
+    expected = np.stack([table_np[0], np.zeros(2), np.zeros(2), table_np[2]])[None]
+    np.testing.assert_array_equal(embedding(ids, table).numpy(), expected)
+    _, grad = jnntile.value_and_grad(lambda i, t: jnp.sum(jnntile.to_array(embedding(i, t))), argnums=1)(ids, table)
+    expected_grad = np.zeros_like(table_np)
+    expected_grad[[0, 2]] = 1.0
+    np.testing.assert_array_equal(jnntile.grad_of(grad).numpy(), expected_grad)
+
+
+def test_check_ids():
+    check_ids(np.array([[0, 4]]), 5)
+    check_ids(jnp.array([3, 1], dtype=jnp.int32), 5)
+    with pytest.raises(ValueError, match=r"token id 5 at index \(1, 0\).*\[0, 5\)"):
+        check_ids(np.array([[0, 1], [5, 2]]), 5)
+    with pytest.raises(ValueError, match=r"token id -3 .*vocab_size=7"):
+        check_ids(jnp.array([-3]), 7)
+    with pytest.raises(TypeError, match="integers"):
+        check_ids(np.array([0.5]), 5)
+    with pytest.raises(TypeError, match="traced"):
+        jax.jit(lambda ids: check_ids(ids, 5))(jnp.array([1]))
+
+
+def test_bad_inputs():
+    table = jnntile.zeros((5, 4))
+    with pytest.raises(TypeError, match="ids must be int32"):
+        embedding(jnntile.zeros((2, 3)), table)
+    with pytest.raises(TypeError, match="table must be float32"):
+        embedding(jnntile.from_array(np.zeros((2, 3), np.int32)), jnntile.from_array(np.zeros((5, 4), np.int32)))
+    with pytest.raises(ValueError, match=r"table must be \(vocab_size, channels\)"):
+        embedding(jnntile.from_array(np.zeros((2, 3), np.int32)), jnntile.zeros((5, 4, 2)))

@@ -1,0 +1,89 @@
+// Bias: out = x + b, with b broadcast over the leading axes of x.
+//
+// x: (..., N..) tile (..., tn..); b: (N..) tile (tn..): b has the trailing
+// axes of x with the same tiles (one axis for a Linear layer, several for a
+// fused projection such as (3, H, D)). One task per x tile. The backward adds
+// dy into dx per tile (parallel) and sums dy over the leading axes into db:
+// one RW chain per b tile over the x tiles that share it.
+#include <algorithm>
+
+#include "kernels/cpu/bias.h"
+#include "kernels/cpu/elementwise.h"
+#include "task.h"
+
+namespace jnntile {
+namespace {
+
+struct BiasArgs {
+  int64_t rows;  // product of the leading extents of the x tile
+  int64_t n;     // elements of the b tile
+};
+
+void forward_kernel(void** buffers, const BiasArgs& a) {
+  cpu::add_bias(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]));
+}
+
+void dx_kernel(void** buffers, const BiasArgs& a) {
+  cpu::accumulate(a.rows * a.n, 1.0f, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+}
+
+void db_kernel(void** buffers, const BiasArgs& a) {
+  cpu::bias_grad(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+}
+
+void check_layout(const TiledTensor& x, const TiledTensor& b, const char* op) {
+  int lead = x.ndim() - b.ndim();
+  if (x.dtype != DType::F32 || b.dtype != DType::F32 || lead < 0 ||
+      !std::equal(b.shape.begin(), b.shape.end(), x.shape.begin() + lead) ||
+      !std::equal(b.tile_shape.begin(), b.tile_shape.end(), x.tile_shape.begin() + lead))
+    throw std::invalid_argument(std::string(op) + ": b must be float32 with the trailing axes and tiles of x: " +
+                                x.describe() + ", " + b.describe());
+}
+
+// The b tile that an x tile uses: the trailing part of its grid coordinates.
+int64_t bias_tile(const TiledTensor& x, const TiledTensor& b, int64_t x_linear) {
+  Index coord = x.tile_coord(x_linear);
+  return b.tile_linear(Index(coord.end() - b.ndim(), coord.end()));
+}
+
+// ids [x, b, out]
+void bias_submit(const OpCall& call) {
+  const TiledTensor &x = call.tensor(0), &b = call.tensor(1), &out = call.tensor(2);
+  check_layout(x, b, "add_bias");
+  check_same_tiling(x, out, "add_bias");
+  static starpu_codelet* cl = codelet<BiasArgs, forward_kernel>("add_bias");
+  for (int64_t t = 0; t < x.num_tiles(); ++t) {
+    int64_t bt = bias_tile(x, b, t), n = b.tile_numel(bt);
+    submit_task(cl, {{x.tiles[t], STARPU_R}, {b.tiles[bt], STARPU_R}, {out.tiles[t], STARPU_W}},
+                BiasArgs{x.tile_numel(t) / n, n}, double(x.tile_numel(t)));
+  }
+}
+JNNTILE_OP(add_bias, bias_submit);
+
+// ids [dy, dx or -1, db or -1]: dx += dy; db += sum of dy over the leading axes.
+void bias_backward_submit(const OpCall& call) {
+  const TiledTensor& dy = call.tensor(0);
+  static starpu_codelet* dx_cl = codelet<BiasArgs, dx_kernel>("add_bias_dx");
+  static starpu_codelet* db_cl = codelet<BiasArgs, db_kernel>("add_bias_db");
+  if (call.ids[1] >= 0) {
+    const TiledTensor& dx = call.tensor(1);
+    check_same_tiling(dy, dx, "add_bias backward");
+    for (int64_t t = 0; t < dy.num_tiles(); ++t)
+      submit_task(dx_cl, {{dy.tiles[t], STARPU_R}, {dx.tiles[t], STARPU_RW}}, BiasArgs{dy.tile_numel(t), 1},
+                  double(dy.tile_numel(t)));
+  }
+  if (call.ids[2] >= 0) {
+    const TiledTensor& db = call.tensor(2);
+    check_layout(dy, db, "add_bias backward");
+    // Tiles of dy in row-major order: the chain on each db tile follows the leading axes.
+    for (int64_t t = 0; t < dy.num_tiles(); ++t) {
+      int64_t bt = bias_tile(dy, db, t), n = db.tile_numel(bt);
+      submit_task(db_cl, {{dy.tiles[t], STARPU_R}, {db.tiles[bt], STARPU_RW}}, BiasArgs{dy.tile_numel(t) / n, n},
+                  double(dy.tile_numel(t)));
+    }
+  }
+}
+JNNTILE_OP(add_bias_backward, bias_backward_submit);
+
+}  // namespace
+}  // namespace jnntile

@@ -1,0 +1,210 @@
+// Layer normalization over the last axis: y = (x - mean) / sqrt(var + eps) * w + b.
+//
+// x: (..., C) tile (..., tc); w, b: (C,) tile (tc,); y like x; stats: (..., 2)
+// tile (..., 2) holds per row (mean, rstd), the residual of the backward. The
+// C axis may have K > 1 tiles, so each leading tile L (the tiles of x that
+// share leading coordinates, linear indices L*K .. L*K+K-1) is done in steps:
+//   forward:  per C tile a partial (mean, M2) into scratch; one combine task
+//             writes stats; per C tile a normalize task writes y.
+//   backward: per C tile partial sums of g = dy*w and g*xhat into scratch; one
+//             combine task; per C tile dx += ...; and dw, db accumulate the
+//             sums over leading axes in one RW chain per C tile over L.
+// Leading tiles are independent and run in parallel.
+#include <algorithm>
+
+#include "kernels/cpu/layernorm.h"
+#include "task.h"
+
+namespace jnntile {
+namespace {
+
+struct TileArgs {
+  int64_t rows;  // rows in the leading tile
+  int64_t n;     // width of this C tile
+  int64_t c;     // the whole normalized axis
+};
+
+struct CombineArgs {
+  int64_t rows;
+  int64_t count;  // C tiles
+  int64_t tile_c, c;
+  double eps;
+};
+
+struct ParamsArgs {
+  int64_t rows, n;
+  bool has_dw, has_db;
+};
+
+void partial_kernel(void** buffers, const TileArgs& a) {
+  cpu::layernorm_partial(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<double>(buffers[1]));
+}
+
+std::vector<const double*> partials(void** buffers, int64_t count) {
+  std::vector<const double*> p(count);
+  for (int64_t k = 0; k < count; ++k) p[k] = tile_ptr<double>(buffers[k]);
+  return p;
+}
+
+void stats_kernel(void** buffers, const CombineArgs& a) {
+  std::vector<int64_t> widths(a.count, a.tile_c);
+  widths.back() = a.c - (a.count - 1) * a.tile_c;
+  cpu::layernorm_stats(a.rows, a.count, partials(buffers, a.count).data(), widths.data(), a.eps,
+                       tile_ptr<float>(buffers[a.count]));
+}
+
+// buffers: x, stats, w, b, y
+void normalize_kernel(void** buffers, const TileArgs& a) {
+  cpu::layernorm_normalize(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                           tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]));
+}
+
+// buffers: x, stats, w, dy, partial
+void backward_partial_kernel(void** buffers, const TileArgs& a) {
+  cpu::layernorm_backward_partial(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                                  tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]),
+                                  tile_ptr<double>(buffers[4]));
+}
+
+void backward_combine_kernel(void** buffers, const CombineArgs& a) {
+  cpu::layernorm_backward_combine(a.rows, a.count, partials(buffers, a.count).data(),
+                                  tile_ptr<double>(buffers[a.count]));
+}
+
+// buffers: x, stats, w, dy, sums, dx
+void backward_dx_kernel(void** buffers, const TileArgs& a) {
+  cpu::layernorm_backward_dx(a.rows, a.n, a.c, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                             tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<double>(buffers[4]),
+                             tile_ptr<float>(buffers[5]));
+}
+
+// buffers: x, stats, dy, then dw and/or db
+void backward_params_kernel(void** buffers, const ParamsArgs& a) {
+  float* dw = a.has_dw ? tile_ptr<float>(buffers[3]) : nullptr;
+  float* db = a.has_db ? tile_ptr<float>(buffers[a.has_dw ? 4 : 3]) : nullptr;
+  cpu::layernorm_backward_params(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                                 tile_ptr<float>(buffers[2]), dw, db);
+}
+
+// The tiling shared by x, a (C,) parameter and the stats tensor.
+struct Layout {
+  int64_t k_tiles, lead_tiles, tile_c, c;
+  int64_t rows(const TiledTensor& x, int64_t lead) const { return x.tile_numel(lead * k_tiles) / tile_c; }
+  int64_t width(int64_t k) const { return std::min(tile_c, c - k * tile_c); }
+};
+
+Layout check_layout(const TiledTensor& x, const TiledTensor& w, const char* op) {
+  if (x.dtype != DType::F32 || w.dtype != DType::F32 || x.ndim() < 1 || w.ndim() != 1 ||
+      w.shape[0] != x.shape.back() || w.tile_shape[0] != x.tile_shape.back())
+    throw std::invalid_argument(std::string(op) + ": needs float32 x (..., C) and (C,) parameters tiled like x's "
+                                "last axis: " + x.describe() + ", " + w.describe());
+  return Layout{x.grid.back(), x.num_tiles() / x.grid.back(), x.tile_shape.back(), x.shape.back()};
+}
+
+void check_stats(const TiledTensor& x, const TiledTensor& stats, const char* op) {
+  Index shape(x.shape.begin(), x.shape.end() - 1), tile_shape(x.tile_shape.begin(), x.tile_shape.end() - 1);
+  shape.push_back(2);
+  tile_shape.push_back(2);
+  if (stats.dtype != DType::F32 || stats.shape != shape || stats.tile_shape != tile_shape)
+    throw std::invalid_argument(std::string(op) + ": stats must be float32 (..., 2) tiled like x's leading axes: " +
+                                stats.describe() + " for " + x.describe());
+}
+
+starpu_data_handle_t scratch(int64_t n, size_t elem_size) {
+  starpu_data_handle_t h;
+  starpu_vector_data_register(&h, -1, 0, n, elem_size);
+  return h;
+}
+
+// ids [x, w, b, y, stats or -1]; attr eps. Without stats (no backward will
+// follow) the per-row statistics live in scratch.
+void layernorm_submit(const OpCall& call) {
+  const TiledTensor &x = call.tensor(0), &w = call.tensor(1), &b = call.tensor(2), &y = call.tensor(3);
+  Layout l = check_layout(x, w, "layer_norm");
+  check_layout(x, b, "layer_norm");
+  check_same_tiling(x, y, "layer_norm");
+  bool keep_stats = call.ids[4] >= 0;
+  if (keep_stats) check_stats(x, call.tensor(4), "layer_norm");
+  double eps = attr<double>(call.attrs, "eps");
+  static starpu_codelet* partial_cl = codelet<TileArgs, partial_kernel>("layer_norm_partial");
+  static starpu_codelet* stats_cl = codelet<CombineArgs, stats_kernel>("layer_norm_stats");
+  static starpu_codelet* normalize_cl = codelet<TileArgs, normalize_kernel>("layer_norm_normalize");
+  for (int64_t lead = 0; lead < l.lead_tiles; ++lead) {
+    int64_t rows = l.rows(x, lead);
+    std::vector<Buffer> combine;
+    for (int64_t k = 0; k < l.k_tiles; ++k) {
+      starpu_data_handle_t partial = scratch(2 * rows, sizeof(double));
+      submit_task(partial_cl, {{x.tiles[lead * l.k_tiles + k], STARPU_R}, {partial, STARPU_W}},
+                  TileArgs{rows, l.width(k), l.c}, 3.0 * rows * l.width(k));
+      combine.push_back({partial, STARPU_R});
+    }
+    starpu_data_handle_t stats = keep_stats ? call.tensor(4).tiles[lead] : scratch(2 * rows, sizeof(float));
+    combine.push_back({stats, STARPU_W});
+    submit_task(stats_cl, combine, CombineArgs{rows, l.k_tiles, l.tile_c, l.c, eps});
+    for (int64_t k = 0; k < l.k_tiles; ++k) {
+      int64_t t = lead * l.k_tiles + k;
+      submit_task(normalize_cl,
+                  {{x.tiles[t], STARPU_R}, {stats, STARPU_R}, {w.tiles[k], STARPU_R}, {b.tiles[k], STARPU_R},
+                   {y.tiles[t], STARPU_W}},
+                  TileArgs{rows, l.width(k), l.c}, 4.0 * rows * l.width(k));
+    }
+    for (int64_t k = 0; k < l.k_tiles; ++k) starpu_data_unregister_submit(combine[k].handle);
+    if (!keep_stats) starpu_data_unregister_submit(stats);
+  }
+}
+JNNTILE_OP(layer_norm, layernorm_submit);
+
+// ids [x, w, stats, dy, dx or -1, dw or -1, db or -1]: accumulates the gradients that are given.
+void layernorm_backward_submit(const OpCall& call) {
+  const TiledTensor &x = call.tensor(0), &w = call.tensor(1), &stats = call.tensor(2), &dy = call.tensor(3);
+  Layout l = check_layout(x, w, "layer_norm backward");
+  check_stats(x, stats, "layer_norm backward");
+  check_same_tiling(x, dy, "layer_norm backward");
+  bool has_dx = call.ids[4] >= 0, has_dw = call.ids[5] >= 0, has_db = call.ids[6] >= 0;
+  if (has_dx) check_same_tiling(x, call.tensor(4), "layer_norm backward");
+  if (has_dw) check_layout(x, call.tensor(5), "layer_norm backward");
+  if (has_db) check_layout(x, call.tensor(6), "layer_norm backward");
+  static starpu_codelet* partial_cl = codelet<TileArgs, backward_partial_kernel>("layer_norm_backward_partial");
+  static starpu_codelet* combine_cl = codelet<CombineArgs, backward_combine_kernel>("layer_norm_backward_combine");
+  static starpu_codelet* dx_cl = codelet<TileArgs, backward_dx_kernel>("layer_norm_backward_dx");
+  static starpu_codelet* params_cl = codelet<ParamsArgs, backward_params_kernel>("layer_norm_backward_params");
+  for (int64_t lead = 0; lead < l.lead_tiles; ++lead) {
+    int64_t rows = l.rows(x, lead);
+    if (has_dx) {
+      std::vector<Buffer> combine;
+      for (int64_t k = 0; k < l.k_tiles; ++k) {
+        int64_t t = lead * l.k_tiles + k;
+        starpu_data_handle_t partial = scratch(2 * rows, sizeof(double));
+        submit_task(partial_cl,
+                    {{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {w.tiles[k], STARPU_R},
+                     {dy.tiles[t], STARPU_R}, {partial, STARPU_W}},
+                    TileArgs{rows, l.width(k), l.c}, 6.0 * rows * l.width(k));
+        combine.push_back({partial, STARPU_R});
+      }
+      starpu_data_handle_t sums = scratch(2 * rows, sizeof(double));
+      combine.push_back({sums, STARPU_W});
+      submit_task(combine_cl, combine, CombineArgs{rows, l.k_tiles, l.tile_c, l.c, 0.0});
+      for (int64_t k = 0; k < l.k_tiles; ++k) {
+        int64_t t = lead * l.k_tiles + k;
+        submit_task(dx_cl,
+                    {{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {w.tiles[k], STARPU_R},
+                     {dy.tiles[t], STARPU_R}, {sums, STARPU_R}, {call.tensor(4).tiles[t], STARPU_RW}},
+                    TileArgs{rows, l.width(k), l.c}, 8.0 * rows * l.width(k));
+      }
+      for (const Buffer& buffer : combine) starpu_data_unregister_submit(buffer.handle);
+    }
+    if (has_dw || has_db) {
+      for (int64_t k = 0; k < l.k_tiles; ++k) {
+        int64_t t = lead * l.k_tiles + k;
+        std::vector<Buffer> buffers{{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {dy.tiles[t], STARPU_R}};
+        if (has_dw) buffers.push_back({call.tensor(5).tiles[k], STARPU_RW});
+        if (has_db) buffers.push_back({call.tensor(6).tiles[k], STARPU_RW});
+        submit_task(params_cl, buffers, ParamsArgs{rows, l.width(k), has_dw, has_db}, 5.0 * rows * l.width(k));
+      }
+    }
+  }
+}
+JNNTILE_OP(layer_norm_backward, layernorm_backward_submit);
+
+}  // namespace
+}  // namespace jnntile
