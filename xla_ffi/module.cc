@@ -97,8 +97,8 @@ NB_MODULE(_xla_ffi, m) {
   m.def("tensor_free", &tensor_free);
   m.def("tensor_exists", &tensor_exists);
   m.def("tensor_grad", &tensor_grad);
-  m.def("tensor_write", [](int64_t id, nb::ndarray<nb::c_contig, nb::device::cpu> array) {
-    void* data = array.data();
+  m.def("tensor_write", [](int64_t id, nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu> array) {
+    void* data = const_cast<void*>(array.data());
     int64_t nbytes = int64_t(array.nbytes());
     nb::gil_scoped_release release;
     write_from_host(id, data, nbytes);

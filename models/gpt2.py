@@ -1,0 +1,220 @@
+"""GPT-2 on jnntile: Flax NNX modules whose every operation is tiled StarPU tasks.
+
+Parameter names follow Hugging Face GPT-2 (see models/gpt2_reference.py); the
+layouts differ where tiling wants more axes, and `to_hf_params` /
+`load_hf_params` convert exactly:
+
+    c_attn.weight  HF (C, 3C)   here (C, 3, H, D)   so q, k and v of a head tile are separate tiles
+    c_attn.bias    HF (3C,)     here (3, H, D)
+    attn.c_proj.weight HF (C, C) here (H, D, C)     contracts the attention output (B, T, H, D) over (H, D)
+
+Activations are (B, T, C) tiled (tile_batch, tile_seq, tile_embd). Dropout
+(when config.dropout > 0 and a seed is given) is applied to the embeddings
+and to the outputs of both residual branches; unlike Hugging Face, not to the
+attention probabilities (the fused attention never materialises them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jnntile
+from jnntile import nn
+from jnntile.ops import attention as attention_ops
+from jnntile.ops import data as data_ops
+from jnntile.ops import elementwise as ew
+from jnntile.ops import embedding as embedding_ops
+from jnntile.ops import gemm
+from jnntile.ops import loss as loss_ops
+from jnntile.tensor import Tensor
+
+from .config import GPT2Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile size per logical axis, resolved from the config and the batch shape."""
+
+    batch: int
+    seq: int
+    embd: int
+    heads: int
+    hidden: int
+    vocab: int
+
+
+def resolve_tiles(config: GPT2Config, batch_size: int, seq_len: int) -> Tiles:
+    """Tile sizes: the config's where given, else defaults that give a few tasks per worker
+    with tiles large enough for efficient BLAS calls. Raises naming the field that does not fit."""
+    C, H = config.n_embd, config.n_head
+    head_dim = config.head_dim
+    auto = Tiles(
+        batch=1,
+        seq=min(seq_len, 256),
+        embd=min(C, 1024),
+        heads=max(1, min(H, 1024 // head_dim)),
+        hidden=min(4 * C, 2048),
+        vocab=min(config.vocab_size, 8192),
+    )
+    tiles = Tiles(**{
+        axis: getattr(config, f"tile_{axis}") if getattr(config, f"tile_{axis}") is not None else getattr(auto, axis)
+        for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab")
+    })
+    limits = {"batch": batch_size, "seq": seq_len, "embd": C, "heads": H, "hidden": 4 * C,
+              "vocab": config.vocab_size}
+    for axis, limit in limits.items():
+        value = getattr(tiles, axis)
+        if value > limit:
+            raise ValueError(f"tile_{axis}={value} is larger than its axis ({limit}); use at most {limit}")
+    return tiles
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, config: GPT2Config, tiles: Tiles, seed: int, prefix: str):
+        C, H, D = config.n_embd, config.n_head, config.head_dim
+        self.c_attn = nn.Linear((C,), (3, H, D), in_tiles=(tiles.embd,), out_tiles=(1, tiles.heads, D),
+                                seed=seed, name=prefix + "c_attn")
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) at init.
+        self.c_proj = nn.Linear((H, D), (C,), in_tiles=(tiles.heads, D), out_tiles=(tiles.embd,), seed=seed,
+                                name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        qkv = self.c_attn(x)                            # (B, T, 3, H, D)
+        y = attention_ops.causal_attention(qkv)         # (B, T, H, D)
+        return self.c_proj(y)                           # (B, T, C)
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: GPT2Config, tiles: Tiles, seed: int, prefix: str):
+        C = config.n_embd
+        self.c_fc = nn.Linear((C,), (4 * C,), in_tiles=(tiles.embd,), out_tiles=(tiles.hidden,), seed=seed,
+                              name=prefix + "c_fc")
+        self.c_proj = nn.Linear((4 * C,), (C,), in_tiles=(tiles.hidden,), out_tiles=(tiles.embd,), seed=seed,
+                                name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.c_proj(ew.gelu_tanh(self.c_fc(x)))  # (B, T, 4C) -> (B, T, C)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: GPT2Config, tiles: Tiles, seed: int, index: int):
+        prefix = f"h.{index}."
+        eps = config.layer_norm_epsilon
+        self.ln_1 = nn.LayerNorm(config.n_embd, tile=tiles.embd, eps=eps)
+        self.attn = CausalSelfAttention(config, tiles, seed, prefix + "attn.")
+        self.ln_2 = nn.LayerNorm(config.n_embd, tile=tiles.embd, eps=eps)
+        self.mlp = MLP(config, tiles, seed, prefix + "mlp.")
+        self.attn_dropout = nn.Dropout(config.dropout, site=2 * index + 1)
+        self.mlp_dropout = nn.Dropout(config.dropout, site=2 * index + 2)
+
+    def __call__(self, x: Tensor, dropout_seed) -> Tensor:
+        x = ew.add(x, self.attn_dropout(self.attn(self.ln_1(x)), dropout_seed))
+        return ew.add(x, self.mlp_dropout(self.mlp(self.ln_2(x)), dropout_seed))
+
+
+class GPT2(nnx.Module):
+    """GPT-2 with a tied LM head. Tiles are fixed at construction for (batch_size, seq_len)."""
+
+    def __init__(self, config: GPT2Config, *, batch_size: int, seq_len: int, seed: int = 0):
+        if seq_len > config.n_positions:
+            raise ValueError(f"seq_len={seq_len} is longer than n_positions={config.n_positions}")
+        self.config = config
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.tiles = tiles = resolve_tiles(config, batch_size, seq_len)
+        C = config.n_embd
+        self.wte = nn.Embedding(config.vocab_size, C, tiles=(tiles.vocab, tiles.embd), seed=seed, name="wte")
+        self.wpe = nn.Embedding(config.n_positions, C, tiles=(tiles.seq, tiles.embd), seed=seed, name="wpe",
+                                std=0.01)
+        self.embd_dropout = nn.Dropout(config.dropout, site=0)
+        self.h = nnx.List([Block(config, tiles, seed, i) for i in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(C, tile=tiles.embd, eps=config.layer_norm_epsilon)
+
+    # ---- inputs
+
+    def token_tensor(self, ids) -> Tensor:
+        """An int32 (B, T) Tensor of token ids tiled like the activations. Under jit, writes each call."""
+        self._check_batch_shape(ids)
+        if not isinstance(ids, jax.core.Tracer):
+            embedding_ops.check_ids(ids, self.config.vocab_size)
+        return jnntile.from_array(jnp.asarray(ids, jnp.int32) if isinstance(ids, jax.Array) else
+                                  np.asarray(ids, np.int32), (self.tiles.batch, self.tiles.seq))
+
+    def _check_batch_shape(self, ids):
+        if tuple(ids.shape) != (self.batch_size, self.seq_len):
+            raise ValueError(f"token ids of shape {tuple(ids.shape)}; this model was built for "
+                             f"(batch_size, seq_len) = ({self.batch_size}, {self.seq_len})")
+
+    # ---- forward
+
+    def __call__(self, idx: Tensor, targets: Tensor | None = None, *, dropout_seed=None,
+                 ignore_index: int = -100):
+        """idx, targets: int32 (B, T) Tensors. Returns (logits (B, T, V) Tensor, loss scalar Tensor or None)."""
+        B, T = idx.shape
+        positions = embedding_ops.position_ids(B, T, (self.tiles.batch, self.tiles.seq))
+        x = ew.add(self.wte(idx), self.wpe(positions))               # (B, T, C)
+        x = self.embd_dropout(x, dropout_seed)
+        for block in self.h:
+            x = block(x, dropout_seed)
+        x = self.ln_f(x)
+        logits = gemm.matmul(x, self.wte.weight.get_value(), trans_b=True)  # tied head: (B, T, V)
+        loss = None if targets is None else loss_ops.cross_entropy(logits, targets, ignore_index)
+        return logits, loss
+
+    # ---- Hugging Face layout
+
+    def named_params(self) -> dict[str, nnx.Param]:
+        """Parameter variables by Hugging Face name ("h.0.attn.c_attn.weight", ...)."""
+        out = {}
+        for path, variable in nnx.iter_graph(self):
+            if isinstance(variable, nnx.Param):
+                out[".".join(str(p) for p in path)] = variable
+        return out
+
+    def _hf_shapes(self) -> dict[str, tuple]:
+        return {name: _to_hf_shape(name, p.get_value().shape) for name, p in self.named_params().items()}
+
+    def to_hf_params(self) -> dict[str, np.ndarray]:
+        """All parameters as numpy arrays in Hugging Face names and layouts."""
+        return {name: p.get_value().numpy().reshape(_to_hf_shape(name, p.get_value().shape))
+                for name, p in self.named_params().items()}
+
+    def load_hf_params(self, params: dict) -> None:
+        """Overwrites every parameter from a dict in Hugging Face names and layouts (e.g. `load_hf`)."""
+        mine = self.named_params()
+        missing = sorted(set(mine) - set(params))
+        unexpected = sorted(set(params) - set(mine))
+        if missing or unexpected:
+            raise ValueError(f"parameters do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, variable in mine.items():
+            t = variable.get_value()
+            array = np.asarray(params[name], dtype=np.float32)
+            expected = _to_hf_shape(name, t.shape)
+            if array.shape != expected:
+                raise ValueError(f"parameter {name} has shape {array.shape}, expected {expected}")
+            variable.set_value(data_ops.write(t, np.ascontiguousarray(array.reshape(t.shape))))
+
+
+def _to_hf_shape(name: str, shape: tuple) -> tuple:
+    """Hugging Face's shape for a parameter of this model (they differ only in grouping of axes)."""
+    if name.endswith("c_attn.weight"):
+        return (shape[0], int(np.prod(shape[1:])))
+    if name.endswith("c_attn.bias"):
+        return (int(np.prod(shape)),)
+    if name.endswith("attn.c_proj.weight"):
+        return (shape[0] * shape[1], shape[2])
+    return tuple(shape)
+
+
+def loss_and_grads(model: GPT2, idx, targets, *, dropout_seed=None):
+    """Loss (a JAX scalar) and gradients (nnx.State of Tensors) for token arrays idx, targets (B, T)."""
+
+    def loss_fn(m: GPT2, idx, targets, dropout_seed):
+        _, loss = m(m.token_tensor(idx), m.token_tensor(targets), dropout_seed=dropout_seed)
+        return loss
+
+    return nn.value_and_grad(loss_fn)(model, idx, targets, dropout_seed)
