@@ -136,11 +136,18 @@ class GPT2(nnx.Module):
 
     # ---- inputs
 
-    def token_tensor(self, ids) -> Tensor:
-        """An int32 (B, T) Tensor of token ids tiled like the activations. Under jit, writes each call."""
+    def token_tensor(self, ids, *, allow_ignore: bool = False, ignore_index: int = -100) -> Tensor:
+        """An int32 (B, T) Tensor of token ids tiled like the activations. Under jit, writes each call.
+
+        Concrete ids are checked against the vocabulary before anything is submitted
+        (targets may also hold `ignore_index` when `allow_ignore`).
+        """
         self._check_batch_shape(ids)
         if not isinstance(ids, jax.core.Tracer):
-            embedding_ops.check_ids(ids, self.config.vocab_size)
+            checked = np.asarray(ids)
+            if allow_ignore:
+                checked = checked[checked != ignore_index]
+            embedding_ops.check_ids(checked, self.config.vocab_size)
         return jnntile.from_array(jnp.asarray(ids, jnp.int32) if isinstance(ids, jax.Array) else
                                   np.asarray(ids, np.int32), (self.tiles.batch, self.tiles.seq))
 
@@ -214,7 +221,29 @@ def loss_and_grads(model: GPT2, idx, targets, *, dropout_seed=None):
     """Loss (a JAX scalar) and gradients (nnx.State of Tensors) for token arrays idx, targets (B, T)."""
 
     def loss_fn(m: GPT2, idx, targets, dropout_seed):
-        _, loss = m(m.token_tensor(idx), m.token_tensor(targets), dropout_seed=dropout_seed)
+        _, loss = m(m.token_tensor(idx), m.token_tensor(targets, allow_ignore=True), dropout_seed=dropout_seed)
         return loss
 
     return nn.value_and_grad(loss_fn)(model, idx, targets, dropout_seed)
+
+
+def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **config_overrides) -> GPT2:
+    """A model built from a Hugging Face GPT-2 checkpoint directory (config.json + model.safetensors).
+
+    `config_overrides` sets fields config.json does not hold, such as tile sizes.
+    """
+    from .hf_checkpoint import load_hf
+
+    config, params = load_hf(directory)
+    if config_overrides:
+        config = dataclasses.replace(config, **config_overrides)
+    model = GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    model.load_hf_params(params)
+    return model
+
+
+def save_hf(model: GPT2, directory) -> None:
+    """Writes the model as a Hugging Face GPT-2 checkpoint directory."""
+    from .hf_checkpoint import save_hf as save
+
+    save(directory, model.config, model.to_hf_params())

@@ -1,0 +1,171 @@
+"""The jnntile GPT-2 against the pure-JAX reference: logits, loss and every gradient.
+
+Checked for 1 to 3 layers and three tilings (one tile per tensor, many tiles,
+uneven tiles), eagerly and under jit, plus Hugging Face checkpoints and bad input.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import rel_err
+from flax import nnx
+
+import jnntile
+from jnntile.models import gpt2
+from jnntile.models import gpt2_reference as ref
+from jnntile.models.config import GPT2Config
+from jnntile.models.hf_checkpoint import load_hf, save_hf
+
+B, T = 2, 16
+BASE = GPT2Config(n_layer=1, n_head=4, n_embd=32, vocab_size=96, n_positions=32)
+TILINGS = {
+    "one tile": dict(tile_batch=B, tile_seq=T, tile_embd=32, tile_heads=4, tile_hidden=128, tile_vocab=96),
+    "many tiles": dict(tile_batch=1, tile_seq=4, tile_embd=8, tile_heads=1, tile_hidden=32, tile_vocab=24),
+    "uneven tiles": dict(tile_batch=1, tile_seq=6, tile_embd=12, tile_heads=3, tile_hidden=40, tile_vocab=40),
+}
+FIXTURE = Path(__file__).parent / "data" / "hf_tiny_gpt2"
+
+
+def _batch(config, seed=0):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+    targets = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+    targets[0, :3] = -100  # ignored positions
+    return idx, targets
+
+
+def _model_like_reference(config, params):
+    model = gpt2.GPT2(config, batch_size=B, seq_len=T)
+    model.load_hf_params({k: np.asarray(v) for k, v in params.items()})
+    return model
+
+
+def _check_against_reference(model, config, params, idx, targets, loss, grads, logits):
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: ref.loss(p, config, idx, targets))(params)
+    assert rel_err(logits, ref.forward(params, config, idx)) < 1e-5, "logits differ"
+    assert rel_err(loss, ref_loss) < 1e-5, "loss differs"
+    named_grads = dict(zip(model.named_params(), jnntile.nn.tensors(grads)))
+    assert set(named_grads) == set(ref_grads)
+    for name, g in named_grads.items():
+        values = jnntile.grad_of(g).numpy().reshape(ref_grads[name].shape)
+        assert rel_err(values, ref_grads[name]) < 1e-5, f"gradient of {name} differs"
+
+
+@pytest.mark.parametrize("tiling", TILINGS.values(), ids=TILINGS.keys())
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_matches_reference_eagerly(tiling, n_layer):
+    config = dataclasses.replace(BASE, n_layer=n_layer, **tiling)
+    params = ref.init_params(config, seed=n_layer)
+    model = _model_like_reference(config, params)
+    idx, targets = _batch(config)
+
+    def loss_fn(m, idx, targets):
+        logits, loss = m(m.token_tensor(idx), m.token_tensor(targets, allow_ignore=True))
+        return loss, logits
+
+    (loss, logits), grads = jnntile.nn.value_and_grad(loss_fn, has_aux=True)(model, idx, targets)
+    _check_against_reference(model, config, params, idx, targets, loss, grads, logits.numpy())
+
+
+@pytest.mark.parametrize("tiling", TILINGS.values(), ids=TILINGS.keys())
+def test_matches_reference_under_jit(tiling):
+    config = dataclasses.replace(BASE, n_layer=2, **tiling)
+    params = ref.init_params(config, seed=5)
+    model = _model_like_reference(config, params)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, idx, targets):
+        m = nnx.merge(graphdef, state)
+
+        def loss_fn(m, idx, targets):
+            logits, loss = m(m.token_tensor(idx), m.token_tensor(targets, allow_ignore=True))
+            return loss, jnntile.to_array(logits)
+
+        return jnntile.nn.value_and_grad(loss_fn, has_aux=True)(m, idx, targets)
+
+    for seed in range(2):  # the second batch reuses the compiled program and its tensors
+        idx, targets = _batch(config, seed)
+        (loss, logits), grads = step(state, idx, targets)
+        _check_against_reference(model, config, params, idx, targets, loss, grads, logits)
+    assert step._cache_size() == 1
+
+
+def test_loss_from_hugging_face_checkpoint_matches_reference():
+    model = gpt2.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_seq=5, tile_embd=12, tile_vocab=40)
+    config, params = load_hf(FIXTURE)
+    idx, targets = _batch(config, seed=3)
+    _, loss = model(model.token_tensor(idx), model.token_tensor(targets, allow_ignore=True))
+    assert rel_err(loss.numpy(), ref.loss(params, config, idx, targets)) < 1e-5
+
+
+def test_save_to_hugging_face_round_trips_exactly(tmp_path):
+    model = gpt2.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_embd=12)
+    gpt2.save_hf(model, tmp_path / "out")
+    config, params = load_hf(tmp_path / "out")
+    _, original = load_hf(FIXTURE)
+    assert config == load_hf(FIXTURE)[0]
+    for name in original:
+        np.testing.assert_array_equal(params[name], original[name])
+
+
+def test_same_seed_same_weights_for_any_tiling():
+    one = gpt2.GPT2(dataclasses.replace(BASE, **TILINGS["one tile"]), batch_size=B, seq_len=T, seed=3)
+    uneven = gpt2.GPT2(dataclasses.replace(BASE, **TILINGS["uneven tiles"]), batch_size=B, seq_len=T, seed=3)
+    a, b = one.to_hf_params(), uneven.to_hf_params()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_head_count_must_divide_width():
+    with pytest.raises(ValueError, match="n_head=5 does not divide n_embd=32"):
+        dataclasses.replace(BASE, n_head=5)
+
+
+def test_tile_larger_than_its_axis():
+    config = dataclasses.replace(BASE, tile_heads=8)
+    with pytest.raises(ValueError, match="tile_heads=8 is larger than its axis"):
+        gpt2.GPT2(config, batch_size=B, seq_len=T)
+
+
+def test_sequence_longer_than_positions():
+    with pytest.raises(ValueError, match="n_positions"):
+        gpt2.GPT2(BASE, batch_size=B, seq_len=64)
+
+
+def test_token_ids_out_of_range():
+    model = gpt2.GPT2(BASE, batch_size=B, seq_len=T)
+    idx, _ = _batch(BASE)
+    idx[1, 2] = BASE.vocab_size
+    submitted = jnntile.runtime.stats()["tasks_submitted"]
+    with pytest.raises(ValueError, match="96"):
+        model.token_tensor(idx)
+    assert jnntile.runtime.stats()["tasks_submitted"] == submitted
+
+
+def test_batch_of_wrong_shape():
+    model = gpt2.GPT2(BASE, batch_size=B, seq_len=T)
+    with pytest.raises(ValueError, match="built for"):
+        model.token_tensor(np.zeros((B, T + 1), np.int32))
+
+
+def test_checkpoint_with_missing_or_misshapen_tensor(tmp_path):
+    config, params = load_hf(FIXTURE)
+    del params["h.0.mlp.c_fc.bias"]
+    save_dir = tmp_path / "broken"
+    save_dir.mkdir()
+    (save_dir / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in params.items()}, save_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="h.0.mlp.c_fc.bias"):
+        gpt2.from_hf(save_dir, batch_size=B, seq_len=T)
+    model = gpt2.GPT2(config, batch_size=B, seq_len=T)
+    _, params = load_hf(FIXTURE)
+    params["wpe.weight"] = params["wpe.weight"][:, :-1]
+    with pytest.raises(ValueError, match="wpe.weight"):
+        model.load_hf_params(params)
