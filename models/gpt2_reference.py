@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import GPT2Config
+from .config import GPT2Config
 
 _INIT_STD = 0.02
 

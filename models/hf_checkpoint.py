@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
-from models.config import GPT2Config
-from models.gpt2_reference import param_shapes
+from .config import GPT2Config
+from .gpt2_reference import param_shapes
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
