@@ -7,7 +7,8 @@
 namespace jnntile::cpu {
 
 // Calls row(tile_row_index, global_row_start_index) for every contiguous row
-// (last axis) of the tile.
+// (last axis) of the tile. Shared by every kernel that needs global element
+// indices (copies, counter-based random numbers, dropout masks).
 template <class Row>
 void for_each_row(int ndim, const int64_t* shape, const int64_t* offset, const int64_t* extent,
                   Row row) {
