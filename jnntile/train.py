@@ -1,0 +1,370 @@
+"""Train a GPT-2 on tiled tensors: `python -m jnntile.train`.
+
+With no arguments it trains the `tiny` preset on the built-in corpus (the
+Python standard library's sources, tokenized on first use) for a few minutes
+and prints samples. Every run writes to --out: metrics.jsonl (one JSON object
+per step), loss.png, and checkpoints (see jnntile/checkpoint.py). --resume
+continues from the latest checkpoint bit-identically: batches and dropout
+masks are pure functions of (seed, step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+import jnntile
+from jnntile import checkpoint, optim
+from jnntile import data as data_mod
+from jnntile.models import gpt2
+from jnntile.models import gpt2_reference
+from jnntile.models.config import PRESETS, GPT2Config
+
+DEFAULTS = dict(model="tiny", batch_size=8, seq_len=128, steps=600, lr=3e-3, warmup_steps=50, weight_decay=0.1,
+                grad_clip=1.0, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
+                checkpoint_interval=200, data_order="random", out="out", samples=3, sample_tokens=120)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jnntile.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=list(PRESETS), default=DEFAULTS["model"], help="size preset")
+    p.add_argument("--n-layer", type=int, help="override the preset's layer count")
+    p.add_argument("--n-head", type=int, help="override the preset's head count")
+    p.add_argument("--n-embd", type=int, help="override the preset's width")
+    p.add_argument("--dropout", type=float, help="override the preset's dropout rate")
+    for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab"):
+        p.add_argument(f"--tile-{axis}", type=int, help=f"tile size on the {axis} axis (default: automatic)")
+    p.add_argument("--data", help="a nanoGPT-style uint16 .bin token file (default: the built-in corpus)")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="total steps, also when resuming")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=DEFAULTS["warmup_steps"])
+    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
+    p.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"], help="global norm; 0 disables")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default=DEFAULTS["optimizer"])
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--workers", type=int, help="StarPU CPU workers (default: all cores, at most 4)")
+    p.add_argument("--eval-interval", type=int, default=DEFAULTS["eval_interval"], help="0 disables evaluation")
+    p.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"])
+    p.add_argument("--checkpoint-interval", type=int, default=DEFAULTS["checkpoint_interval"],
+                   help="0: only at the end")
+    p.add_argument("--data-order", choices=list(data_mod.BATCH_ORDERS), default=DEFAULTS["data_order"])
+    p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--init-from-hf", metavar="DIR", help="start from a Hugging Face GPT-2 checkpoint directory")
+    p.add_argument("--export-hf", metavar="DIR", help="write the final weights as a Hugging Face checkpoint")
+    p.add_argument("--memory-limit-mb", type=int, help="RAM for tiles; the rest goes to --swap-dir")
+    p.add_argument("--swap-dir", help="directory for tiles evicted from RAM")
+    p.add_argument("--swap-size-mb", type=int, default=16384)
+    p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="text samples printed at the end")
+    p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"])
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+# ---- set-up ------------------------------------------------------------------------
+
+def _check_args(args) -> None:
+    for name in ("batch_size", "seq_len", "steps"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+    for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip", "weight_decay", "samples"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must not be negative")
+    if args.lr <= 0:
+        raise ValueError(f"--lr={args.lr} must be positive")
+
+
+def _prepare_out_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"output directory {path} is not writable ({e.strerror}); choose another --out") from e
+
+
+def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | None]:
+    path = args.data or data_mod.ensure_default_dataset(progress=not args.quiet) / "train.bin"
+    train = data_mod.TokenDataset(path)
+    need = args.batch_size * args.seq_len + 1 if args.data_order == "sequential" else args.seq_len + 1
+    if len(train) < need:
+        raise ValueError(f"data file {path} holds {len(train)} tokens, fewer than one batch needs ({need}); "
+                         "use more data or a smaller --batch-size/--seq-len")
+    return train, train.validation()
+
+
+def _config(args, data_vocab: int) -> GPT2Config:
+    tiles = {f"tile_{a}": getattr(args, f"tile_{a}") for a in ("batch", "seq", "embd", "heads", "hidden", "vocab")}
+    tiles = {k: v for k, v in tiles.items() if v is not None}
+    if args.init_from_hf:
+        from jnntile.models.hf_checkpoint import load_hf
+
+        config, _ = load_hf(args.init_from_hf)
+        if data_vocab > config.vocab_size:
+            raise ValueError(f"the data uses {data_vocab} token ids but {args.init_from_hf} has a vocabulary of "
+                             f"{config.vocab_size}")
+        return dataclasses.replace(config, **tiles)
+    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "dropout") if getattr(args, k) is not None}
+    config = GPT2Config.preset(args.model, vocab_size=data_vocab, **overrides, **tiles)
+    if args.seq_len > config.n_positions:
+        config = dataclasses.replace(config, n_positions=args.seq_len)
+    return config
+
+
+def _make_optimizer(args) -> optax.GradientTransformation:
+    decay_steps = max(args.steps, args.warmup_steps + 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup_steps, decay_steps, end_value=args.lr / 10)
+    if args.optimizer == "adamw":
+        # As nanoGPT: decay matrices and embeddings, not biases and layer-norm weights.
+        decay_2d = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params,  # noqa: E731
+                                                is_leaf=lambda x: isinstance(x, jnntile.Tensor))
+        main = optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_2d)
+    else:
+        main = optim.sgd(schedule)
+    if args.grad_clip > 0:
+        return optax.chain(optim.clip_by_global_norm(args.grad_clip), main), schedule
+    return optax.chain(main), schedule
+
+
+# ---- the step --------------------------------------------------------------------
+
+def make_steps(graphdef, tx):
+    """The jitted training and evaluation steps over (params, opt_state)."""
+
+    def loss_fn(model, idx, targets, dropout_seed):
+        _, loss = model(model.token_tensor(idx), model.token_tensor(targets, allow_ignore=True),
+                        dropout_seed=dropout_seed)
+        return loss
+
+    @jax.jit
+    def train_step(params, opt_state, idx, targets, dropout_seed):
+        loss, grads = jnntile.value_and_grad(
+            lambda p: loss_fn(nnx.merge(graphdef, p), idx, targets, dropout_seed))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    @jax.jit
+    def eval_step(params, idx, targets):
+        return jnntile.to_array(loss_fn(nnx.merge(graphdef, params), idx, targets, None))
+
+    return train_step, eval_step
+
+
+def _dropout_seed(seed: int, step: int):
+    return jnp.asarray((seed * 1_000_003 + step) % (2**31 - 1), jnp.int32)
+
+
+def _memory_in_use_mb() -> float:
+    ram = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"]
+    return ram[0]["used_bytes"] / 2**20 if ram else 0.0
+
+
+def _evaluate(eval_step, params, dataset, args) -> float:
+    losses = [float(eval_step(params, *dataset.batch(i, args.batch_size, args.seq_len, "random", seed=args.seed + 1)))
+              for i in range(args.eval_batches)]
+    return float(np.mean(losses))
+
+
+# ---- outputs -----------------------------------------------------------------------
+
+def plot_losses(metrics_path: Path, png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", linewidth=1)
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def generate_samples(model: gpt2.GPT2, dataset, args) -> list[str]:
+    """Continues a few prompts from the validation data with the trained weights (top-40, temperature 0.8).
+
+    Sampling runs on the pure-JAX reference with the exported weights: generation
+    needs a growing sequence, and the tiled model is built for one batch shape.
+    The context sits at the start of a fixed window (one compilation); causal
+    attention keeps the unused tail from affecting it.
+    """
+    config = model.config
+    params = {k: jnp.asarray(v) for k, v in model.to_hf_params().items()}
+    window = min(args.seq_len, config.n_positions)
+
+    @jax.jit
+    def next_token(params, context, length, key):
+        logits = gpt2_reference.forward(params, config, context)[0, length - 1] / 0.8
+        values, indices = jax.lax.top_k(logits, min(40, config.vocab_size))
+        return indices[jax.random.categorical(key, values)]
+
+    key = jax.random.PRNGKey(args.seed)
+    samples = []
+    for i in range(args.samples):
+        prompt, _ = dataset.batch(i, 1, min(16, window - 1), "random", seed=args.seed + 2)
+        tokens = [int(t) for t in prompt[0]]
+        for _ in range(args.sample_tokens):
+            recent = tokens[-window:]
+            context = np.zeros((1, window), np.int32)
+            context[0, :len(recent)] = recent
+            key, sub = jax.random.split(key)
+            tokens.append(int(next_token(params, context, len(recent), sub)))
+        samples.append(dataset.decode(tokens))
+    return samples
+
+
+# ---- main ----------------------------------------------------------------------------
+
+def train(args) -> dict:
+    """Runs training as configured by `args`; returns a summary. Raises ValueError on bad input."""
+    _check_args(args)
+    out = Path(args.out)
+    _prepare_out_dir(out)
+    train_data, val_data = _load_data(args)
+    config = _config(args, train_data.vocab_size)
+
+    runtime_settings = {}
+    if args.workers is not None:
+        runtime_settings["workers"] = args.workers
+    if args.memory_limit_mb is not None:
+        runtime_settings["memory_limit_mb"] = args.memory_limit_mb
+    if args.swap_dir is not None:
+        runtime_settings.update(swap_dir=args.swap_dir, swap_size_mb=args.swap_size_mb)
+    if runtime_settings:
+        jnntile.runtime.stop()
+        jnntile.runtime.configure(**runtime_settings)
+    jnntile.runtime.start()
+
+    resume_from = checkpoint.latest(out) if args.resume else None
+    if args.resume and resume_from is None:
+        raise ValueError(f"--resume: no checkpoint in {out}")
+    if args.init_from_hf and not resume_from:
+        model = gpt2.from_hf(args.init_from_hf, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                             **{k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")})
+    else:
+        model = gpt2.GPT2(config, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    tx, schedule = _make_optimizer(args)
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = tx.init(params)
+    start_step = 0
+    metrics_path = out / "metrics.jsonl"
+    if resume_from is not None:
+        opt_state, record = checkpoint.restore(resume_from, model=model, opt_state=opt_state)
+        graphdef, params = nnx.split(model, nnx.Param)
+        start_step = record["step"]
+        _truncate_metrics(metrics_path, start_step)
+    elif metrics_path.exists():
+        metrics_path.unlink()
+
+    train_step, eval_step = make_steps(graphdef, tx)
+    n_params = config.n_params()
+    print(f"GPT-2 {args.model}: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
+          f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; "
+          f"{jnntile.runtime.config().workers} StarPU workers, memory limit {jnntile.runtime.config().memory_limit_mb} MB",
+          flush=True)
+
+    def save(step):
+        state = {"data_position": step * args.batch_size * args.seq_len, "data_order": args.data_order,
+                 "rng": {"seed": args.seed, "dropout_seed_of_next_step": int(_dropout_seed(args.seed, step))},
+                 "args": {k: v for k, v in vars(args).items() if k != "quiet"}}
+        model_now = nnx.merge(graphdef, params)
+        return checkpoint.save(out, model=model_now, opt_state=opt_state, step=step, state=state)
+
+    tokens_per_step = args.batch_size * args.seq_len
+    losses = []
+    step = start_step
+    bar = tqdm(total=args.steps, initial=start_step, disable=args.quiet, unit="step", dynamic_ncols=True)
+    try:
+        with metrics_path.open("a") as metrics:
+            while step < args.steps:
+                idx, targets = train_data.batch(step, args.batch_size, args.seq_len, args.data_order, seed=args.seed)
+                started = time.perf_counter()
+                params, opt_state, loss = train_step(params, opt_state, idx, targets, _dropout_seed(args.seed, step))
+                loss = float(loss)  # the one blocking read of the step
+                seconds = time.perf_counter() - started
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or enable --grad-clip")
+                row = {"step": step, "loss": loss, "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / seconds,
+                       "seconds": seconds}
+                if args.eval_interval and val_data is not None and ((step + 1) % args.eval_interval == 0
+                                                                    or step + 1 == args.steps):
+                    row["val_loss"] = _evaluate(eval_step, params, val_data, args)
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                losses.append(loss)
+                step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                mem_mb=f"{_memory_in_use_mb():.0f}", refresh=False)
+                if args.checkpoint_interval and step % args.checkpoint_interval == 0 and step < args.steps:
+                    save(step)
+    except KeyboardInterrupt:
+        bar.close()
+        path = save(step)
+        print(f"\ninterrupted at step {step}: checkpoint saved to {path}; continue with --resume", flush=True)
+        return {"interrupted": True, "step": step, "losses": losses}
+    bar.close()
+    path = save(step)
+    plot_losses(metrics_path, out / "loss.png")
+    final_model = nnx.merge(graphdef, params)
+    if args.export_hf:
+        gpt2.save_hf(final_model, args.export_hf)
+        print(f"exported Hugging Face checkpoint to {args.export_hf}")
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    summary = {"step": step, "losses": losses, "checkpoint": str(path), "first_loss": rows[0]["loss"] if rows else None,
+               "last_loss": rows[-1]["loss"] if rows else None,
+               "tokens_per_s": float(np.median([r["tokens_per_s"] for r in rows[1:]])) if len(rows) > 1 else None}
+    print(f"done: {step} steps, loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
+          f"median {summary['tokens_per_s'] or 0:.0f} tokens/s; metrics in {metrics_path}, curve in {out / 'loss.png'}")
+    if args.samples:
+        dataset = val_data or train_data
+        for i, text in enumerate(generate_samples(final_model, dataset, args)):
+            print(f"--- sample {i} ---\n{text}")
+    return summary
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keeps the metrics of steps before `step` (a resumed run rewrites the rest)."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+    path.write_text("".join(r + "\n" for r in rows))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = train(args)
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 130 if summary.get("interrupted") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""`python -m jnntile.train`: outputs, checkpoints, bit-identical resume, Ctrl-C, HF interop, bad input."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jnntile import data as data_mod
+from jnntile import train as train_mod
+from jnntile.models.hf_checkpoint import load_hf
+
+SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "2", "--seq-len", "16",
+         "--eval-batches", "1", "--samples", "1", "--sample-tokens", "5", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    text = root / "text.txt"
+    words = ["alpha", "beta", "gamma", "delta", "tiles", "tasks", "memory", "disk"]
+    rng = np.random.default_rng(0)
+    text.write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(400)))
+    out = root / "prepared"
+    data_mod.prepare_dataset(text, out, vocab_size=300, progress=False)
+    return out / "train.bin"
+
+
+def _run(dataset, out, *extra):
+    return train_mod.train(train_mod.parse_args(["--data", str(dataset), "--out", str(out), *SMALL, *extra]))
+
+
+def _losses(out):
+    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_writes_metrics_curve_checkpoint_and_samples(dataset, tmp_path, capsys):
+    summary = _run(dataset, tmp_path, "--steps", "6", "--eval-interval", "3", "--checkpoint-interval", "4")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))
+    for r in rows:
+        assert {"step", "loss", "lr", "tokens_per_s"} <= set(r) and np.isfinite(r["loss"]) and r["tokens_per_s"] > 0
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 5]
+    assert rows[0]["lr"] == 0.0 and rows[1]["lr"] > 0  # warmup from zero
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert (tmp_path / "latest").read_text() == "ckpt-0000006"
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000004", "ckpt-0000006"]
+    state = json.loads((tmp_path / "ckpt-0000006" / "state.json").read_text())
+    assert state["step"] == 6 and state["data_position"] == 6 * 2 * 16 and state["rng"]["seed"] == 0
+    assert summary["step"] == 6
+    assert "--- sample 0 ---" in capsys.readouterr().out
+
+
+def test_resume_after_ctrl_c_is_bit_identical(dataset, tmp_path, monkeypatch, capsys):
+    args = ["--steps", "6", "--eval-interval", "0", "--samples", "0", "--dropout", "0.1"]
+    _run(dataset, tmp_path / "straight", *args)
+
+    make_steps = train_mod.make_steps
+
+    def interrupting_make_steps(graphdef, tx):
+        train_step, eval_step = make_steps(graphdef, tx)
+        calls = {"n": 0}
+
+        def step(*a):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise KeyboardInterrupt  # as if Ctrl-C arrived during step 3
+            return train_step(*a)
+
+        return step, eval_step
+
+    monkeypatch.setattr(train_mod, "make_steps", interrupting_make_steps)
+    summary = _run(dataset, tmp_path / "resumed", *args)
+    assert summary["interrupted"] and summary["step"] == 3
+    assert "continue with --resume" in capsys.readouterr().out
+    assert (tmp_path / "resumed" / "latest").read_text() == "ckpt-0000003"
+    monkeypatch.setattr(train_mod, "make_steps", make_steps)
+    _run(dataset, tmp_path / "resumed", *args, "--resume")
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+
+
+def test_sgd_without_clipping_and_sequential_data(dataset, tmp_path):
+    summary = _run(dataset, tmp_path, "--steps", "3", "--optimizer", "sgd", "--grad-clip", "0", "--eval-interval", "0",
+                   "--data-order", "sequential", "--lr", "0.1")
+    assert summary["step"] == 3
+
+
+def test_export_and_init_from_hugging_face(dataset, tmp_path):
+    _run(dataset, tmp_path / "a", "--steps", "2", "--eval-interval", "0", "--export-hf", str(tmp_path / "hf"))
+    config, params = load_hf(tmp_path / "hf")
+    assert config.n_embd == 32 and config.vocab_size <= 300
+    summary = _run(dataset, tmp_path / "b", "--steps", "1", "--eval-interval", "0", "--init-from-hf", str(tmp_path / "hf"))
+    assert summary["step"] == 1
+
+
+def test_bin_without_tokenizer_trains_and_samples_ids(dataset, tmp_path, capsys):
+    bare = tmp_path / "bare.bin"
+    bare.write_bytes(Path(dataset).read_bytes())
+    _run(bare, tmp_path / "out", "--steps", "1", "--eval-interval", "0")
+    sample = capsys.readouterr().out.split("--- sample 0 ---")[1]
+    assert sample.strip().startswith("[")
+
+
+def test_unknown_preset_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        train_mod.parse_args(["--model", "gpt5"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--steps", "0"], "--steps=0 must be positive"),
+    (["--n-head", "3"], "does not divide"),
+    (["--batch-size", "1000", "--seq-len", "512", "--data-order", "sequential"], "fewer than one batch"),
+    (["--resume"], "no checkpoint"),
+])
+def test_bad_input_is_refused_before_training(dataset, tmp_path, extra, message):
+    with pytest.raises(ValueError, match=message):
+        _run(dataset, tmp_path, *extra)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_unwritable_output_directory(dataset, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="not writable"):
+        _run(dataset, blocker / "out", "--steps", "1")
+
+
+def test_checkpoint_of_another_model_is_refused(dataset, tmp_path):
+    _run(dataset, tmp_path, "--steps", "1", "--eval-interval", "0", "--samples", "0")
+    args = train_mod.parse_args(["--data", str(dataset), "--out", str(tmp_path), *SMALL, "--n-embd", "64",
+                                 "--steps", "2", "--resume"])
+    with pytest.raises(ValueError, match="another model"):
+        train_mod.train(args)
+
+
+def test_main_reports_errors_without_traceback(dataset, tmp_path, capsys):
+    code = train_mod.main(["--data", str(tmp_path / "missing.bin"), "--out", str(tmp_path)])
+    assert code == 2
+    assert capsys.readouterr().err.startswith("error:")
