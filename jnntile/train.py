@@ -33,7 +33,7 @@ from jnntile.models import gpt2
 from jnntile.models import gpt2_reference
 from jnntile.models.config import PRESETS, GPT2Config
 
-DEFAULTS = dict(model="tiny", batch_size=8, seq_len=128, steps=600, lr=3e-3, warmup_steps=50, weight_decay=0.1,
+DEFAULTS = dict(model="tiny", batch_size=8, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50, weight_decay=0.1,
                 grad_clip=1.0, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
                 checkpoint_interval=200, data_order="random", out="out", samples=3, sample_tokens=120)
 
@@ -192,7 +192,11 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
 
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", linewidth=1)
+    steps, losses = [r["step"] for r in rows], np.array([r["loss"] for r in rows])
+    ax.plot(steps, losses, label="train", linewidth=0.6, alpha=0.4)
+    window = min(25, len(losses))  # the moving average shows the trend through batch-to-batch noise
+    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1:], smooth, label=f"train, mean of {window}", linewidth=1.5)
     val = [r for r in rows if "val_loss" in r]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
