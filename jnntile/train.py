@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import json
 import math
-import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -303,9 +303,19 @@ def train(args) -> dict:
     losses = []
     step = start_step
     bar = tqdm(total=args.steps, initial=start_step, disable=args.quiet, unit="step", dynamic_ncols=True)
+    # Ctrl-C only asks to stop: the step in flight updates tiles in place, so it
+    # must finish (and be recorded) before the checkpoint is written.
+    stop_requested = []
+
+    def request_stop(signum, frame):
+        if stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        stop_requested.append(signum)
+
+    previous_handler = signal.signal(signal.SIGINT, request_stop)
     try:
         with metrics_path.open("a") as metrics:
-            while step < args.steps:
+            while step < args.steps and not stop_requested:
                 idx, targets = train_data.batch(step, args.batch_size, args.seq_len, args.data_order, seed=args.seed)
                 started = time.perf_counter()
                 params, opt_state, loss = train_step(params, opt_state, idx, targets, _dropout_seed(args.seed, step))
@@ -327,12 +337,13 @@ def train(args) -> dict:
                                 mem_mb=f"{_memory_in_use_mb():.0f}", refresh=False)
                 if args.checkpoint_interval and step % args.checkpoint_interval == 0 and step < args.steps:
                     save(step)
-    except KeyboardInterrupt:
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
         bar.close()
+    if stop_requested:
         path = save(step)
         print(f"\ninterrupted at step {step}: checkpoint saved to {path}; continue with --resume", flush=True)
         return {"interrupted": True, "step": step, "losses": losses}
-    bar.close()
     path = save(step)
     plot_losses(metrics_path, out / "loss.png")
     final_model = nnx.merge(graphdef, params)
