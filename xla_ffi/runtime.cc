@@ -5,9 +5,11 @@ extern "C" {
 #include "runtime.h"
 
 #include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <sstream>
@@ -112,6 +114,28 @@ void remove_tree(const std::string& path) {
   rmdir(path.c_str());
 }
 
+constexpr const char* kSwapPrefix = "jnntile-swap-";
+
+// Swap subdirectories are named jnntile-swap-<pid>-XXXXXX. A process that died
+// without stopping the runtime (killed, or StarPU aborted) leaves its own
+// behind: remove those whose process no longer exists.
+void remove_stale_swap_dirs(const std::string& swap_dir) {
+  DIR* dir = opendir(swap_dir.c_str());
+  if (dir == nullptr) return;
+  std::vector<std::string> stale;
+  std::string prefix = kSwapPrefix;
+  while (dirent* entry = readdir(dir)) {
+    std::string name = entry->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    char* end = nullptr;
+    long pid = std::strtol(name.c_str() + prefix.size(), &end, 10);
+    if (pid <= 0 || end == nullptr || *end != '-' || pid == long(getpid())) continue;
+    if (kill(pid_t(pid), 0) != 0 && errno == ESRCH) stale.push_back(swap_dir + "/" + name);
+  }
+  closedir(dir);
+  for (const std::string& path : stale) remove_tree(path);
+}
+
 void collect_profiling_locked(RuntimeState& s) {
   int nbus = starpu_bus_get_count();
   for (int bus = 0; bus < nbus; ++bus) {
@@ -165,13 +189,14 @@ void runtime_start(const RuntimeConfig& config) {
   starpu_profiling_status_set(STARPU_PROFILING_ENABLE);
 
   if (!config.swap_dir.empty()) {
-    std::string pattern = config.swap_dir + "/jnntile-swap-XXXXXX";
+    std::string pattern = config.swap_dir + "/" + kSwapPrefix + std::to_string(getpid()) + "-XXXXXX";
     std::vector<char> buf(pattern.begin(), pattern.end());
     buf.push_back('\0');
     if (mkdir(config.swap_dir.c_str(), 0700) != 0 && errno != EEXIST) {
       starpu_shutdown();
       throw std::runtime_error("cannot create swap directory '" + config.swap_dir + "'");
     }
+    remove_stale_swap_dirs(config.swap_dir);
     if (mkdtemp(buf.data()) == nullptr) {
       starpu_shutdown();
       throw std::runtime_error("cannot create a swap subdirectory in '" + config.swap_dir +
