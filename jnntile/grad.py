@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import jax
 
 from jnntile import tensor as tensor_mod
+from jnntile.ops import _ffi
 from jnntile.ops._ffi import call
 from jnntile.tensor import Tensor
 
@@ -25,20 +26,47 @@ def _is_tensor(x) -> bool:
 
 
 def zero_grads(tree):
-    """Returns `tree` with every float32 Tensor's gradient set to zero (ordered by token)."""
+    """Returns `tree` with every float32 Tensor's gradient set to zero (ordered by token).
+
+    Inside `value_and_grad` the zero-fill is only marked and submitted right
+    before the first backward call that touches the gradient (see
+    jnntile/ops/_ffi.py), so gradients take no memory during the forward pass.
+    """
+    lazy = _ffi.current_step() is not None and _ffi.LAZY_ZERO
 
     def zero(x):
         if not _is_tensor(x) or x.dtype != "float32":
             return x
         grad = tensor_mod.grad_handle(x.handle)
         x.handle.grad_zeroed = True
-        return x.with_token(call("fill", [grad], [x.token], value=0.0))
+        if lazy:
+            grad.zero_pending, grad.invalidated = True, False
+            return x
+        return x.with_token(call("fill", [grad], [x.token], value=0.0, writes=[grad]))
 
     return jax.tree.map(zero, tree, is_leaf=_is_tensor)
 
 
-def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
-    """Like `jax.value_and_grad`; gradients of Tensor arguments come back as Tensors."""
+def _fill_untouched(g):
+    """Submits the zero-fill of an argument's gradient that no backward call touched."""
+    if not _is_tensor(g) or g.handle.grad is None or not g.handle.grad.zero_pending:
+        return g
+    grad = g.handle.grad
+    grad.zero_pending = False
+    return g.with_token(call("fill", [grad], [g.token], value=0.0, writes=[grad]))
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
+                   keep_activations: bool = False):
+    """Like `jax.value_and_grad`; gradients of Tensor arguments come back as Tensors.
+
+    Activations (outputs of ops inside `fun`), their gradients and the ops'
+    scratch residuals are invalidated after their last use in the backward pass
+    (DESIGN invariant 7): their memory is freed and they are never written to
+    swap. Reading one afterwards (an output returned as aux, or `grad_of` an
+    activation) raises an error; read it inside `fun` (e.g. `jnntile.to_array`
+    in the aux output), or pass `keep_activations=True` to keep them all.
+    """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def scalar_fun(*args, **kwargs):
@@ -52,19 +80,22 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     differentiated = jax.value_and_grad(scalar_fun, argnums=argnums, has_aux=has_aux)
 
     def wrapped(*args, **kwargs):
-        args = list(args)
-        for i in nums:
-            args[i] = zero_grads(args[i])
-        value, grads = differentiated(*args, **kwargs)
+        with _ffi.step_scope(keep_activations):
+            args = list(args)
+            for i in nums:
+                args[i] = zero_grads(args[i])
+            value, grads = differentiated(*args, **kwargs)
+            grads = jax.tree.map(_fill_untouched, grads, is_leaf=_is_tensor)
         return value, jax.tree.map(lambda g: tensor_mod.Gradient(g.token, g.handle) if _is_tensor(g) else g,
                                    grads, is_leaf=_is_tensor)
 
     return wrapped
 
 
-def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
-    """Like `jax.grad`; gradients of Tensor arguments come back as Tensors."""
-    vg = value_and_grad(fun, argnums, has_aux)
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
+         keep_activations: bool = False):
+    """Like `jax.grad`; gradients of Tensor arguments come back as Tensors (see `value_and_grad`)."""
+    vg = value_and_grad(fun, argnums, has_aux, keep_activations=keep_activations)
 
     def wrapped(*args, **kwargs):
         value, grads = vg(*args, **kwargs)

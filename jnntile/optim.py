@@ -7,6 +7,11 @@ every parameter and moment tile and returns updates that `optax.apply_updates`
 already hold the new values. Learning rates may be Optax schedules; the value
 of each step reaches the native code as an array, never as an attribute, so
 changing it does not recompile (DESIGN invariant 4).
+
+`adamw` and `sgd` consume the gradients: once a parameter is updated its
+gradient tiles are invalidated (DESIGN invariant 7), so they are never written
+to swap between steps; the next `jnntile.value_and_grad` starts them at zero
+again. Read gradients (norms, logging) before the update.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import optax
 
 import jnntile
 from jnntile import tensor as tensor_mod
+from jnntile.ops import _ffi
 from jnntile.ops._ffi import call
 from jnntile.tensor import Gradient, Tensor
 
@@ -47,6 +53,13 @@ def _check(grads, params, name: str):
 def _grad_values(g: Tensor):
     """The handle holding the gradient values of g."""
     return tensor_mod.grad_handle(g.handle)
+
+
+def _consume(g: Tensor, token):
+    """Invalidates the gradient values of g after `token` (the update that read them last)."""
+    if not _ffi.RELEASE:
+        return token
+    return _ffi.invalidate([_grad_values(g)], [token])
 
 
 def _learning_rate(learning_rate, count):
@@ -85,9 +98,10 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
         step = state.count + 1
         tokens = []
         for g, p, m, v, d in zip(grad_leaves, param_leaves, _leaves(state.mu), _leaves(state.nu), decay):
-            tokens.append(call("adamw", [p.handle, _grad_values(g), m.handle, v.handle],
-                               [g.token, p.token, m.token, v.token], inputs=[lr, step.astype(jnp.int32)],
-                               b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if d else 0.0))
+            token = call("adamw", [p.handle, _grad_values(g), m.handle, v.handle],
+                         [g.token, p.token, m.token, v.token], inputs=[lr, step.astype(jnp.int32)],
+                         b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if d else 0.0)
+            tokens.append(_consume(g, token))
         tokens_iter = iter(tokens)
         mu = jax.tree.map(lambda m: m.with_token(next(tokens_iter)), state.mu, is_leaf=_is_tensor)
         tokens_iter = iter(tokens)
@@ -106,7 +120,7 @@ def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
     def update(grads, state, params=None):
         grad_leaves, param_leaves = _check(grads, params, "sgd")
         lr = _learning_rate(learning_rate, state.count)
-        tokens = [call("sgd", [p.handle, _grad_values(g)], [g.token, p.token], inputs=[lr])
+        tokens = [_consume(g, call("sgd", [p.handle, _grad_values(g)], [g.token, p.token], inputs=[lr]))
                   for g, p in zip(grad_leaves, param_leaves)]
         return _updates_like(params, tokens), optax.ScaleByScheduleState(count=state.count + 1)
 

@@ -22,6 +22,7 @@ _blas.configure_openblas()  # must run before the native module loads OpenBLAS
 from jnntile import _xla_ffi  # noqa: E402
 
 MAX_CPU_WORKERS = 4  # Debian's StarPU is built with STARPU_MAXCPUS=4
+MIN_SWAP_MB = 16  # StarPU's disk nodes must be at least this large (it aborts otherwise)
 # StarPU 1.3's schedulers (an unknown name would silently fall back to the default).
 SCHEDULERS = ("eager", "prio", "random", "lws", "ws", "dm", "dmda", "dmdap", "dmdar", "dmdas", "dmdasd",
               "pheft", "peager", "heteroprio")
@@ -57,8 +58,9 @@ class RuntimeConfig:
             raise ValueError(f"scheduler={self.scheduler!r} is not a StarPU scheduler; use one of {SCHEDULERS}")
         if self.memory_limit_mb <= 0:
             raise ValueError(f"memory_limit_mb={self.memory_limit_mb} must be positive")
-        if self.swap_dir is not None and self.swap_size_mb <= 0:
-            raise ValueError(f"swap_size_mb={self.swap_size_mb} must be positive when swap_dir is set")
+        if self.swap_dir is not None and self.swap_size_mb < MIN_SWAP_MB:
+            raise ValueError(f"swap_size_mb={self.swap_size_mb} must be at least {MIN_SWAP_MB} when swap_dir is set "
+                             "(StarPU's smallest disk)")
         if self.watchdog_s <= 0:
             raise ValueError(f"watchdog_s={self.watchdog_s} must be positive")
 
@@ -142,8 +144,21 @@ def blas_core() -> str:
 
 
 def stats() -> dict:
-    """Tasks run, busy time per worker, bytes moved between memory nodes, memory per node."""
+    """Tasks run, busy time per worker, bytes moved between memory nodes, memory per node.
+
+    `nodes` lists each memory node (RAM, and DISK when swapping) with
+    `used_bytes`, `total_bytes` and `peak_used_bytes` (the most used at any task
+    completion since start or `reset_peaks`). `bytes_moved` maps "src->dst"
+    (e.g. "RAM->DISK", bytes written to swap) to bytes, cumulative since start;
+    call `wait_all()` first to count the transfers of tasks still running.
+    """
     return _xla_ffi.runtime_stats()
+
+
+def reset_peaks() -> None:
+    """Starts the peak memory use of every node (stats()["nodes"][i]["peak_used_bytes"]) over."""
+    if is_running():
+        _xla_ffi.reset_peaks()
 
 
 atexit.register(stop)

@@ -32,7 +32,7 @@ class _Handle:
     """Owns one registry id; the static part of a Tensor pytree."""
 
     __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "freed", "last_token", "grad",
-                 "grad_zeroed", "__weakref__")
+                 "grad_zeroed", "is_grad", "zero_pending", "invalidated", "__weakref__")
 
     def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True):
         self.id = tensor_id
@@ -44,6 +44,11 @@ class _Handle:
         self.last_token = None  # the latest concrete token, waited on before freeing
         self.grad = None
         self.grad_zeroed = False  # backward ops accumulate only into zeroed gradients
+        self.is_grad = not owner  # a gradient companion
+        # Trace-time lifetime state (see jnntile/ops/_ffi.py): the zero-fill of a
+        # gradient companion is still to be submitted; the tiles were released.
+        self.zero_pending = False
+        self.invalidated = False
         _live.add(self)
 
     def key(self):

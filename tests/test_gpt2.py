@@ -67,7 +67,10 @@ def test_matches_reference_eagerly(tiling, n_layer):
         logits, loss = m(m.token_tensor(idx), m.token_tensor(targets, allow_ignore=True))
         return loss, logits
 
-    (loss, logits), grads = jnntile.nn.value_and_grad(loss_fn, has_aux=True)(model, idx, targets)
+    # Logits are read after differentiating, so activations are kept (they are
+    # invalidated by default; the jit test below reads them inside instead).
+    (loss, logits), grads = jnntile.nn.value_and_grad(loss_fn, has_aux=True, keep_activations=True)(
+        model, idx, targets)
     _check_against_reference(model, config, params, idx, targets, loss, grads, logits.numpy())
 
 

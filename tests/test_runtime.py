@@ -46,7 +46,8 @@ def test_idle_process_does_not_spin():
     ({"workers": 0}, "1 to 4 CPU workers"),
     ({"scheduler": "fastest"}, "not a StarPU scheduler"),
     ({"memory_limit_mb": 0}, "must be positive"),
-    ({"swap_dir": "/tmp/x", "swap_size_mb": 0}, "must be positive"),
+    ({"swap_dir": "/tmp/x", "swap_size_mb": 0}, "at least 16"),
+    ({"swap_dir": "/tmp/x", "swap_size_mb": 8}, "at least 16"),
 ])
 def test_bad_configuration(settings, message):
     jnntile.runtime.stop()

@@ -78,6 +78,7 @@ NB_MODULE(_xla_ffi, m) {
       d["kind"] = n.kind;
       d["used_bytes"] = n.used_bytes;
       d["total_bytes"] = n.total_bytes;
+      d["peak_used_bytes"] = n.peak_used_bytes;
       nodes.append(d);
     }
     out["nodes"] = nodes;
@@ -86,6 +87,7 @@ NB_MODULE(_xla_ffi, m) {
     return out;
   });
 
+  m.def("reset_peaks", &reset_peaks);
   m.def("measure_empty_task_latency", [](int count) {
     nb::gil_scoped_release release;
     return measure_empty_task_latency(count);

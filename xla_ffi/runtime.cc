@@ -5,9 +5,12 @@ extern "C" {
 #include "runtime.h"
 
 #include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <sstream>
@@ -41,6 +44,10 @@ struct RuntimeState {
   std::map<std::string, int64_t> bytes_moved;
   std::vector<double> worker_busy_s;
   std::vector<int64_t> worker_tasks;
+  // Peak bytes used per memory node, sampled at every task completion (a
+  // task's buffers are all allocated while it runs, so this sees the peaks).
+  static constexpr int kMaxNodes = 8;
+  std::atomic<int64_t> peak_used[kMaxNodes];
 };
 
 RuntimeState& state() {
@@ -77,8 +84,24 @@ void pauser_loop() {
   }
 }
 
+int64_t node_used(unsigned node) {
+  int64_t total = starpu_memory_get_total(node);
+  return total >= 0 ? total - starpu_memory_get_available(node) : -1;
+}
+
+void sample_peaks(RuntimeState& s) {
+  unsigned nnodes = std::min<unsigned>(starpu_memory_nodes_get_count(), RuntimeState::kMaxNodes);
+  for (unsigned node = 0; node < nnodes; ++node) {
+    int64_t used = node_used(node);
+    int64_t peak = s.peak_used[node].load(std::memory_order_relaxed);
+    while (used > peak && !s.peak_used[node].compare_exchange_weak(peak, used)) {
+    }
+  }
+}
+
 void on_task_done(void* arg) {
   RuntimeState& s = state();
+  sample_peaks(s);
   s.completed.fetch_add(1, std::memory_order_relaxed);
   if (arg != nullptr) static_cast<TaskGroup*>(arg)->remaining.fetch_sub(1);
   {
@@ -112,6 +135,28 @@ void remove_tree(const std::string& path) {
   rmdir(path.c_str());
 }
 
+constexpr const char* kSwapPrefix = "jnntile-swap-";
+
+// Swap subdirectories are named jnntile-swap-<pid>-XXXXXX. A process that died
+// without stopping the runtime (killed, or StarPU aborted) leaves its own
+// behind: remove those whose process no longer exists.
+void remove_stale_swap_dirs(const std::string& swap_dir) {
+  DIR* dir = opendir(swap_dir.c_str());
+  if (dir == nullptr) return;
+  std::vector<std::string> stale;
+  std::string prefix = kSwapPrefix;
+  while (dirent* entry = readdir(dir)) {
+    std::string name = entry->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    char* end = nullptr;
+    long pid = std::strtol(name.c_str() + prefix.size(), &end, 10);
+    if (pid <= 0 || end == nullptr || *end != '-' || pid == long(getpid())) continue;
+    if (kill(pid_t(pid), 0) != 0 && errno == ESRCH) stale.push_back(swap_dir + "/" + name);
+  }
+  closedir(dir);
+  for (const std::string& path : stale) remove_tree(path);
+}
+
 void collect_profiling_locked(RuntimeState& s) {
   int nbus = starpu_bus_get_count();
   for (int bus = 0; bus < nbus; ++bus) {
@@ -143,6 +188,10 @@ void runtime_start(const RuntimeConfig& config) {
     throw std::invalid_argument("workers must be >= 1, got " + std::to_string(config.workers));
   if (config.memory_limit_mb <= 0)
     throw std::invalid_argument("memory_limit_mb must be > 0 (StarPU's own guess is wrong on VMs)");
+  // starpu_disk_register aborts the process below its minimum size.
+  if (!config.swap_dir.empty() && config.swap_size_mb * (int64_t(1) << 20) < int64_t(STARPU_DISK_SIZE_MIN))
+    throw std::invalid_argument("swap_size_mb=" + std::to_string(config.swap_size_mb) + " is below StarPU's minimum of " +
+                                std::to_string(int64_t(STARPU_DISK_SIZE_MIN) >> 20) + " MB");
 
   // StarPU reads its settings from the environment at starpu_init.
   setenv("STARPU_LIMIT_CPU_MEM", std::to_string(config.memory_limit_mb).c_str(), 1);
@@ -165,13 +214,14 @@ void runtime_start(const RuntimeConfig& config) {
   starpu_profiling_status_set(STARPU_PROFILING_ENABLE);
 
   if (!config.swap_dir.empty()) {
-    std::string pattern = config.swap_dir + "/jnntile-swap-XXXXXX";
+    std::string pattern = config.swap_dir + "/" + kSwapPrefix + std::to_string(getpid()) + "-XXXXXX";
     std::vector<char> buf(pattern.begin(), pattern.end());
     buf.push_back('\0');
     if (mkdir(config.swap_dir.c_str(), 0700) != 0 && errno != EEXIST) {
       starpu_shutdown();
       throw std::runtime_error("cannot create swap directory '" + config.swap_dir + "'");
     }
+    remove_stale_swap_dirs(config.swap_dir);
     if (mkdtemp(buf.data()) == nullptr) {
       starpu_shutdown();
       throw std::runtime_error("cannot create a swap subdirectory in '" + config.swap_dir +
@@ -201,7 +251,16 @@ void runtime_start(const RuntimeConfig& config) {
   s.bytes_moved.clear();
   s.worker_busy_s.clear();
   s.worker_tasks.clear();
+  for (auto& peak : s.peak_used) peak = 0;
   s.last_progress = Clock::now();
+}
+
+void reset_peaks() {
+  RuntimeState& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.running) return;
+  unsigned nnodes = std::min<unsigned>(starpu_memory_nodes_get_count(), RuntimeState::kMaxNodes);
+  for (unsigned node = 0; node < nnodes; ++node) s.peak_used[node] = node_used(node);
 }
 
 void runtime_stop() {
@@ -357,7 +416,9 @@ RuntimeStats runtime_stats() {
   for (unsigned node = 0; node < nnodes; ++node) {
     int64_t total = starpu_memory_get_total(node);
     int64_t available = starpu_memory_get_available(node);
-    out.nodes.push_back({int(node), node_kind_name(node), total >= 0 ? total - available : -1, total});
+    int64_t used = total >= 0 ? total - available : -1;
+    int64_t peak = node < unsigned(RuntimeState::kMaxNodes) ? s.peak_used[node].load() : -1;
+    out.nodes.push_back({int(node), node_kind_name(node), used, total, std::max(peak, used)});
   }
   out.bytes_moved = s.bytes_moved;
   return out;

@@ -48,6 +48,7 @@ struct NodeStats {
   std::string kind;
   int64_t used_bytes;
   int64_t total_bytes;
+  int64_t peak_used_bytes;  // highest used_bytes seen at a task completion since start or reset_peaks
 };
 
 struct RuntimeStats {
@@ -79,6 +80,8 @@ void wait(TaskGroup* group, const char* what);
 void wait_all(const char* what);
 
 RuntimeStats runtime_stats();
+// Starts the peak memory use of every node over from its current use.
+void reset_peaks();
 
 // Submits `count` empty tasks one at a time, each waited for, and returns the
 // mean seconds from submission to completion: the scheduler's per-task overhead.

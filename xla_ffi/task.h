@@ -57,6 +57,11 @@ starpu_codelet* codelet(const char* name) {
 template <class Args>
 void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const Args& args,
                  double flops = 0.0, TaskGroup* group = nullptr) {
+  // Before anything is submitted: a read of a tile that holds nothing is an error.
+  for (const Buffer& b : buffers)
+    if (b.mode & STARPU_R) check_readable(b.handle);
+  for (const Buffer& b : buffers)
+    if (!(b.mode & STARPU_R)) mark_written(b.handle);
   starpu_task* task = starpu_task_create();
   task->cl = cl;
   task->nbuffers = int(buffers.size());

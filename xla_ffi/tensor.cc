@@ -36,7 +36,12 @@ void unregister_locked(Registry& r, int64_t id) {
   if (it == r.tensors.end()) return;
   int64_t grad_id = it->second->grad_id;
   // Asynchronous: StarPU unregisters each tile after the tasks that use it.
-  for (starpu_data_handle_t handle : it->second->tiles) starpu_data_unregister_submit(handle);
+  // The user data (tile states) goes away with the TiledTensor below: only
+  // submissions look at it, and a freed tensor gets none.
+  for (starpu_data_handle_t handle : it->second->tiles) {
+    starpu_data_set_user_data(handle, nullptr);
+    starpu_data_unregister_submit(handle);
+  }
   r.tensors.erase(it);
   if (grad_id >= 0) unregister_locked(r, grad_id);
 }
@@ -128,8 +133,12 @@ int64_t tensor_create(const Index& shape, const Index& tile_shape, DType dtype) 
     ntiles *= tensor->grid.back();
   }
   tensor->tiles.resize(ntiles);
-  for (int64_t t = 0; t < ntiles; ++t)
+  tensor->tile_states.reset(new TileState[ntiles]);
+  for (int64_t t = 0; t < ntiles; ++t) {
     starpu_vector_data_register(&tensor->tiles[t], -1, 0, tensor->tile_numel(t), dtype_size(dtype));
+    tensor->tile_states[t].tensor = tensor.get();
+    starpu_data_set_user_data(tensor->tiles[t], &tensor->tile_states[t]);
+  }
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   tensor->id = r.next_id++;
@@ -173,6 +182,30 @@ int64_t tensor_grad(int64_t id) {
   int64_t grad_id = tensor_create(t.shape, t.tile_shape, t.dtype);
   t.grad_id = grad_id;
   return grad_id;
+}
+
+void check_readable(starpu_data_handle_t handle) {
+  auto* state = static_cast<TileState*>(starpu_data_get_user_data(handle));
+  if (state == nullptr) return;
+  auto content = TileContent(state->content.load(std::memory_order_relaxed));
+  if (content == TileContent::Valid) return;
+  std::string what = state->tensor != nullptr ? state->tensor->describe() : std::string("a tensor");
+  if (content == TileContent::Invalidated)
+    throw std::invalid_argument(
+        what + " was invalidated (its memory released, e.g. after its last use in a backward pass); it "
+               "cannot be read until something writes it again. Read it inside the differentiated function, "
+               "or pass keep_activations=True to jnntile.value_and_grad / jnntile.nn.value_and_grad");
+  throw std::invalid_argument(what + " is read before anything wrote it (DESIGN invariant 3)");
+}
+
+void mark_written(starpu_data_handle_t handle) {
+  auto* state = static_cast<TileState*>(starpu_data_get_user_data(handle));
+  if (state != nullptr) state->content.store(uint8_t(TileContent::Valid), std::memory_order_relaxed);
+}
+
+void mark_invalidated(starpu_data_handle_t handle) {
+  auto* state = static_cast<TileState*>(starpu_data_get_user_data(handle));
+  if (state != nullptr) state->content.store(uint8_t(TileContent::Invalidated), std::memory_order_relaxed);
 }
 
 int64_t tensor_count() {

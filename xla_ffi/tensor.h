@@ -9,7 +9,9 @@
 
 #include <starpu.h>
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,6 +23,18 @@ const char* dtype_name(DType dtype);
 
 using Index = std::vector<int64_t>;
 
+struct TiledTensor;
+
+// What a tile holds, as far as submissions tell: tasks are checked against it
+// when they are submitted (in token order), so reading a tile that was never
+// written or was invalidated raises a clear error instead of StarPU aborting
+// the process (DESIGN invariants 3 and 7). Attached to each handle as user data.
+enum class TileContent : uint8_t { NeverWritten = 0, Valid = 1, Invalidated = 2 };
+struct TileState {
+  std::atomic<uint8_t> content{uint8_t(TileContent::NeverWritten)};
+  const TiledTensor* tensor = nullptr;
+};
+
 struct TiledTensor {
   int64_t id;
   DType dtype;
@@ -28,6 +42,7 @@ struct TiledTensor {
   Index tile_shape;
   Index grid;  // tiles per axis
   std::vector<starpu_data_handle_t> tiles;  // row-major over the grid
+  std::unique_ptr<TileState[]> tile_states;  // one per tile, user data of its handle
   int64_t grad_id = -1;  // companion gradient tensor, created on demand
 
   int ndim() const { return int(shape.size()); }
@@ -50,6 +65,12 @@ bool tensor_exists(int64_t id);
 // The gradient companion of `id` (same shape, tiles and dtype), created once.
 int64_t tensor_grad(int64_t id);
 int64_t tensor_count();
+// Throws std::invalid_argument naming the tensor when a task may not read `handle`
+// (a tile of a registered tensor never written or invalidated); other handles pass.
+void check_readable(starpu_data_handle_t handle);
+// Records a write-only access (the tile becomes valid) or an invalidation.
+void mark_written(starpu_data_handle_t handle);
+void mark_invalidated(starpu_data_handle_t handle);
 void tensor_free_all();
 
 }  // namespace jnntile

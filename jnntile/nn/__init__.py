@@ -90,11 +90,13 @@ class Dropout(nnx.Module):
         return dropout_ops.dropout(x, self.rate, seed * 7919 + self.site)
 
 
-def value_and_grad(loss_fn: Callable, has_aux: bool = False):
+def value_and_grad(loss_fn: Callable, has_aux: bool = False, *, keep_activations: bool = False):
     """`loss_fn(model, *args)` -> (loss, grads): grads is an nnx.State of Tensors like the params.
 
     The model's graph is split off, its parameters differentiated with
-    `jnntile.value_and_grad`, and merged back for the call.
+    `jnntile.value_and_grad`, and merged back for the call. Activations are
+    invalidated after their last use in the backward pass unless
+    `keep_activations=True` (see `jnntile.value_and_grad`).
     """
 
     def wrapped(model: nnx.Module, *args, **kwargs):
@@ -103,7 +105,8 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False):
         def pure(params, *args, **kwargs):
             return loss_fn(nnx.merge(graphdef, params, rest), *args, **kwargs)
 
-        return jnntile.value_and_grad(pure, has_aux=has_aux)(params, *args, **kwargs)
+        return jnntile.value_and_grad(pure, has_aux=has_aux, keep_activations=keep_activations)(
+            params, *args, **kwargs)
 
     return wrapped
 

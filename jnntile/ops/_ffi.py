@@ -1,14 +1,38 @@
-"""The one way every op reaches the native code.
+"""The one way every op reaches the native code, and the lifetime of tiles within a step.
 
 `call` passes tensor ids as an int32 buffer (so one compiled call serves every
 tensor), the tokens of the tensors touched (so XLA orders the calls the way
 StarPU must see them, DESIGN invariant 2) and static attributes, and returns
 the fresh token. It also pins tensors created while tracing and remembers the
 latest concrete token of each eager tensor so freeing waits for it.
+
+Inside `jnntile.value_and_grad` a `Step` scope is active (see `step_scope`).
+It does three things for memory (DESIGN invariant 7):
+
+* Gradients start at zero lazily. The forward op that creates an activation,
+  and `value_and_grad` for the arguments, only mark the gradient companion
+  "zero pending"; the zero-fill is submitted right before the first backward
+  call that touches it. Activation gradients then take no memory before the
+  backward reaches them, and no tile of zeros is ever swapped out and back.
+* Calls on a gradient companion are chained in trace order (each depends on
+  the tokens of every earlier call on it in this step), so the accumulations
+  of several consumers run in one fixed order: the first one finds the
+  zero-fill before it, and results are bitwise reproducible.
+* `release` invalidates tensors after their last use: every backward rule
+  releases the op's outputs, their gradients and its scratch residuals once its
+  own tasks are submitted. The invalidation depends on the tokens of every call
+  that touched those tensors in this step (including reads whose results are
+  arrays, such as `to_array` of the loss or of an auxiliary output), so XLA
+  cannot run it before one of them.
+
+Outside a scope (plain `jax.grad`), gradients are zeroed eagerly by the forward
+call and nothing is released.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -19,6 +43,12 @@ from jnntile import tensor as tensor_mod
 from jnntile.tensor import Tensor, _Handle
 
 TOKEN = jax.ShapeDtypeStruct((), jnp.float32)
+
+# Measurement switches for bench/memory.py. LAZY_ZERO = False zeroes gradients
+# eagerly in the forward call; RELEASE = False keeps every activation and
+# gradient (no invalidation by backward rules or optimizers), as before.
+LAZY_ZERO = True
+RELEASE = True
 
 
 def _attr(value):
@@ -34,12 +64,97 @@ def _attr(value):
     raise TypeError(f"unsupported attribute value {value!r}")
 
 
-def _ids(handles: Sequence[_Handle | None]) -> np.ndarray:
+def invalidated_error(handle: _Handle) -> ValueError:
+    return ValueError(
+        f"{handle!r} was invalidated (its memory released after its last use in a backward pass, or by an "
+        "optimizer update for a gradient); it cannot be read until something writes it again. Read it inside the "
+        "differentiated function, or pass keep_activations=True to jnntile.value_and_grad / "
+        "jnntile.nn.value_and_grad to keep activations and their gradients")
+
+
+def _ids(handles: Sequence[_Handle | None], writes: Sequence[_Handle] = ()) -> np.ndarray:
     """Tensor ids; None (a gradient nobody needs) becomes -1 and is skipped natively."""
     for handle in handles:
         if handle is not None:
             handle.check_alive()
+            if handle.invalidated and not any(handle is w for w in writes):
+                raise invalidated_error(handle)
     return np.asarray([-1 if h is None else h.id for h in handles], dtype=np.int32)
+
+
+# ---- the step scope ---------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Step:
+    """Bookkeeping of one differentiation, at trace time (see the module docstring)."""
+
+    keep_activations: bool = False
+    # handle -> tokens of the calls that touched it in this step (arrays for reads)
+    touched: dict = dataclasses.field(default_factory=dict)
+
+
+_steps: list[Step] = []
+
+
+@contextlib.contextmanager
+def step_scope(keep_activations: bool = False):
+    step = Step(keep_activations=bool(keep_activations))
+    _steps.append(step)
+    try:
+        yield step
+    finally:
+        _steps.remove(step)
+
+
+def current_step() -> Step | None:
+    return _steps[-1] if _steps else None
+
+
+def _dedup(tokens):
+    seen, out = set(), []
+    for t in tokens:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def record(token, *handles: _Handle | None) -> None:
+    """Remembers that the call giving `token` touched `handles` in the current step."""
+    step = current_step()
+    if step is None or token is None:
+        return
+    for handle in handles:
+        if handle is not None:
+            step.touched.setdefault(handle, []).append(token)
+
+
+def read_token(array) -> jax.Array:
+    """A scalar float32 that depends on `array`: orders later calls after the read that produced it."""
+    return jnp.ravel(array)[0].astype(jnp.float32)
+
+
+def prepare(handles: Sequence[_Handle | None], tokens: Sequence, writes: Sequence[_Handle] = ()) -> list:
+    """The tokens a call on `handles` must wait for, after submitting pending zero-fills.
+
+    A gradient companion whose zero-fill is pending is filled first (unless this
+    call writes it whole), and a call on a gradient companion waits for every
+    earlier call on it in this step.
+    """
+    tokens = list(tokens)
+    step = current_step()
+    for handle in handles:
+        if handle is None:
+            continue
+        if handle.zero_pending:
+            handle.zero_pending = False
+            if not any(handle is w for w in writes):
+                deps = _dedup(tokens + (step.touched.get(handle, []) if step else []))
+                fill_token = call("fill", [handle], deps, writes=[handle], value=0.0)
+                tokens.append(fill_token)
+        if handle.is_grad and step is not None:
+            tokens.extend(step.touched.get(handle, []))
+    return _dedup(tokens)
 
 
 def after(token, *handles: _Handle):
@@ -54,30 +169,49 @@ def after(token, *handles: _Handle):
 
 
 def call(target: str, handles: Sequence[_Handle], tokens: Sequence, *,
-         zero_grads: Sequence[_Handle] = (), inputs: Sequence = (), **attrs):
+         zero_grads: Sequence[_Handle] = (), inputs: Sequence = (), writes: Sequence[_Handle] = (), **attrs):
     """Calls FFI target `jnntile_<target>` on `handles` after `tokens`.
 
-    `zero_grads` names tensors whose gradient companions this call zeroes;
-    `inputs` are extra array operands placed after the id buffer: per-step
-    values (a learning rate, a seed) that must not be attributes, because an
-    attribute is compiled into the program (DESIGN invariant 4).
+    `zero_grads` names tensors whose gradient companions start at zero here
+    (lazily inside a step scope, see the module docstring); `inputs` are extra
+    array operands placed after the id buffer: per-step values (a learning
+    rate, a seed) that must not be attributes, because an attribute is compiled
+    into the program (DESIGN invariant 4). `writes` names handles this call
+    only writes (every tile, write-only) or invalidates: they may be
+    invalidated before it, and hold data after it.
     """
+    step = current_step()
+    lazy = step is not None and LAZY_ZERO
     for handle in zero_grads:  # create the companions now, before the native call needs them
-        tensor_mod.grad_handle(handle)
+        grad = tensor_mod.grad_handle(handle)
         handle.grad_zeroed = True
-    ids = _ids(list(handles) + list(zero_grads))
+        if lazy:
+            grad.zero_pending = True
+            grad.invalidated = False
+    if lazy:
+        zero_grads = ()
+    handles = list(handles)
+    _ids(handles, writes)  # checks before anything is submitted
+    tokens = prepare(handles, tokens, writes)
+    ids = _ids(handles + list(zero_grads), writes)
     if zero_grads:
         attrs["zero_grads"] = len(zero_grads)
+        for handle in zero_grads:
+            handle.grad.invalidated = False
+            handle.grad.zero_pending = False
     if inputs:
         attrs["n_inputs"] = len(inputs)
     fn = jax.ffi.ffi_call(f"jnntile_{target}", TOKEN, has_side_effect=True)
     token = fn(ids, *inputs, *tokens, **{k: _attr(v) for k, v in attrs.items()})
+    for handle in writes:
+        handle.invalidated = target == "invalidate"
+    record(token, *handles, *(h.grad for h in zero_grads))
     return after(token, *handles)
 
 
 def join(*tokens):
     """One token that depends on all of `tokens` (for calls after several writes)."""
-    tokens = [t for t in tokens if t is not None]
+    tokens = _dedup(tokens)
     out = tokens[0]
     for t in tokens[1:]:
         out = out + t
@@ -89,3 +223,52 @@ def grad_target(t: Tensor) -> _Handle | None:
     if t.dtype != "float32" or not t.handle.grad_zeroed:
         return None
     return tensor_mod.grad_handle(t.handle)
+
+
+# ---- invalidation -----------------------------------------------------------------------------
+
+def invalidate(handles: Sequence[_Handle | None], tokens: Sequence):
+    """Invalidates `handles` after `tokens` (and after every call on them in the current step).
+
+    Returns the token of the invalidation. Handles already invalidated, freed
+    or None are skipped; so are gradient companions whose zero-fill is still
+    pending (they hold nothing).
+    """
+    step = current_step()
+    targets = []
+    for handle in handles:
+        if handle is None or handle.freed or handle.invalidated or any(handle is t for t in targets):
+            continue
+        if handle.zero_pending:  # never filled: nothing to drop, and it starts at zero when next used
+            continue
+        targets.append(handle)
+    if not targets:
+        return join(*tokens)
+    deps = list(tokens)
+    if step is not None:
+        for handle in targets:
+            deps.extend(step.touched.pop(handle, []))
+    return call("invalidate", targets, [join(*deps)], writes=targets)
+
+
+def release(token, *tensors: Tensor | _Handle | None):
+    """Called by backward rules after their last use of `tensors` (outputs and scratch residuals).
+
+    Invalidates the tensors and their gradient companions unless the step keeps
+    activations (or no step is active), and returns a token ordered after
+    `token` and the invalidation: the backward returns it as its cotangents'
+    token, so the invalidation is submitted promptly, before the next backward
+    call, and StarPU never evicts the dead tiles to disk.
+    """
+    step = current_step()
+    if step is None or step.keep_activations or not RELEASE:
+        return token
+    handles = []
+    for t in tensors:
+        handle = t.handle if isinstance(t, Tensor) else t
+        if handle is None:
+            continue
+        handles.append(handle)
+        if handle.grad is not None:
+            handles.append(handle.grad)
+    return invalidate(handles, [token])

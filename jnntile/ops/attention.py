@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target
+from jnntile.ops._ffi import call, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -63,7 +63,8 @@ def _causal_attention_bwd(residuals, g):
     token = call("attention_backward",
                  [qkv.handle, out.handle, lse.handle, tensor_mod.grad_handle(out.handle), grad_target(qkv)],
                  [out.token, g.token, qkv.token])
-    return (qkv.with_token(token),)
+    # The backward read out and lse: they, and out's gradient, are dead now.
+    return (qkv.with_token(release(token, out, lse)),)
 
 
 _causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)

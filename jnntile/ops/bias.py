@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target
+from jnntile.ops._ffi import call, grad_target, release
 from jnntile.ops.gemm import matmul
 from jnntile.tensor import Tensor
 
@@ -48,6 +48,7 @@ def _add_bias_bwd(residuals, g):
     x, b, out = residuals
     token = call("add_bias_backward", [tensor_mod.grad_handle(out.handle), grad_target(x), grad_target(b)],
                  [out.token, g.token, x.token, b.token])
+    token = release(token, out)
     return x.with_token(token), b.with_token(token)
 
 

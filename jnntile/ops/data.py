@@ -8,6 +8,7 @@ import numpy as np
 
 from jnntile import _xla_ffi
 from jnntile import tensor as tensor_mod
+from jnntile.ops import _ffi
 from jnntile.ops._ffi import after, call, grad_target
 from jnntile.tensor import Tensor
 
@@ -29,10 +30,15 @@ def from_array(array, tile_shape) -> Tensor:
 
 
 def _write(t: Tensor, array, accumulate: bool):
+    writes = () if accumulate else (t.handle,)
+    ids = _ffi._ids([t.handle], writes)
+    tokens = _ffi.prepare([t.handle], [] if t.token is None else [t.token], writes)
     fn = jax.ffi.ffi_call("jnntile_write", jax.ShapeDtypeStruct((), jnp.float32), has_side_effect=True)
-    ids = np.asarray([t.id], dtype=np.int32)
-    tokens = [] if t.token is None else [t.token]
-    return after(fn(ids, array, *tokens, accumulate=np.int64(accumulate)), t.handle)
+    token = fn(ids, array, *tokens, accumulate=np.int64(accumulate))
+    if not accumulate:
+        t.handle.invalidated = False
+    _ffi.record(token, t.handle)
+    return after(token, t.handle)
 
 
 def write(t: Tensor, array) -> Tensor:
@@ -46,12 +52,17 @@ def write(t: Tensor, array) -> Tensor:
         if t.token is not None:
             jax.block_until_ready(t.token)
         _xla_ffi.tensor_write(t.id, np.ascontiguousarray(array))
+        t.handle.invalidated = False
         return t.with_token(after(jnp.zeros((), jnp.float32), t.handle))
     return t.with_token(_write(t, array, accumulate=False))
 
 
 def to_numpy(t: Tensor) -> np.ndarray:
-    """The values of `t` as a new numpy array; blocks. Eager only (use `read` under jit)."""
+    """The values of `t` as a new numpy array; blocks. Eager only (use `read` under jit).
+
+    Raises ValueError when the tiles were invalidated (the native check knows
+    what the last executed program did, so it is the one asked here).
+    """
     t.handle.check_alive()
     if isinstance(t.token, jax.core.Tracer):
         raise TypeError(f"{t!r} is being traced: use jnntile.to_array inside jax.jit")
@@ -62,10 +73,15 @@ def to_numpy(t: Tensor) -> np.ndarray:
 
 
 def _read(t: Tensor) -> jax.Array:
-    t.handle.check_alive()
+    ids = _ffi._ids([t.handle])
+    tokens = _ffi.prepare([t.handle], [t.token])
     fn = jax.ffi.ffi_call("jnntile_read", jax.ShapeDtypeStruct(t.shape, jnp.dtype(t.dtype)),
                           has_side_effect=True)
-    return fn(np.asarray([t.id], dtype=np.int32), t.token)
+    out = fn(ids, *tokens)
+    # A later invalidation of t in this step must wait for this read.
+    if _ffi.current_step() is not None:
+        _ffi.record(_ffi.read_token(out), t.handle)
+    return out
 
 
 @jax.custom_vjp
@@ -97,10 +113,13 @@ def read(t: Tensor) -> jax.Array:
 
 
 def fill(t: Tensor, value: float) -> Tensor:
-    """Sets every element of `t` to `value` in place."""
-    return t.with_token(call("fill", [t.handle], [t.token], value=float(value)))
+    """Sets every element of `t` to `value` in place (valid again if it was invalidated)."""
+    return t.with_token(call("fill", [t.handle], [t.token], value=float(value), writes=[t.handle]))
 
 
 def invalidate(t: Tensor) -> Tensor:
-    """Drops the contents of `t`: memory freed, nothing written back. Next access must write."""
-    return t.with_token(call("invalidate", [t.handle], [t.token]))
+    """Drops the contents of `t`: memory freed (in RAM and swap), nothing written back.
+
+    Reading it afterwards raises a ValueError; writing it (fill, write) makes it valid again.
+    """
+    return t.with_token(_ffi.invalidate([t.handle], [t.token]))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target
+from jnntile.ops._ffi import call, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -45,6 +45,7 @@ def _dropout_bwd(rate, residuals, g):
     x, seed, out = residuals
     token = call("dropout_backward", [tensor_mod.grad_handle(out.handle), grad_target(x)],
                  [out.token, g.token, x.token], inputs=[seed], rate=rate)
+    token = release(token, out)
     # The seed is an integer: its cotangent is the empty float0 kind.
     return x.with_token(token), np.zeros(np.shape(seed), dtype=jax.dtypes.float0)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target
+from jnntile.ops._ffi import call, grad_target, release
 from jnntile.tensor import Tensor
 
 # name: (code in xla_ffi/kernels/cpu/elementwise.h, jnp reference)
@@ -63,7 +63,7 @@ def _unary_bwd(code, residuals, g):
     x, out = residuals
     token = call("unary_backward", [x.handle, tensor_mod.grad_handle(out.handle), grad_target(x)],
                  [out.token, g.token, x.token], op=code)
-    return (x.with_token(token),)
+    return (x.with_token(release(token, out)),)
 
 
 _unary.defvjp(_unary_fwd, _unary_bwd)
@@ -111,6 +111,7 @@ def _linear_bwd(coeffs, residuals, g):
     inputs, out = residuals
     token = call("accumulate", [tensor_mod.grad_handle(out.handle)] + [grad_target(t) for t in inputs],
                  [out.token, g.token] + [t.token for t in inputs], alphas=list(coeffs))
+    token = release(token, out)
     return (tuple(t.with_token(token) for t in inputs),)
 
 

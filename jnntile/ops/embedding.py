@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target
+from jnntile.ops._ffi import call, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -80,6 +80,7 @@ def _embedding_bwd(residuals, g):
     ids, table, out = residuals
     token = call("embedding_backward", [ids.handle, tensor_mod.grad_handle(out.handle), grad_target(table)],
                  [out.token, g.token, ids.token, table.token])
+    token = release(token, out)
     return ids.with_token(token), table.with_token(token)
 
 

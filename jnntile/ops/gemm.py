@@ -13,7 +13,7 @@ import functools
 import jax
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target
+from jnntile.ops._ffi import call, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -78,6 +78,7 @@ def _matmul_bwd(params, residuals, g):
     token = call("gemm_backward", [a.handle, b.handle, grad_target(a), grad_target(b), tensor_mod.grad_handle(out.handle)],
                  [out.token, g.token, a.token, b.token],
                  trans_a=trans_a, trans_b=trans_b, alpha=alpha, ndim=ndim, batch_ndim=batch_ndim)
+    token = release(token, out)  # this was the last use of out and its gradient
     return a.with_token(token), b.with_token(token)
 
 

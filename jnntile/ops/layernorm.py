@@ -14,7 +14,7 @@ import functools
 import jax
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target
+from jnntile.ops._ffi import call, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -59,6 +59,7 @@ def _layer_norm_bwd(eps, residuals, g):
                  [x.handle, weight.handle, stats.handle, tensor_mod.grad_handle(y.handle), grad_target(x),
                   grad_target(weight), grad_target(bias)],
                  [y.token, g.token, x.token, weight.token, bias.token])
+    token = release(token, y, stats)  # the saved (mean, rstd) too
     return x.with_token(token), weight.with_token(token), bias.with_token(token)
 
 

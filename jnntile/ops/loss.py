@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target
+from jnntile.ops._ffi import call, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -73,6 +73,7 @@ def _cross_entropy_bwd(ignore_index, residuals, g):
                  [logits.handle, targets.handle, lse.handle, inv_count.handle,
                   tensor_mod.grad_handle(loss.handle), grad_target(logits)],
                  [loss.token, g.token, logits.token, targets.token], ignore_index=ignore_index)
+    token = release(token, loss, lse, inv_count)
     return logits.with_token(token), targets.with_token(token)
 
 

@@ -7,7 +7,7 @@ import functools
 import jax
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target
+from jnntile.ops._ffi import call, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -31,7 +31,7 @@ def _sumsq_bwd(take_sqrt, residuals, g):
     x, out = residuals
     token = call("sumsq_backward", [x.handle, out.handle, tensor_mod.grad_handle(out.handle), grad_target(x)],
                  [out.token, g.token, x.token], sqrt=take_sqrt)
-    return (x.with_token(token),)
+    return (x.with_token(release(token, out)),)
 
 
 _sumsq.defvjp(_sumsq_fwd, _sumsq_bwd)

@@ -66,6 +66,10 @@ void host_copy(int64_t id, void* data, int64_t nbytes, Direction direction) {
   static starpu_codelet* add_cl = codelet<HostCopyArgs, add_in_kernel>("add_in");
   if (direction == Direction::Add && t.dtype != DType::F32)
     throw std::invalid_argument("only float32 tensors can be accumulated into: " + t.describe());
+  // Check every tile first: a failure half-way would leave tasks copying into
+  // a host array that the caller frees when the error reaches it.
+  if (direction != Direction::Write)
+    for (starpu_data_handle_t handle : t.tiles) check_readable(handle);
   auto* group = new TaskGroup();
   for (int64_t tile = 0; tile < t.num_tiles(); ++tile) {
     HostCopyArgs args{geometry(t, tile), data, dtype_size(t.dtype)};
@@ -148,11 +152,19 @@ void copy_submit(const OpCall& call) {
 }
 JNNTILE_OP(copy, copy_submit);
 
-// Marks every tile of a tensor as holding nothing: StarPU frees its memory and
-// never writes it back (DESIGN invariant 7). The next access must be a write.
+// Marks every tile of the given tensors as holding nothing: StarPU frees their
+// memory (in RAM and on disk) after the tasks already submitted on them, and
+// never writes them back (DESIGN invariant 7). The next access must be a write.
+// Ids of -1 are skipped.
 void invalidate_submit(const OpCall& call) {
-  TiledTensor& t = call.tensor(0);
-  for (starpu_data_handle_t handle : t.tiles) starpu_data_invalidate_submit(handle);
+  for (size_t i = 0; i < call.ids.size(); ++i) {
+    if (call.ids[i] < 0) continue;
+    TiledTensor& t = call.tensor(i);
+    for (starpu_data_handle_t handle : t.tiles) {
+      starpu_data_invalidate_submit(handle);
+      mark_invalidated(handle);
+    }
+  }
 }
 JNNTILE_OP(invalidate, invalidate_submit);
 

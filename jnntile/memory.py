@@ -1,0 +1,507 @@
+"""Memory planner: what a GPT-2 training step needs, before anything is allocated.
+
+`plan(config, batch_size, seq_len, optimizer="adamw")` walks the ops of one
+training step of `models/gpt2.py` (forward, backward, optimizer) with the tile
+sizes `models.gpt2.resolve_tiles` picks, and follows what the runtime does with
+memory (DESIGN invariant 7, jnntile/ops/_ffi.py):
+
+* parameters, optimizer state and the token ids live all the time;
+* the forward pass creates activations and scratch residuals (layer-norm
+  statistics, attention and cross-entropy logsumexp) that live until the
+  backward rule of the op that made them has run;
+* gradients start at zero right before their first backward use: an
+  activation's gradient lives from the backward of its last consumer to the
+  backward of its producer, a parameter's until the optimizer consumed it.
+
+The peak of that timeline is the memory StarPU must hold at once: with less
+RAM (the memory limit) it needs disk swap, as large as the whole peak, because
+StarPU keeps disk copies of the tiles it reads back (RAM caches the swap). Independently, every
+task needs all its tiles in RAM while it runs, and each worker runs one task
+at a time, so `workers x` the largest task must fit under the limit whatever
+the swap (a measured fact: two 7.3 MB tasks under a 10 MB limit hang, and the
+watchdog reports it).
+
+`python -m jnntile.memory --model gpt2 --batch-size 8 --seq-len 1024
+--memory-limit-mb 4096` prints the table and the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+MB = 2 ** 20
+F32 = 4
+I32 = 4
+F64 = 8
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}  # parameter-sized tensors of state per parameter
+# The tile axes a suggestion may shrink, and the smallest tile it proposes on each.
+_TILE_AXES = ("vocab", "hidden", "embd", "seq", "heads", "batch")
+_MIN_TILE = {"vocab": 64, "hidden": 64, "embd": 32, "seq": 16, "heads": 1, "batch": 1}
+
+
+class MemoryPlanError(ValueError):
+    """The configuration cannot train under the given memory limit and swap."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _T:
+    """A tensor of the step: bytes, tile bytes, kind ("param", "act", "scratch", "input")."""
+
+    name: str
+    shape: tuple
+    tile: tuple
+    itemsize: int
+    kind: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def tile_bytes(self) -> int:
+        return math.prod(min(t, n) for t, n in zip(self.tile, self.shape)) * self.itemsize
+
+    @property
+    def has_grad(self) -> bool:
+        return self.kind in ("param", "act") and self.itemsize == F32
+
+
+@dataclasses.dataclass
+class _Op:
+    name: str
+    inputs: list  # tensors read (activations, parameters, inputs)
+    outputs: list  # activations created
+    residuals: list  # scratch kept for the backward
+    tasks: list  # (bytes, description) of the largest tasks, forward and backward
+
+
+class _Step:
+    """The ops of one GPT-2 training step, mirroring models/gpt2.py op by op."""
+
+    def __init__(self, config, batch_size: int, seq_len: int, tiles):
+        self.ops: list[_Op] = []
+        self.params: list[_T] = []
+        self.inputs: list[_T] = []
+        B, T, C, H = batch_size, seq_len, config.n_embd, config.n_head
+        D, V = config.head_dim, config.vocab_size
+        tl = tiles
+        self.B, self.T, self.C, self.H, self.D, self.V = B, T, C, H, D, V
+        self.tl = tl
+        bt, btt = (B, T), (tl.batch, tl.seq)
+        self.act_c = lambda name: _T(name, bt + (C,), btt + (tl.embd,), F32, "act")  # noqa: E731
+
+        idx = self._input("idx", bt, btt)
+        targets = self._input("targets", bt, btt)
+        positions = self._input("positions", bt, btt)
+        wte = self._param("wte.weight", (V, C), (tl.vocab, tl.embd))
+        wpe = self._param("wpe.weight", (config.n_positions, C), (tl.seq, tl.embd))
+        x = self.add(self.embedding("wte", idx, wte), self.embedding("wpe", positions, wpe), "embd")
+        x = self.dropout(x, config.dropout, "embd")
+        for i in range(config.n_layer):
+            p = f"h.{i}."
+            h = self.layer_norm(x, p + "ln_1")
+            w = self._param(p + "attn.c_attn.weight", (C, 3, H, D), (tl.embd, 1, tl.heads, D))
+            b = self._param(p + "attn.c_attn.bias", (3, H, D), (1, tl.heads, D))
+            qkv = self.linear(h, w, b, _T(p + "qkv", bt + (3, H, D), btt + (1, tl.heads, D), F32, "act"))
+            y = self.attention(qkv, p)
+            w = self._param(p + "attn.c_proj.weight", (H, D, C), (tl.heads, D, tl.embd))
+            b = self._param(p + "attn.c_proj.bias", (C,), (tl.embd,))
+            y = self.dropout(self.linear(y, w, b, self.act_c(p + "attn.out")), config.dropout, p + "attn")
+            x = self.add(x, y, p + "res1")
+            h = self.layer_norm(x, p + "ln_2")
+            w = self._param(p + "mlp.c_fc.weight", (C, 4 * C), (tl.embd, tl.hidden))
+            b = self._param(p + "mlp.c_fc.bias", (4 * C,), (tl.hidden,))
+            hid = lambda name: _T(name, bt + (4 * C,), btt + (tl.hidden,), F32, "act")  # noqa: E731
+            h = self.gelu(self.linear(h, w, b, hid(p + "fc")), hid(p + "gelu"))
+            w = self._param(p + "mlp.c_proj.weight", (4 * C, C), (tl.hidden, tl.embd))
+            b = self._param(p + "mlp.c_proj.bias", (C,), (tl.embd,))
+            y = self.dropout(self.linear(h, w, b, self.act_c(p + "mlp.out")), config.dropout, p + "mlp")
+            x = self.add(x, y, p + "res2")
+        x = self.layer_norm(x, "ln_f")
+        logits = _T("logits", bt + (V,), btt + (tl.vocab,), F32, "act")
+        self.matmul(x, wte, logits, tm=tl.batch * tl.seq, tk=tl.embd, tn=tl.vocab)
+        self.cross_entropy(logits, targets)
+
+    # ---- tensors
+
+    def _param(self, name, shape, tile) -> _T:
+        t = _T(name, tuple(shape), tuple(tile), F32, "param")
+        self.params.append(t)
+        return t
+
+    def _input(self, name, shape, tile) -> _T:
+        t = _T(name, shape, tile, I32, "input")
+        self.inputs.append(t)
+        return t
+
+    # ---- ops (names and tensors as in jnntile/ops/*.py)
+
+    def _add_op(self, name, inputs, outputs, residuals, tasks):
+        self.ops.append(_Op(name, list(inputs), list(outputs), list(residuals), list(tasks)))
+
+    def embedding(self, name, ids: _T, table: _T) -> _T:
+        out = self.act_c(name)
+        task = ids.tile_bytes + table.tile_bytes + out.tile_bytes
+        self._add_op(f"embedding {name}", [ids, table], [out], [], [(task, f"embedding {name} (ids, table, out tiles)")])
+        return out
+
+    def add(self, x: _T, y: _T, name) -> _T:
+        out = _T(name, x.shape, x.tile, F32, "act")
+        self._add_op(f"add {name}", [x, y], [out], [], [(3 * x.tile_bytes, "add (3 tiles)")])
+        return out
+
+    def dropout(self, x: _T, rate: float, name) -> _T:
+        if rate == 0.0:
+            return x
+        out = _T(name + ".dropout", x.shape, x.tile, F32, "act")
+        self._add_op(f"dropout {name}", [x], [out], [], [(2 * x.tile_bytes, "dropout (2 tiles)")])
+        return out
+
+    def layer_norm(self, x: _T, name) -> _T:
+        C, tc = self.C, self.tl.embd
+        w = self._param(name + ".weight", (C,), (tc,))
+        b = self._param(name + ".bias", (C,), (tc,))
+        y = _T(name, x.shape, x.tile, F32, "act")
+        stats = _T(name + ".stats", x.shape[:-1] + (2,), x.tile[:-1] + (2,), F32, "scratch")
+        rows = math.prod(min(t, n) for t, n in zip(x.tile[:-1], x.shape[:-1]))
+        # backward dx task: x, stats, w, dy, sums (2 doubles per row), dx
+        task = 3 * x.tile_bytes + stats.tile_bytes + w.tile_bytes + 2 * F64 * rows
+        self._add_op(f"layer_norm {name}", [x, w, b], [y], [stats], [(task, f"layer_norm {name} backward")])
+        return y
+
+    def matmul(self, a: _T, b: _T, out: _T, *, tm, tk, tn):
+        # One task per (C tile, K tile); the backward products use the same three tile sizes.
+        task = F32 * (tm * tk + tk * tn + tm * tn)
+        self._add_op(f"matmul {out.name}", [a, b], [out], [], [(task, f"matmul {out.name} (A, B, C tiles)")])
+        return out
+
+    def linear(self, x: _T, w: _T, bias: _T, out: _T) -> _T:
+        tm = self.tl.batch * self.tl.seq
+        k_ndim = len(w.shape) - len(bias.shape)  # contracted axes of w
+        tk = math.prod(min(t, n) for t, n in zip(w.tile[:k_ndim], w.shape[:k_ndim]))
+        tn = math.prod(min(t, n) for t, n in zip(w.tile[k_ndim:], w.shape[k_ndim:]))
+        mm = _T(out.name + ".matmul", out.shape, out.tile, F32, "act")
+        self.matmul(x, w, mm, tm=tm, tk=tk, tn=tn)
+        self._add_op(f"add_bias {out.name}", [mm, bias], [out], [],
+                     [(2 * mm.tile_bytes + bias.tile_bytes, "add_bias (x, b, out tiles)")])
+        return out
+
+    def attention(self, qkv: _T, prefix) -> _T:
+        B, T, H, D = self.B, self.T, self.H, self.D
+        tb, ts, th = self.tl.batch, self.tl.seq, self.tl.heads
+        out = _T(prefix + "attn", (B, T, H, D), (tb, ts, th, D), F32, "act")
+        lse = _T(prefix + "attn.lse", (B, T, H), (tb, ts, th), F32, "scratch")
+        rows_bytes = lse.tile_bytes
+        # backward step: q, k, v, dout, lse, delta, dq, dk, dv
+        task = 7 * out.tile_bytes + 2 * rows_bytes
+        self._add_op(f"attention {prefix}", [qkv], [out], [lse], [(task, f"attention {prefix} backward step")])
+        return out
+
+    def gelu(self, x: _T, out: _T) -> _T:
+        self._add_op(f"gelu {out.name}", [x], [out], [], [(3 * x.tile_bytes, "gelu backward (x, dy, dx tiles)")])
+        return out
+
+    def cross_entropy(self, logits: _T, targets: _T):
+        loss = _T("loss", (), (), F32, "act")
+        lse = _T("loss.lse", logits.shape[:2], logits.tile[:2], F32, "scratch")
+        inv_count = _T("loss.inv_count", (), (), F32, "scratch")
+        task = 2 * logits.tile_bytes + targets.tile_bytes + lse.tile_bytes
+        self._add_op("cross_entropy", [logits, targets], [loss], [lse, inv_count],
+                     [(task, "cross_entropy backward (logits, dlogits tiles)")])
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Bytes one training step needs, and whether it can run under a memory limit."""
+
+    batch_size: int
+    seq_len: int
+    tiles: object  # models.gpt2.Tiles
+    optimizer: str
+    workers: int
+    n_params: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    inputs: int
+    activations: int  # activations and scratch residuals alive at the end of the forward pass
+    activation_gradients: int  # the most activation gradients alive at once in the backward pass
+    peak: int  # the most bytes StarPU holds at once in the step (simulated timeline)
+    peak_phase: str
+    largest_task: int
+    largest_task_name: str
+    config: object = None
+
+    @property
+    def state(self) -> int:
+        """Parameters + gradients + optimizer state."""
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def concurrent_tasks(self) -> int:
+        """Bytes that the tasks running at once may need in RAM: one largest task per worker."""
+        return self.workers * self.largest_task
+
+    def swap_needed_mb(self, memory_limit_mb: float) -> int:
+        """Swap (MB) needed under `memory_limit_mb`; 0 when the step fits in RAM.
+
+        RAM is a cache of the swap, not an extension of it: StarPU keeps the disk
+        copy of a tile it brought back, so the swap must hold the whole peak
+        (measured on a 41 MB step under a 16 MB limit: 40 MB of swap hangs, 44 MB
+        runs, 16 MB makes StarPU abort). Hence the peak plus a tenth, and never
+        below StarPU's smallest disk.
+        """
+        if self.peak <= memory_limit_mb * MB:
+            return 0
+        from jnntile.runtime import MIN_SWAP_MB
+
+        return max(MIN_SWAP_MB, math.ceil(1.1 * self.peak / MB))
+
+    def _task_problem(self, memory_limit_mb: float) -> str | None:
+        if self.concurrent_tasks <= memory_limit_mb * MB:
+            return None
+        task_mb = self.largest_task / MB
+        running = (f" and {self.workers} workers run {self.workers} such tasks at once "
+                   f"({self.concurrent_tasks / MB:.1f} MB)" if self.workers > 1 else "")
+        hint = self.suggest_tiles(memory_limit_mb)
+        fewer = " or fewer workers" if self.workers > 1 and self.largest_task <= memory_limit_mb * MB else ""
+        return (f"cannot run: a single task ({self.largest_task_name}) needs {task_mb:.1f} MB{running}, more than "
+                f"the memory limit of {memory_limit_mb:g} MB; use smaller tiles{', e.g. ' + hint if hint else ''}"
+                f"{fewer}")
+
+    def verdict(self, memory_limit_mb: float, swap_size_mb: float = 0) -> str:
+        """ "fits in RAM", "needs N MB of swap" or "cannot run: ..." (a short sentence)."""
+        problem = self._task_problem(memory_limit_mb)
+        if problem:
+            return problem
+        need = self.swap_needed_mb(memory_limit_mb)
+        if need == 0:
+            return "fits in RAM"
+        if swap_size_mb and swap_size_mb < need:
+            return (f"cannot run: needs {need} MB of swap (the step's peak of {self.peak / MB:.0f} MB is over the "
+                    f"{memory_limit_mb:g} MB limit, and the swap must hold all of it) but swap is "
+                    f"{swap_size_mb:g} MB; raise --swap-size-mb or --memory-limit-mb")
+        return f"needs {need} MB of swap"
+
+    def check(self, memory_limit_mb: float, swap_size_mb: float = 0) -> str:
+        """Returns the verdict, or raises MemoryPlanError when the step cannot run (no swap given counts)."""
+        text = self.verdict(memory_limit_mb, swap_size_mb)
+        if text.startswith("cannot run"):
+            raise MemoryPlanError(text)
+        if text.startswith("needs") and not swap_size_mb:
+            raise MemoryPlanError(f"cannot run without swap: the step {text} under a memory limit of "
+                                  f"{memory_limit_mb:g} MB (peak {self.peak / MB:.0f} MB); give --swap-dir and "
+                                  f"--swap-size-mb {self.swap_needed_mb(memory_limit_mb)}, or raise "
+                                  "--memory-limit-mb")
+        return text
+
+    def suggest_tiles(self, memory_limit_mb: float) -> str:
+        """Flags with smaller tiles under which every worker's task fits, e.g. "--tile-vocab 2048"."""
+        if self.config is None:
+            return ""
+        current = dataclasses.asdict(self.tiles)
+        tiles = dict(current)
+        target = memory_limit_mb * MB / self.workers
+        for _ in range(64):
+            size = _largest_task(self.config, self.batch_size, self.seq_len, tiles, self.optimizer)[0]
+            if size <= target:
+                break
+            best = None
+            for axis in _TILE_AXES:
+                if tiles[axis] // 2 < _MIN_TILE[axis]:
+                    continue
+                trial = dict(tiles, **{axis: tiles[axis] // 2})
+                trial_size = _largest_task(self.config, self.batch_size, self.seq_len, trial, self.optimizer)[0]
+                if trial_size < size and (best is None or trial_size < best[1]):
+                    best = (axis, trial_size)
+            if best is None:
+                return ""
+            tiles[best[0]] //= 2
+        else:
+            return ""
+        changed = [f"--tile-{axis} {tiles[axis]}" for axis in _TILE_AXES if tiles[axis] != current[axis]]
+        return " ".join(changed)
+
+    def rows(self) -> list[tuple[str, float, str]]:
+        """(what, MB, note) rows of the table."""
+        return [
+            ("parameters", self.parameters / MB, f"{self.n_params:,} float32"),
+            ("gradients", self.gradients / MB, "freed by the optimizer update"),
+            ("optimizer state", self.optimizer_state / MB, self.optimizer),
+            ("token ids", self.inputs / MB, "idx, targets, positions"),
+            ("activations kept for backward", self.activations / MB, "incl. layer-norm/attention/loss residuals"),
+            ("activation gradients (peak)", self.activation_gradients / MB, "alive at once in the backward pass"),
+            ("peak of the step", self.peak / MB, self.peak_phase),
+            ("largest task", self.largest_task / MB, self.largest_task_name),
+            (f"{self.workers} workers x largest task", self.concurrent_tasks / MB, "must fit under the limit"),
+        ]
+
+    def table(self) -> str:
+        t = self.tiles
+        lines = [f"batch {self.batch_size} x seq {self.seq_len}; tiles batch={t.batch} seq={t.seq} embd={t.embd} "
+                 f"heads={t.heads} hidden={t.hidden} vocab={t.vocab}"]
+        for what, mb, note in self.rows():
+            lines.append(f"  {what:<32} {mb:>12,.1f} MB   {note}")
+        return "\n".join(lines)
+
+
+def _step_for(config, batch_size, seq_len, tiles) -> _Step:
+    return _Step(config, batch_size, seq_len, tiles)
+
+
+def _largest_task(config, batch_size, seq_len, tiles: dict, optimizer: str):
+    from jnntile.models.gpt2 import Tiles
+
+    step = _step_for(config, batch_size, seq_len, Tiles(**tiles))
+    return _largest_of(step, optimizer)
+
+
+def _largest_of(step: _Step, optimizer: str):
+    tasks = [task for op in step.ops for task in op.tasks]
+    n_state = OPTIMIZER_STATES[optimizer]
+    for p in step.params:  # optimizer update: parameter, gradient and states, one tile each
+        tasks.append(((2 + n_state) * p.tile_bytes, f"{optimizer} update of a {p.name} tile {_tile_str(p)}"))
+    return max(tasks, key=lambda t: t[0])
+
+
+def _tile_str(t: _T) -> str:
+    return "(" + ", ".join(str(min(a, n)) for a, n in zip(t.tile, t.shape)) + ")"
+
+
+def _simulate(step: _Step, optimizer: str):
+    """Walks the step's timeline; returns (activations, activation-gradient peak, peak, phase)."""
+    n_state = OPTIMIZER_STATES[optimizer]
+    base = sum(p.nbytes for p in step.params) * (1 + n_state) + sum(t.nbytes for t in step.inputs)
+    live = 0  # activations, residuals, and gradients allocated so far
+    peak, phase = base, "start"
+    for op in step.ops:  # forward
+        live += sum(t.nbytes for t in op.outputs + op.residuals)
+        if base + live > peak:
+            peak, phase = base + live, "end of forward"
+    activations = live
+    grads: set = set()
+    act_grad_live = act_grad_peak = 0
+    for op in reversed(step.ops):  # backward: the op's tasks need its inputs' and outputs' gradients
+        for t in op.inputs + op.outputs:
+            if t.has_grad and t.name not in grads:
+                grads.add(t.name)
+                live += t.nbytes
+                if t.kind == "act":
+                    act_grad_live += t.nbytes
+        act_grad_peak = max(act_grad_peak, act_grad_live)
+        if base + live > peak:
+            peak, phase = base + live, f"backward of {op.name}"
+        for t in op.outputs + op.residuals:  # released after the op's backward
+            live -= t.nbytes
+            if t.name in grads:
+                live -= t.nbytes
+                act_grad_live -= t.nbytes
+    for p in step.params:  # parameters nobody differentiated still get a zero gradient
+        if p.name not in grads:
+            live += p.nbytes
+    if base + live > peak:
+        peak, phase = base + live, "optimizer update"
+    return activations, act_grad_peak, peak, phase
+
+
+def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None) -> MemoryPlan:
+    """The memory plan of one training step of `models.gpt2.GPT2(config)` on (batch_size, seq_len) tokens.
+
+    Tile sizes are the config's (or the automatic ones), as `resolve_tiles`
+    gives them; `workers` defaults to the runtime's.
+    """
+    from jnntile.models.gpt2 import resolve_tiles
+
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
+    if seq_len > config.n_positions:
+        raise ValueError(f"seq_len={seq_len} is longer than n_positions={config.n_positions}")
+    if workers is None:
+        from jnntile import runtime
+
+        workers = runtime.config().workers
+    tiles = resolve_tiles(config, batch_size, seq_len)
+    step = _step_for(config, batch_size, seq_len, tiles)
+    params = sum(p.nbytes for p in step.params)
+    activations, act_grads, peak, phase = _simulate(step, optimizer)
+    largest, largest_name = _largest_of(step, optimizer)
+    return MemoryPlan(
+        batch_size=batch_size, seq_len=seq_len, tiles=tiles, optimizer=optimizer, workers=workers,
+        n_params=params // F32, parameters=params, gradients=params,
+        optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
+        activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
+        largest_task=largest, largest_task_name=largest_name, config=config)
+
+
+# ---- command line -------------------------------------------------------------------------
+
+MODELS = ("tiny", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, batch, tile and memory flags shared with `python -m jnntile.train`."""
+    parser.add_argument("--model", choices=MODELS, default="tiny", help="GPT-2 preset (models/config.py)")
+    for name in ("n-layer", "n-head", "n-embd", "vocab-size", "n-positions"):
+        parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
+    parser.add_argument("--dropout", type=float, default=None, help="override the preset")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the model's n_positions")
+    for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab"):
+        parser.add_argument(f"--tile-{axis}", type=int, default=None, help="tile size (default: automatic)")
+    parser.add_argument("--memory-limit-mb", type=int, default=None,
+                        help="RAM StarPU may use for tiles (default: the runtime's, half of what is available)")
+    parser.add_argument("--swap-size-mb", type=int, default=0, help="disk swap size (0: no swap)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    parser.add_argument("--workers", type=int, default=None, help="StarPU CPU workers (default: the runtime's)")
+
+
+def config_from_args(args):
+    """The GPT2Config the flags describe (preset, size overrides and tiles)."""
+    from jnntile.models.config import GPT2Config
+
+    overrides = {}
+    for field in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "dropout"):
+        value = getattr(args, field, None)
+        if value is not None:
+            overrides[field] = value
+    for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab"):
+        value = getattr(args, f"tile_{axis}", None)
+        if value is not None:
+            overrides[f"tile_{axis}"] = value
+    return GPT2Config.preset(args.model, **overrides)
+
+
+def plan_from_args(args) -> MemoryPlan:
+    config = config_from_args(args)
+    seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.n_positions
+    return plan(config, args.batch_size, seq_len, getattr(args, "optimizer", "adamw"), getattr(args, "workers", None))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jnntile.memory",
+                                     description="What one GPT-2 training step needs in memory, and whether it "
+                                                 "runs under a memory limit (with disk swap).")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        memory_plan = plan_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    from jnntile import runtime
+
+    limit = args.memory_limit_mb if args.memory_limit_mb is not None else runtime.config().memory_limit_mb
+    config = memory_plan.config
+    print(f"GPT-2 {args.model}: n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} "
+          f"vocab_size={config.vocab_size}, {args.optimizer}")
+    print(memory_plan.table())
+    swap = f" and {args.swap_size_mb} MB of swap" if args.swap_size_mb else ""
+    verdict = memory_plan.verdict(limit, args.swap_size_mb)
+    print(f"memory limit {limit} MB{swap}: {verdict}")
+    return 1 if verdict.startswith("cannot run") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""Beyond RAM: memory limits with disk swap, invalidation of dead tiles, the planner.
+
+* Training under a limit of tens of MB with swap gives bitwise the losses and
+  parameters of an unlimited run, and the swap counters count real writes.
+* Activations, their gradients and consumed parameter gradients are
+  invalidated; reading them raises a clear error unless activations are kept.
+* The planner's verdicts; a task larger than the limit is refused by the
+  planner and caught by the watchdog instead of hanging.
+* The swap directory is removed at exit, after an error, and after a crash.
+"""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jnntile
+from jnntile import memory, optim
+from jnntile.models import gpt2
+from jnntile.models.config import GPT2Config
+from jnntile.ops import data
+from jnntile.ops import elementwise as ew
+from jnntile.ops import gemm
+
+B, T = 2, 32
+# 2.7M parameters: 42 MB of parameters, gradients and AdamW state, 2.6x a 16 MB limit.
+SWAP_CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=4096, n_positions=T, tile_batch=1,
+                         tile_seq=16, tile_embd=128, tile_heads=2, tile_hidden=256, tile_vocab=1024)
+
+
+def _train(config, steps, seed=0):
+    """Losses and final parameters of `steps` jitted AdamW steps, and the bytes moved per step."""
+    model = gpt2.GPT2(config, batch_size=B, seq_len=T, seed=seed)
+    graphdef, state = nnx.split(model)
+    tx = optim.adamw(1e-2)
+    opt_state = tx.init(nnx.state(model, nnx.Param))
+
+    @jax.jit
+    def step(state, opt_state, idx, targets):
+        m = nnx.merge(graphdef, state)
+        loss, grads = jnntile.nn.value_and_grad(lambda m, i, t: m(m.token_tensor(i), m.token_tensor(t))[1])(
+            m, idx, targets)
+        params = nnx.state(m, nnx.Param)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        nnx.update(m, optax.apply_updates(params, updates))
+        return nnx.state(m), opt_state, loss
+
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(steps):
+        idx, targets = (rng.integers(0, config.vocab_size, (B, T)).astype(np.int32) for _ in range(2))
+        state, opt_state, loss = step(state, opt_state, idx, targets)
+        losses.append(np.asarray(loss))
+    nnx.update(model, state)
+    params = {name: p.get_value().numpy() for name, p in model.named_params().items()}
+    return np.array(losses), params
+
+
+def _restart(**settings):
+    jnntile.runtime.stop()
+    jnntile.release_traced()
+    jnntile.runtime.start(**settings)
+
+
+def _io():
+    with open("/proc/self/io") as f:
+        return {line.split(":")[0]: int(line.split()[1]) for line in f}
+
+
+@pytest.fixture
+def restore_runtime():
+    previous = jnntile.runtime.config()
+    yield
+    jnntile.runtime.stop()
+    jnntile.release_traced()
+    jnntile.runtime.configure(**dataclasses.asdict(previous))
+
+
+def test_small_limit_with_swap_matches_unlimited_run(tmp_path, restore_runtime):
+    _restart(memory_limit_mb=1024, swap_dir=None)
+    losses, params = _train(SWAP_CONFIG, steps=3)
+
+    plan = memory.plan(SWAP_CONFIG, B, T)
+    assert plan.state > 2.5 * 16 * 2**20
+    assert plan.verdict(16, 64).startswith("needs")
+    _restart(memory_limit_mb=16, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    io_before = _io()
+    limited_losses, limited_params = _train(SWAP_CONFIG, steps=3)
+    jnntile.runtime.wait_all()
+    io_after = _io()
+    stats = jnntile.runtime.stats()
+
+    np.testing.assert_array_equal(limited_losses, losses)
+    for name in params:
+        np.testing.assert_array_equal(limited_params[name], params[name], err_msg=name)
+    ram = [n for n in stats["nodes"] if n["kind"] == "RAM"][0]
+    assert ram["total_bytes"] == 16 * 2**20 and ram["peak_used_bytes"] <= 16 * 2**20
+    written, read = stats["bytes_moved"]["RAM->DISK"], stats["bytes_moved"]["DISK->RAM"]
+    assert written > 3 * plan.parameters, "the state did not go through the swap"
+    # The bus counters count what the unistd backend really wrote and read.
+    assert abs((io_after["wchar"] - io_before["wchar"]) - written) < 0.05 * written
+    assert abs((io_after["rchar"] - io_before["rchar"]) - read) < 0.05 * read
+
+
+# ---- invalidation ----------------------------------------------------------------------------
+
+def _mlp(params, x):
+    return gemm.matmul(ew.gelu_tanh(gemm.matmul(x, params["w1"])), params["w2"])
+
+
+def _mlp_problem(rng):
+    params = {"w1": jnntile.from_array(rng.standard_normal((6, 8)).astype(np.float32), (3, 4)),
+              "w2": jnntile.from_array(rng.standard_normal((8, 4)).astype(np.float32), (4, 2))}
+    return params, jnntile.from_array(rng.standard_normal((5, 6)).astype(np.float32), (5, 3))
+
+
+def _loss_with_output(params, x):
+    y = _mlp(params, x)
+    return jnp.sum(jnntile.to_array(y) ** 2), y
+
+
+def test_activation_read_after_backward_raises_clearly(rng):
+    params, x = _mlp_problem(rng)
+    (_, y), grads = jnntile.value_and_grad(_loss_with_output, has_aux=True)(params, x)
+    assert y.handle.invalidated and y.handle.grad.invalidated
+    with pytest.raises(ValueError, match="invalidated.*keep_activations=True"):
+        y.numpy()
+    with pytest.raises(ValueError, match="invalidated"):
+        jnntile.grad_of(y).numpy()
+    with pytest.raises(ValueError, match="invalidated"):
+        ew.relu(y)  # refused at trace time, before anything is submitted
+    # Parameter gradients stay until an optimizer consumes them.
+    assert np.isfinite(jnntile.grad_of(grads["w1"]).numpy()).all()
+    # Writing makes the tensor valid again.
+    np.testing.assert_array_equal(data.fill(y, 2.0).numpy(), np.full(y.shape, 2.0, np.float32))
+
+
+def test_activation_read_after_jitted_backward_raises_clearly(rng):
+    params, x = _mlp_problem(rng)
+    step = jax.jit(jnntile.value_and_grad(_loss_with_output, has_aux=True))
+    (_, y), _ = step(params, x)
+    with pytest.raises(ValueError, match="invalidated"):
+        y.numpy()
+
+    def read_after_backward(params, x):
+        (_, y), _ = jnntile.value_and_grad(_loss_with_output, has_aux=True)(params, x)
+        return jnntile.to_array(y)
+
+    with pytest.raises(ValueError, match="invalidated"):
+        jax.jit(read_after_backward)(params, x)
+
+
+def test_keep_activations_keeps_them(rng):
+    params, x = _mlp_problem(rng)
+    (value, y), _ = jax.jit(jnntile.value_and_grad(_loss_with_output, has_aux=True, keep_activations=True))(
+        params, x)
+    np.testing.assert_allclose(np.sum(y.numpy() ** 2), value, rtol=1e-5)
+    assert np.isfinite(jnntile.grad_of(y).numpy()).all()
+
+
+def test_outputs_read_inside_the_function_are_ordered_before_invalidation(rng):
+    """The invalidation waits for reads whose results are arrays (aux outputs, the loss)."""
+    params, x = _mlp_problem(rng)
+
+    def loss(params, x):
+        y = _mlp(params, x)
+        values = jnntile.to_array(y)
+        return jnp.sum(values ** 2), values
+
+    expected = np.asarray(_mlp(params, x).numpy())
+    for _ in range(3):
+        (_, values), _ = jax.jit(jnntile.value_and_grad(loss, has_aux=True))(params, x)
+        np.testing.assert_array_equal(values, expected)
+
+
+def test_optimizer_consumes_gradients(rng):
+    params, x = _mlp_problem(rng)
+    tx = optim.adamw(1e-2)
+    state = tx.init(params)
+    _, grads = jnntile.value_and_grad(lambda p, x: _loss_with_output(p, x)[0])(params, x)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    with pytest.raises(ValueError, match="invalidated"):
+        jnntile.grad_of(grads["w1"]).numpy()
+    _, grads = jnntile.value_and_grad(lambda p, x: _loss_with_output(p, x)[0])(params, x)  # valid again
+    assert np.isfinite(jnntile.grad_of(grads["w1"]).numpy()).all()
+
+
+def test_reading_a_tensor_nothing_wrote_raises_clearly():
+    from jnntile import tensor as tensor_mod
+
+    handle = tensor_mod.new_handle((4, 4), "float32", (2, 2))
+    with pytest.raises(ValueError, match="before anything wrote it"):
+        jnntile.Tensor(jnp.zeros(()), handle).numpy()
+
+
+def test_gradient_of_unused_argument_is_zero(rng):
+    params, x = _mlp_problem(rng)
+    params["unused"] = jnntile.from_array(np.ones((3, 3), np.float32))
+    _, grads = jax.jit(jnntile.value_and_grad(lambda p, x: _loss_with_output(p, x)[0]))(params, x)
+    np.testing.assert_array_equal(jnntile.grad_of(grads["unused"]).numpy(), np.zeros((3, 3), np.float32))
+
+
+# ---- planner -----------------------------------------------------------------------------------
+
+TINY = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=2048, n_positions=64, tile_batch=1, tile_seq=32,
+                  tile_embd=64, tile_heads=2, tile_hidden=256, tile_vocab=512)
+
+
+def test_planner_counts_what_a_traced_step_creates(restore_runtime):
+    """The planner's activations are exactly the tensors a jitted step of models/gpt2.py creates."""
+    from jnntile import tensor as tensor_mod
+
+    _restart(memory_limit_mb=1024, swap_dir=None)
+    plan = memory.plan(TINY, 2, 64)
+    model = gpt2.GPT2(TINY, batch_size=2, seq_len=64)
+    assert plan.n_params == TINY.n_params()
+    created = []
+    original = tensor_mod.new_handle
+
+    def spy(shape, dtype, tile_shape):
+        created.append(original(shape, dtype, tile_shape))
+        return created[-1]
+
+    tensor_mod.new_handle = spy
+    try:
+        ids = jnp.zeros((2, 64), jnp.int32)
+        fn = jax.jit(lambda m, i: jnntile.nn.value_and_grad(
+            lambda m, i: m(m.token_tensor(i), m.token_tensor(i))[1])(m, i)[0])
+        fn.lower(model, ids)
+    finally:
+        tensor_mod.new_handle = original
+    assert sum(np.prod(h.shape) * 4 for h in created) == plan.activations + plan.inputs
+
+
+def test_planner_verdicts():
+    plan = memory.plan(TINY, 2, 64, workers=2)
+    peak_mb = plan.peak / 2**20
+    assert plan.verdict(peak_mb + 1) == "fits in RAM"
+    assert plan.check(peak_mb + 1) == "fits in RAM"
+    need = plan.swap_needed_mb(peak_mb / 2)
+    assert need >= 16 and plan.verdict(peak_mb / 2) == f"needs {need} MB of swap"
+    assert plan.verdict(peak_mb / 2, need) == f"needs {need} MB of swap"
+    with pytest.raises(memory.MemoryPlanError, match="cannot run without swap.*--swap-size-mb"):
+        plan.check(peak_mb / 2)
+    with pytest.raises(memory.MemoryPlanError, match="raise --swap-size-mb"):
+        plan.check(peak_mb / 2, need - 1)
+    task_mb = plan.largest_task / 2**20
+    verdict = plan.verdict(1.5 * task_mb, 4096)  # one task fits, two at once do not
+    assert verdict.startswith("cannot run: a single task") and "2 workers" in verdict
+    with pytest.raises(memory.MemoryPlanError, match="use smaller tiles, e.g. --tile-"):
+        plan.check(0.5 * task_mb, 4096)
+
+
+def test_planner_suggestion_makes_the_task_fit():
+    config = dataclasses.replace(TINY, vocab_size=32768, tile_vocab=32768, tile_embd=128)
+    plan = memory.plan(config, 2, 64, workers=2)
+    limit = 20
+    assert plan.largest_task > limit * 2**20
+    hint = plan.suggest_tiles(limit)
+    assert "--tile-vocab" in hint
+    flags = dict(zip(hint.split()[::2], map(int, hint.split()[1::2])))
+    smaller = dataclasses.replace(config, **{f.removeprefix("--").replace("-", "_"): v for f, v in flags.items()})
+    assert not memory.plan(smaller, 2, 64, workers=2).verdict(limit, 4096).startswith("cannot run")
+
+
+def test_planner_command_line(capsys):
+    assert memory.main(["--model", "gpt2", "--batch-size", "4", "--seq-len", "512", "--memory-limit-mb", "1024",
+                        "--swap-size-mb", "65536", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "124,439,808" in out and "needs" in out and "MB of swap" in out
+    assert memory.main(["--model", "tiny", "--tile-vocab", "50257", "--tile-embd", "128",
+                        "--memory-limit-mb", "64", "--workers", "2"]) == 1
+    assert "cannot run: a single task" in capsys.readouterr().out
+
+
+# ---- no hangs, and the swap directory is cleaned up -------------------------------------------
+
+def _run(script, **kwargs):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_path):
+    # The AdamW update of a (2048, 128) tile of wte needs 4 MB (parameter, gradient
+    # and two moments) under a 2 MB limit: no swap can help.
+    script = f"""
+        import numpy as np, jnntile
+        from flax import nnx
+        from jnntile import memory, optim
+        from jnntile.models import gpt2
+        from jnntile.models.config import GPT2Config
+        config = GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=2048, n_positions=32, tile_seq=32,
+                            tile_vocab=2048)
+        try:
+            memory.plan(config, 1, 32, workers=2).check(2, 64)
+        except memory.MemoryPlanError as e:
+            print("PLANNER:", e, flush=True)
+        # Run anyway, as if the planner had missed it.
+        jnntile.runtime.start(memory_limit_mb=2, swap_dir={str(tmp_path)!r}, swap_size_mb=64, watchdog_s=3)
+        model = gpt2.GPT2(config, batch_size=1, seq_len=32)
+        ids = np.zeros((1, 32), np.int32)
+        _, grads = gpt2.loss_and_grads(model, ids, ids)
+        params = nnx.state(model, nnx.Param)
+        tx = optim.adamw(1e-3)
+        tx.update(grads, tx.init(params), params)
+        jnntile.runtime.wait_all()
+    """
+    started = time.perf_counter()
+    result = _run(script)
+    assert "PLANNER: cannot run: a single task (adamw update of a wte.weight tile (2048, 128))" in result.stdout
+    assert result.returncode != 0
+    assert "no StarPU task completed" in result.stderr and "memory limit 2 MB" in result.stderr
+    assert time.perf_counter() - started < 90
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("jnntile-swap-")]
+
+
+@pytest.mark.parametrize("ending", ["exit", "error"])
+def test_swap_dir_is_removed_at_exit_and_after_an_error(tmp_path, ending):
+    script = f"""
+        import os, numpy as np, jnntile
+        from jnntile.ops import gemm
+        jnntile.runtime.start(memory_limit_mb=2, swap_dir={str(tmp_path)!r}, swap_size_mb=32)
+        a = jnntile.random_normal((1024, 1024), seed=1, tile_shape=256)
+        b = gemm.matmul(a, a)  # 8 MB of tiles under a 2 MB limit
+        b.numpy()
+        assert jnntile.runtime.stats()["bytes_moved"]["RAM->DISK"] > 0
+        print("SWAP DIRS", os.listdir({str(tmp_path)!r}))
+        if {ending!r} == "error":
+            raise RuntimeError("boom")
+    """
+    result = _run(script)
+    assert "SWAP DIRS ['jnntile-swap-" in result.stdout, result.stderr
+    assert (result.returncode != 0) == (ending == "error")
+    if ending == "error":
+        assert "boom" in result.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_swap_dir_of_a_killed_process_is_removed_by_the_next_one(tmp_path):
+    start = f"""
+        import os, jnntile
+        jnntile.runtime.start(memory_limit_mb=64, swap_dir={str(tmp_path)!r}, swap_size_mb=32)
+        print("SWAP DIRS", os.listdir({str(tmp_path)!r}), flush=True)
+    """
+    result = _run(start + "    os.kill(os.getpid(), 9)\n")
+    assert result.returncode == -signal.SIGKILL and "SWAP DIRS ['jnntile-swap-" in result.stdout
+    assert len(os.listdir(tmp_path)) == 1  # left behind by the killed process
+    result = _run(start)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("jnntile-swap-") == 1  # only its own
+    assert os.listdir(tmp_path) == []
