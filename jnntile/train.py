@@ -27,7 +27,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, optim
+from jnntile import checkpoint, memory, optim
 from jnntile import data as data_mod
 from jnntile.models import gpt2
 from jnntile.models import gpt2_reference
@@ -259,7 +259,12 @@ def train(args) -> dict:
         runtime_settings["memory_limit_mb"] = args.memory_limit_mb
     if args.swap_dir is not None:
         runtime_settings.update(swap_dir=args.swap_dir, swap_size_mb=args.swap_size_mb)
-    if runtime_settings:
+    runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
+    runtime_config.validate()
+    plan = memory.plan(config, args.batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers)
+    # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
+    verdict = plan.check(runtime_config.memory_limit_mb, runtime_config.swap_size_mb if runtime_config.swap_dir else 0)
+    if runtime_settings and runtime_config != jnntile.runtime.config():
         jnntile.runtime.stop()
         jnntile.runtime.configure(**runtime_settings)
     jnntile.runtime.start()
@@ -289,8 +294,8 @@ def train(args) -> dict:
     n_params = config.n_params()
     print(f"GPT-2 {args.model}: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
           f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; "
-          f"{jnntile.runtime.config().workers} StarPU workers, memory limit {jnntile.runtime.config().memory_limit_mb} MB",
-          flush=True)
+          f"{runtime_config.workers} StarPU workers, memory limit {runtime_config.memory_limit_mb} MB "
+          f"(planned peak {plan.peak / 2**20:.0f} MB: {verdict})", flush=True)
 
     def save(step):
         state = {"data_position": step * args.batch_size * args.seq_len, "data_order": args.data_order,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jnntile import data as data_mod
+from jnntile import memory
 from jnntile import train as train_mod
 from jnntile.models.hf_checkpoint import load_hf
 
@@ -118,6 +119,16 @@ def test_unknown_preset_is_refused(capsys):
 def test_bad_input_is_refused_before_training(dataset, tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
         _run(dataset, tmp_path, *extra)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_step_that_cannot_fit_the_memory_limit_is_refused_before_training(dataset, tmp_path):
+    bigger = ["--batch-size", "8", "--seq-len", "64", "--memory-limit-mb", "2"]
+    args = train_mod.parse_args(["--data", str(dataset), *SMALL, *bigger])
+    config = train_mod._config(args, data_mod.TokenDataset(dataset).vocab_size)
+    assert memory.plan(config, 8, 64).peak > 2 * 2**20  # the planner's peak exceeds the limit
+    with pytest.raises(ValueError, match="swap"):
+        _run(dataset, tmp_path, "--steps", "1", *bigger)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
