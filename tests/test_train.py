@@ -151,3 +151,17 @@ def test_main_reports_errors_without_traceback(dataset, tmp_path, capsys):
     code = train_mod.main(["--data", str(tmp_path / "missing.bin"), "--out", str(tmp_path)])
     assert code == 2
     assert capsys.readouterr().err.startswith("error:")
+
+
+def test_memory_limit_with_disk_swap_gives_the_same_losses(dataset, tmp_path):
+    common = ["--steps", "3", "--eval-interval", "0", "--samples", "0", "--batch-size", "4", "--seq-len", "32"]
+    _run(dataset, tmp_path / "unlimited", *common)
+    swap = tmp_path / "swap"
+    _run(dataset, tmp_path / "limited", *common, "--memory-limit-mb", "3", "--swap-dir", str(swap),
+         "--swap-size-mb", "64")
+    assert _losses(tmp_path / "limited") == _losses(tmp_path / "unlimited")
+    import jnntile
+
+    jnntile.runtime.stop()
+    assert not any(swap.iterdir()), "the swap directory is cleaned when the runtime stops"
+    jnntile.runtime.configure(memory_limit_mb=jnntile.runtime.RuntimeConfig().memory_limit_mb, swap_dir=None)
