@@ -27,12 +27,16 @@ It does three things for memory (DESIGN invariant 7):
 
 Outside a scope (plain `jax.grad`), gradients are zeroed eagerly by the forward
 call and nothing is released.
+
+Every differentiable op is declared once, from its forward and backward, by
+`differentiable`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -223,6 +227,28 @@ def grad_target(t: Tensor) -> _Handle | None:
     if t.dtype != "float32" or not t.handle.grad_zeroed:
         return None
     return tensor_mod.grad_handle(t.handle)
+
+
+# ---- differentiable ops ------------------------------------------------------------------
+
+def differentiable(forward, backward, nondiff_argnums=()):
+    """The `jax.custom_vjp` function of an op, from its forward and backward rules.
+
+    `forward(*args, zero_grad)` submits the op and returns `(out, residuals)`.
+    `zero_grad` is True only in the forward of a differentiation: the output's
+    gradient companion starts at zero there, and a residual that only the
+    backward reads (layer norm's statistics) need be created only then. The
+    plain call drops the residuals.
+    `backward(*nondiff_args, residuals, g)` returns a cotangent per
+    differentiable argument, as for `jax.custom_vjp`, and `nondiff_argnums`
+    are the positions of the parameters fixed at trace time.
+    """
+    @functools.partial(jax.custom_vjp, nondiff_argnums=nondiff_argnums)
+    def op(*args):
+        return forward(*args, zero_grad=False)[0]
+
+    op.defvjp(lambda *args: forward(*args, zero_grad=True), backward)
+    return op
 
 
 # ---- invalidation -----------------------------------------------------------------------------

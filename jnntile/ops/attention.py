@@ -12,10 +12,8 @@ separate tiles and the head dimension is whole; the output is tiled
 
 from __future__ import annotations
 
-import jax
-
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -38,26 +36,16 @@ def _check(qkv: Tensor) -> None:
 
 
 def _forward(qkv: Tensor, zero_grad: bool):
-    """Submits the forward; returns the output and the logsumexp per query row (B, T, H)."""
+    """Submits the forward; returns the output and the residuals (qkv, output, logsumexp per query row (B, T, H))."""
     B, T, _, H, D = qkv.shape
     tb, tt, _, th, _ = qkv.tile_shape
     out = tensor_mod.new_handle((B, T, H, D), "float32", (tb, tt, th, D))
     lse = tensor_mod.new_handle((B, T, H), "float32", (tb, tt, th))
     token = call("attention", [qkv.handle, out, lse], [qkv.token], zero_grads=[out] if zero_grad else [])
-    return Tensor(token, out), Tensor(token, lse)
+    return Tensor(token, out), (qkv, Tensor(token, out), Tensor(token, lse))
 
 
-@jax.custom_vjp
-def _causal_attention(qkv: Tensor) -> Tensor:
-    return _forward(qkv, zero_grad=False)[0]
-
-
-def _causal_attention_fwd(qkv):
-    out, lse = _forward(qkv, zero_grad=True)
-    return out, (qkv, out, lse)
-
-
-def _causal_attention_bwd(residuals, g):
+def _backward(residuals, g):
     qkv, out, lse = residuals
     # Invariant 1: out.token (the forward, which also wrote lse) orders this call.
     token = call("attention_backward",
@@ -67,7 +55,7 @@ def _causal_attention_bwd(residuals, g):
     return (qkv.with_token(release(token, out, lse)),)
 
 
-_causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+_causal_attention = differentiable(_forward, _backward)
 
 
 def causal_attention(qkv: Tensor) -> Tensor:

@@ -9,10 +9,8 @@ axes, so a fused projection `w: (C, 3, H, D)` gives `(..., 3, H, D)`.
 
 from __future__ import annotations
 
-import jax
-
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.ops.gemm import matmul
 from jnntile.tensor import Tensor
 
@@ -31,20 +29,10 @@ def _check(x: Tensor, b: Tensor):
 def _forward(x, b, zero_grad):
     out = tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
     token = call("add_bias", [x.handle, b.handle, out], [x.token, b.token], zero_grads=[out] if zero_grad else [])
-    return Tensor(token, out)
+    return Tensor(token, out), (x, b, Tensor(token, out))
 
 
-@jax.custom_vjp
-def _add_bias(x: Tensor, b: Tensor) -> Tensor:
-    return _forward(x, b, zero_grad=False)
-
-
-def _add_bias_fwd(x, b):
-    out = _forward(x, b, zero_grad=True)
-    return out, (x, b, out)
-
-
-def _add_bias_bwd(residuals, g):
+def _backward(residuals, g):
     x, b, out = residuals
     token = call("add_bias_backward", [tensor_mod.grad_handle(out.handle), grad_target(x), grad_target(b)],
                  [out.token, g.token, x.token, b.token])
@@ -52,7 +40,7 @@ def _add_bias_bwd(residuals, g):
     return x.with_token(token), b.with_token(token)
 
 
-_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+_add_bias = differentiable(_forward, _backward)
 
 
 def add_bias(x: Tensor, b: Tensor) -> Tensor:

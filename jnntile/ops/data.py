@@ -9,7 +9,7 @@ import numpy as np
 from jnntile import _xla_ffi
 from jnntile import tensor as tensor_mod
 from jnntile.ops import _ffi
-from jnntile.ops._ffi import after, call, grad_target
+from jnntile.ops._ffi import after, call, differentiable, grad_target
 from jnntile.tensor import Tensor
 
 
@@ -84,16 +84,12 @@ def _read(t: Tensor) -> jax.Array:
     return out
 
 
-@jax.custom_vjp
-def _read_differentiable(t: Tensor) -> jax.Array:
-    return _read(t)
-
-
-def _read_fwd(t):
+def _read_forward(t, zero_grad):
+    # The values are an array, not a tensor: there is no gradient companion to zero.
     return _read(t), t
 
 
-def _read_bwd(t, g):
+def _read_backward(t, g):
     # The cotangent of the values is added into the tensor's gradient.
     grad = grad_target(t)
     if grad is None:
@@ -101,7 +97,7 @@ def _read_bwd(t, g):
     return (t.with_token(_write(Tensor(t.token, grad), g, accumulate=True)),)
 
 
-_read_differentiable.defvjp(_read_fwd, _read_bwd)
+_read_differentiable = differentiable(_read_forward, _read_backward)
 
 
 def read(t: Tensor) -> jax.Array:

@@ -13,14 +13,12 @@ fixed at trace time.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -28,20 +26,10 @@ def _forward(x, seed, rate, zero_grad):
     out = tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
     token = call("dropout", [x.handle, out], [x.token], zero_grads=[out] if zero_grad else [], inputs=[seed],
                  rate=rate)
-    return Tensor(token, out)
+    return Tensor(token, out), (x, seed, Tensor(token, out))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dropout(x: Tensor, seed, rate: float) -> Tensor:
-    return _forward(x, seed, rate, zero_grad=False)
-
-
-def _dropout_fwd(x, seed, rate):
-    out = _forward(x, seed, rate, zero_grad=True)
-    return out, (x, seed, out)
-
-
-def _dropout_bwd(rate, residuals, g):
+def _backward(rate, residuals, g):
     x, seed, out = residuals
     token = call("dropout_backward", [tensor_mod.grad_handle(out.handle), grad_target(x)],
                  [out.token, g.token, x.token], inputs=[seed], rate=rate)
@@ -50,7 +38,7 @@ def _dropout_bwd(rate, residuals, g):
     return x.with_token(token), np.zeros(np.shape(seed), dtype=jax.dtypes.float0)
 
 
-_dropout.defvjp(_dropout_fwd, _dropout_bwd)
+_dropout = differentiable(_forward, _backward, nondiff_argnums=(2,))
 
 
 def dropout(x: Tensor, rate: float, seed) -> Tensor:

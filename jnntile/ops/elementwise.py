@@ -8,13 +8,11 @@ gradient, scaled, into each input gradient.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
 # name: (code in xla_ffi/kernels/cpu/elementwise.h, jnp reference)
@@ -47,26 +45,20 @@ def _new_like(x: Tensor):
 
 # ---- unary family --------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _unary(x: Tensor, code: int) -> Tensor:
+def _unary_forward(x, code, zero_grad):
     out = _new_like(x)
-    return Tensor(call("unary", [x.handle, out], [x.token], op=code), out)
-
-
-def _unary_fwd(x, code):
-    out = _new_like(x)
-    token = call("unary", [x.handle, out], [x.token], zero_grads=[out], op=code)
+    token = call("unary", [x.handle, out], [x.token], zero_grads=[out] if zero_grad else [], op=code)
     return Tensor(token, out), (x, Tensor(token, out))
 
 
-def _unary_bwd(code, residuals, g):
+def _unary_backward(code, residuals, g):
     x, out = residuals
     token = call("unary_backward", [x.handle, tensor_mod.grad_handle(out.handle), grad_target(x)],
                  [out.token, g.token, x.token], op=code)
     return (x.with_token(release(token, out)),)
 
 
-_unary.defvjp(_unary_fwd, _unary_bwd)
+_unary = differentiable(_unary_forward, _unary_backward, nondiff_argnums=(1,))
 
 
 def _make_unary(name: str, code: int):
@@ -94,20 +86,10 @@ def _linear_forward(inputs, coeffs, zero_grad):
     attrs = {"a": coeffs[0]} if len(inputs) == 1 else {"a": coeffs[0], "b": coeffs[1]}
     token = call("axpby", [t.handle for t in inputs] + [out], [t.token for t in inputs],
                  zero_grads=[out] if zero_grad else [], **attrs)
-    return Tensor(token, out)
+    return Tensor(token, out), (inputs, Tensor(token, out))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _linear(inputs: tuple, coeffs: tuple) -> Tensor:
-    return _linear_forward(inputs, coeffs, zero_grad=False)
-
-
-def _linear_fwd(inputs, coeffs):
-    out = _linear_forward(inputs, coeffs, zero_grad=True)
-    return out, (inputs, out)
-
-
-def _linear_bwd(coeffs, residuals, g):
+def _linear_backward(coeffs, residuals, g):
     inputs, out = residuals
     token = call("accumulate", [tensor_mod.grad_handle(out.handle)] + [grad_target(t) for t in inputs],
                  [out.token, g.token] + [t.token for t in inputs], alphas=list(coeffs))
@@ -115,7 +97,7 @@ def _linear_bwd(coeffs, residuals, g):
     return (tuple(t.with_token(token) for t in inputs),)
 
 
-_linear.defvjp(_linear_fwd, _linear_bwd)
+_linear = differentiable(_linear_forward, _linear_backward, nondiff_argnums=(1,))
 
 
 def axpby(a: float, x: Tensor, b: float, y: Tensor) -> Tensor:

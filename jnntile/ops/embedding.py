@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -63,20 +63,10 @@ def _forward(ids, table, zero_grad):
     out = tensor_mod.new_handle(shape, "float32", tile_shape)
     token = call("embedding", [ids.handle, table.handle, out], [ids.token, table.token],
                  zero_grads=[out] if zero_grad else [])
-    return Tensor(token, out)
+    return Tensor(token, out), (ids, table, Tensor(token, out))
 
 
-@jax.custom_vjp
-def _embedding(ids: Tensor, table: Tensor) -> Tensor:
-    return _forward(ids, table, zero_grad=False)
-
-
-def _embedding_fwd(ids, table):
-    out = _forward(ids, table, zero_grad=True)
-    return out, (ids, table, out)
-
-
-def _embedding_bwd(residuals, g):
+def _backward(residuals, g):
     ids, table, out = residuals
     token = call("embedding_backward", [ids.handle, tensor_mod.grad_handle(out.handle), grad_target(table)],
                  [out.token, g.token, ids.token, table.token])
@@ -84,7 +74,7 @@ def _embedding_bwd(residuals, g):
     return ids.with_token(token), table.with_token(token)
 
 
-_embedding.defvjp(_embedding_fwd, _embedding_bwd)
+_embedding = differentiable(_forward, _backward)
 
 
 def embedding(ids: Tensor, table: Tensor) -> Tensor:

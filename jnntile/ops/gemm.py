@@ -8,12 +8,8 @@ Tiles must agree on shared axes.
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -58,20 +54,10 @@ def _forward(a, b, params, zero_grad):
     out = tensor_mod.new_handle(shape, "float32", tile_shape)
     token = call("gemm", [a.handle, b.handle, out], [a.token, b.token], zero_grads=[out] if zero_grad else [],
                  trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=0.0, ndim=ndim, batch_ndim=batch_ndim)
-    return Tensor(token, out)
+    return Tensor(token, out), (a, b, Tensor(token, out))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul(a, b, params):
-    return _forward(a, b, params, zero_grad=False)
-
-
-def _matmul_fwd(a, b, params):
-    out = _forward(a, b, params, zero_grad=True)
-    return out, (a, b, out)
-
-
-def _matmul_bwd(params, residuals, g):
+def _backward(params, residuals, g):
     a, b, out = residuals
     trans_a, trans_b, alpha, ndim, batch_ndim = params
     # Invariant 1: the backward call consumes the forward token (out.token).
@@ -82,4 +68,4 @@ def _matmul_bwd(params, residuals, g):
     return a.with_token(token), b.with_token(token)
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul = differentiable(_forward, _backward, nondiff_argnums=(2,))

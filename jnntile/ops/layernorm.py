@@ -9,12 +9,8 @@ per-row (mean, rstd) as a float32 tensor (..., 2) for the backward.
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -35,25 +31,18 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float):
         raise ValueError(f"layer_norm: eps={eps} must be non-negative")
 
 
-def _forward(x, weight, bias, eps, keep_stats):
+def _forward(x, weight, bias, eps, zero_grad):
+    # The per-row (mean, rstd) are only read by the backward: kept only when differentiating.
     y = tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
-    stats = tensor_mod.new_handle(x.shape[:-1] + (2,), "float32", x.tile_shape[:-1] + (2,)) if keep_stats else None
+    stats = tensor_mod.new_handle(x.shape[:-1] + (2,), "float32", x.tile_shape[:-1] + (2,)) if zero_grad else None
     token = call("layer_norm", [x.handle, weight.handle, bias.handle, y, stats], [x.token, weight.token, bias.token],
-                 zero_grads=[y] if keep_stats else [], eps=eps)
-    return Tensor(token, y), (None if stats is None else Tensor(token, stats))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    return _forward(x, weight, bias, eps, keep_stats=False)[0]
-
-
-def _layer_norm_fwd(x, weight, bias, eps):
-    y, stats = _forward(x, weight, bias, eps, keep_stats=True)
+                 zero_grads=[y] if zero_grad else [], eps=eps)
+    y = Tensor(token, y)
+    stats = None if stats is None else Tensor(token, stats)
     return y, (x, weight, bias, stats, y)
 
 
-def _layer_norm_bwd(eps, residuals, g):
+def _backward(eps, residuals, g):
     x, weight, bias, stats, y = residuals
     token = call("layer_norm_backward",
                  [x.handle, weight.handle, stats.handle, tensor_mod.grad_handle(y.handle), grad_target(x),
@@ -63,7 +52,7 @@ def _layer_norm_bwd(eps, residuals, g):
     return x.with_token(token), weight.with_token(token), bias.with_token(token)
 
 
-_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+_layer_norm = differentiable(_forward, _backward, nondiff_argnums=(3,))
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:

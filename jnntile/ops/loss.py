@@ -12,13 +12,10 @@ before they get here, this only keeps a bad id from crashing the process.
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -46,27 +43,18 @@ def _check(logits: Tensor, targets: Tensor, ignore_index) -> None:
 
 
 def _forward(logits: Tensor, targets: Tensor, ignore_index: int, zero_grad: bool):
-    """Submits the forward; returns the loss and the residuals (lse per token, 1 / count)."""
+    """Submits the forward; returns the loss and the residuals (inputs, loss, lse per token, 1 / count)."""
     loss = tensor_mod.new_handle((), "float32", ())
     lse = tensor_mod.new_handle(logits.shape[:2], "float32", logits.tile_shape[:2])
     inv_count = tensor_mod.new_handle((), "float32", ())
     token = call("cross_entropy", [logits.handle, targets.handle, loss, lse, inv_count],
                  [logits.token, targets.token], zero_grads=[loss] if zero_grad else [],
                  ignore_index=ignore_index)
-    return Tensor(token, loss), Tensor(token, lse), Tensor(token, inv_count)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
-    return _forward(logits, targets, ignore_index, zero_grad=False)[0]
-
-
-def _cross_entropy_fwd(logits, targets, ignore_index):
-    loss, lse, inv_count = _forward(logits, targets, ignore_index, zero_grad=True)
+    loss, lse, inv_count = (Tensor(token, h) for h in (loss, lse, inv_count))
     return loss, (logits, targets, loss, lse, inv_count)
 
 
-def _cross_entropy_bwd(ignore_index, residuals, g):
+def _backward(ignore_index, residuals, g):
     logits, targets, loss, lse, inv_count = residuals
     # Invariant 1: loss.token (the forward, which also wrote lse and inv_count) orders this call.
     token = call("cross_entropy_backward",
@@ -77,7 +65,7 @@ def _cross_entropy_bwd(ignore_index, residuals, g):
     return logits.with_token(token), targets.with_token(token)
 
 
-_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+_cross_entropy = differentiable(_forward, _backward, nondiff_argnums=(2,))
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:

@@ -2,39 +2,25 @@
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
 
 def _forward(x, take_sqrt, zero_grad):
     out = tensor_mod.new_handle((), "float32", ())
     token = call("sumsq", [x.handle, out], [x.token], zero_grads=[out] if zero_grad else [], sqrt=take_sqrt)
-    return Tensor(token, out)
+    return Tensor(token, out), (x, Tensor(token, out))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _sumsq(x: Tensor, take_sqrt: bool) -> Tensor:
-    return _forward(x, take_sqrt, zero_grad=False)
-
-
-def _sumsq_fwd(x, take_sqrt):
-    out = _forward(x, take_sqrt, zero_grad=True)
-    return out, (x, out)
-
-
-def _sumsq_bwd(take_sqrt, residuals, g):
+def _backward(take_sqrt, residuals, g):
     x, out = residuals
     token = call("sumsq_backward", [x.handle, out.handle, tensor_mod.grad_handle(out.handle), grad_target(x)],
                  [out.token, g.token, x.token], sqrt=take_sqrt)
     return (x.with_token(release(token, out)),)
 
 
-_sumsq.defvjp(_sumsq_fwd, _sumsq_bwd)
+_sumsq = differentiable(_forward, _backward, nondiff_argnums=(1,))
 
 
 def _require_float(x: Tensor):
