@@ -123,7 +123,8 @@ void random_submit(const OpCall& call) {
   const ffi::Dictionary& attrs = call.attrs;
   TiledTensor& t = call.tensor(0);
   if (t.dtype != DType::F32) throw std::invalid_argument("random init needs float32, got " + t.describe());
-  uint64_t seed = uint64_t(attr<int64_t>(attrs, "seed"));
+  // The seed comes as two uint32 inputs (high, low): data, so one compiled call serves every seed.
+  uint64_t seed = (uint64_t(call.input_scalar(0)) << 32) | uint64_t(call.input_scalar(1));
   bool normal = attr<int64_t>(attrs, "normal") != 0;
   float a = float(attr<double>(attrs, "a")), b = float(attr<double>(attrs, "b"));
   static starpu_codelet* cl = codelet<RandomArgs, random_kernel>("random");
