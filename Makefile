@@ -40,6 +40,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/gemm.py
 	$(PY) bench/overhead.py
+	$(PY) bench/train.py
 
 clean:
 	rm -rf build $(VENV)

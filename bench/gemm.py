@@ -48,10 +48,7 @@ def main():
         a_x, b_x = jnp.asarray(a_np), jnp.asarray(b_np)
         xla_s = best_time(lambda: dot(a_x, b_x).block_until_ready(), args.repeats)
         flops = 2.0 * n**3
-        for tile in args.tiles:
-            tile = tile or n
-            if tile > n:
-                continue
+        for tile in sorted({t or n for t in args.tiles if (t or n) <= n}):
             a = jnntile.from_array(a_np, tile)
             b = jnntile.from_array(b_np, tile)
 
