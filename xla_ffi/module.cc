@@ -45,8 +45,7 @@ NB_MODULE(_xla_ffi, m) {
       nb::arg("swap_size_mb"), nb::arg("watchdog_s"));
   m.def("runtime_stop", [] {
     nb::gil_scoped_release release;
-    tensor_free_all();
-    runtime_stop();
+    runtime_stop([](bool ok) { tensor_free_all(/*sync=*/ok); });
   });
   m.def("runtime_running", &runtime_running);
   m.def("blas_core", [] { return std::string(cpu::blas_core()); });

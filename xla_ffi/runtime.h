@@ -12,6 +12,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -62,7 +63,9 @@ struct RuntimeStats {
 };
 
 void runtime_start(const RuntimeConfig& config);
-void runtime_stop();
+// Waits for pending tasks, then runs `release_data(ok)` with the workers awake
+// (ok: no watchdog failure, tasks all done), then shuts StarPU down.
+void runtime_stop(const std::function<void(bool ok)>& release_data = {});
 bool runtime_running();
 const RuntimeConfig& runtime_config();
 // Throws std::runtime_error naming the problem when the runtime is not usable.

@@ -31,19 +31,22 @@ std::string shape_str(const Index& shape) {
   return out.str();
 }
 
-void unregister_locked(Registry& r, int64_t id) {
+void unregister_locked(Registry& r, int64_t id, bool sync) {
   auto it = r.tensors.find(id);
   if (it == r.tensors.end()) return;
   int64_t grad_id = it->second->grad_id;
   // Asynchronous: StarPU unregisters each tile after the tasks that use it.
+  // Synchronous (at stop, all tasks done): returns once StarPU's own requests
+  // on the tile (write-backs to swap) finished; the data is dropped, not fetched.
   // The user data (tile states) goes away with the TiledTensor below: only
   // submissions look at it, and a freed tensor gets none.
   for (starpu_data_handle_t handle : it->second->tiles) {
     starpu_data_set_user_data(handle, nullptr);
-    starpu_data_unregister_submit(handle);
+    if (sync) starpu_data_unregister_no_coherency(handle);
+    else starpu_data_unregister_submit(handle);
   }
   r.tensors.erase(it);
-  if (grad_id >= 0) unregister_locked(r, grad_id);
+  if (grad_id >= 0) unregister_locked(r, grad_id, sync);
 }
 
 }  // namespace
@@ -151,13 +154,13 @@ void tensor_free(int64_t id) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   if (!runtime_running()) return;
-  unregister_locked(r, id);
+  unregister_locked(r, id, false);
 }
 
-void tensor_free_all() {
+void tensor_free_all(bool sync) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  while (!r.tensors.empty()) unregister_locked(r, r.tensors.begin()->first);
+  while (!r.tensors.empty()) unregister_locked(r, r.tensors.begin()->first, sync);
 }
 
 TiledTensor& tensor_get(int64_t id) {

@@ -71,6 +71,8 @@ void check_readable(starpu_data_handle_t handle);
 // Records a write-only access (the tile becomes valid) or an invalidation.
 void mark_written(starpu_data_handle_t handle);
 void mark_invalidated(starpu_data_handle_t handle);
-void tensor_free_all();
+// Unregisters every tensor; `sync` (only once no task is pending) waits for
+// StarPU's requests on each tile, so that shutdown finds none queued.
+void tensor_free_all(bool sync = false);
 
 }  // namespace jnntile
