@@ -7,7 +7,7 @@ APT_PACKAGES := libstarpu-dev libopenblas-dev pkg-config
 STAMP := $(VENV)/.jnntile-installed
 NATIVE_SOURCES := $(shell find xla_ffi -name '*.cc' -o -name '*.h') CMakeLists.txt pyproject.toml
 
-.PHONY: setup system-packages build train test bench clean
+.PHONY: setup system-packages build train test bench bench-memory clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ bench: $(STAMP)
 	$(PY) bench/gemm.py
 	$(PY) bench/overhead.py
 	$(PY) bench/train.py
+
+# Training beyond RAM: memory limit, swap traffic, capacity (about 10 minutes on 2 cores).
+bench-memory: $(STAMP)
+	$(PY) bench/memory.py
 
 clean:
 	rm -rf build $(VENV)
