@@ -453,7 +453,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--tile-{axis}", type=int, default=None, help="tile size (default: automatic)")
     parser.add_argument("--memory-limit-mb", type=int, default=None,
                         help="RAM StarPU may use for tiles (default: the runtime's, half of what is available)")
-    parser.add_argument("--swap-size-mb", type=int, default=0, help="disk swap size (0: no swap)")
+    parser.add_argument("--swap-dir", default=None,
+                        help="directory for disk swap; a subdirectory is created in it and removed at exit")
+    parser.add_argument("--swap-size-mb", type=int, default=None,
+                        help="disk swap size (default: the runtime's when --swap-dir is given, else no swap)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--workers", type=int, default=None, help="StarPU CPU workers (default: the runtime's)")
 
@@ -480,6 +483,42 @@ def plan_from_args(args) -> MemoryPlan:
     return plan(config, args.batch_size, seq_len, getattr(args, "optimizer", "adamw"), getattr(args, "workers", None))
 
 
+def runtime_settings(args) -> dict:
+    """The `jnntile.runtime.configure(**settings)` the flags ask for (memory limit, swap, workers)."""
+    settings = {}
+    if getattr(args, "memory_limit_mb", None) is not None:
+        settings["memory_limit_mb"] = args.memory_limit_mb
+    if getattr(args, "swap_dir", None):
+        settings["swap_dir"] = args.swap_dir
+        if getattr(args, "swap_size_mb", None) is not None:
+            settings["swap_size_mb"] = args.swap_size_mb
+    if getattr(args, "workers", None) is not None:
+        settings["workers"] = args.workers
+    return settings
+
+
+def limits_from_args(args) -> tuple[int, int]:
+    """(memory limit MB, swap MB) the flags give, runtime defaults filling the gaps; swap 0 means none.
+
+    --swap-size-mb without --swap-dir plans with that much swap (what-if).
+    """
+    from jnntile import runtime
+
+    config = runtime.config()
+    limit = args.memory_limit_mb if getattr(args, "memory_limit_mb", None) is not None else config.memory_limit_mb
+    swap = getattr(args, "swap_size_mb", None)
+    if swap is None:
+        swap = config.swap_size_mb if getattr(args, "swap_dir", None) else 0
+    return limit, swap
+
+
+def check_before_training(args) -> MemoryPlan:
+    """Plans the step the flags describe; raises MemoryPlanError when it cannot run (for `jnntile.train`)."""
+    memory_plan = plan_from_args(args)
+    memory_plan.check(*limits_from_args(args))
+    return memory_plan
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jnntile.memory",
                                      description="What one GPT-2 training step needs in memory, and whether it "
@@ -490,15 +529,13 @@ def main(argv=None) -> int:
         memory_plan = plan_from_args(args)
     except ValueError as error:
         parser.error(str(error))
-    from jnntile import runtime
-
-    limit = args.memory_limit_mb if args.memory_limit_mb is not None else runtime.config().memory_limit_mb
+    limit, swap_mb = limits_from_args(args)
     config = memory_plan.config
     print(f"GPT-2 {args.model}: n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} "
           f"vocab_size={config.vocab_size}, {args.optimizer}")
     print(memory_plan.table())
-    swap = f" and {args.swap_size_mb} MB of swap" if args.swap_size_mb else ""
-    verdict = memory_plan.verdict(limit, args.swap_size_mb)
+    swap = f" and {swap_mb} MB of swap" if swap_mb else ""
+    verdict = memory_plan.verdict(limit, swap_mb)
     print(f"memory limit {limit} MB{swap}: {verdict}")
     return 1 if verdict.startswith("cannot run") else 0
 

@@ -243,6 +243,16 @@ def test_planner_counts_what_a_traced_step_creates(restore_runtime):
     assert sum(np.prod(h.shape) * 4 for h in created) == plan.activations + plan.inputs
 
 
+def test_planner_peak_against_the_measured_peak(restore_runtime):
+    """StarPU's peak (a fresh runtime, no limit) is the planner's live data plus its allocation cache and scratch."""
+    _restart(memory_limit_mb=1024, swap_dir=None)
+    jnntile.runtime.reset_peaks()
+    _train(SWAP_CONFIG, steps=2)
+    measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
+    planned = memory.plan(SWAP_CONFIG, B, T).peak
+    assert planned <= measured <= 1.3 * planned, (planned, measured)
+
+
 def test_planner_verdicts():
     plan = memory.plan(TINY, 2, 64, workers=2)
     peak_mb = plan.peak / 2**20
@@ -274,6 +284,19 @@ def test_planner_suggestion_makes_the_task_fit():
     assert not memory.plan(smaller, 2, 64, workers=2).verdict(limit, 4096).startswith("cannot run")
 
 
+def test_runtime_settings_from_flags():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    memory.add_arguments(parser)
+    args = parser.parse_args(["--memory-limit-mb", "64", "--swap-dir", "/tmp/s", "--workers", "1"])
+    assert memory.runtime_settings(args) == {"memory_limit_mb": 64, "swap_dir": "/tmp/s", "workers": 1}
+    assert memory.limits_from_args(args) == (64, jnntile.runtime.config().swap_size_mb)
+    args = parser.parse_args(["--memory-limit-mb", "64", "--swap-size-mb", "100"])
+    assert memory.runtime_settings(args) == {"memory_limit_mb": 64}
+    assert memory.limits_from_args(args) == (64, 100)
+
+
 def test_planner_command_line(capsys):
     assert memory.main(["--model", "gpt2", "--batch-size", "4", "--seq-len", "512", "--memory-limit-mb", "1024",
                         "--swap-size-mb", "65536", "--workers", "2"]) == 0
@@ -291,24 +314,28 @@ def _run(script, **kwargs):
                           timeout=120, **kwargs)
 
 
-def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_path):
+@pytest.mark.parametrize("swap", [False, True], ids=["no swap", "swap"])
+def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_path, swap):
     # The AdamW update of a (2048, 128) tile of wte needs 4 MB (parameter, gradient
-    # and two moments) under a 2 MB limit: no swap can help.
+    # and two moments) under a 2 MB limit: swap cannot help either.
+    swap_settings = f", swap_dir={str(tmp_path)!r}, swap_size_mb=64" if swap else ""
     script = f"""
-        import numpy as np, jnntile
+        import argparse, numpy as np, jnntile
         from flax import nnx
         from jnntile import memory, optim
         from jnntile.models import gpt2
-        from jnntile.models.config import GPT2Config
-        config = GPT2Config(n_layer=1, n_head=2, n_embd=128, vocab_size=2048, n_positions=32, tile_seq=32,
-                            tile_vocab=2048)
+        parser = argparse.ArgumentParser()
+        memory.add_arguments(parser)
+        args = parser.parse_args("--model tiny --n-layer 1 --n-embd 128 --n-head 2 --vocab-size 2048 --n-positions 32 "
+                                 "--batch-size 1 --seq-len 32 --tile-vocab 2048 --memory-limit-mb 2 --workers 2"
+                                 .split() + ({swap!r} and ["--swap-dir", {str(tmp_path)!r}] or []))
         try:
-            memory.plan(config, 1, 32, workers=2).check(2, 64)
+            memory.check_before_training(args)
         except memory.MemoryPlanError as e:
             print("PLANNER:", e, flush=True)
         # Run anyway, as if the planner had missed it.
-        jnntile.runtime.start(memory_limit_mb=2, swap_dir={str(tmp_path)!r}, swap_size_mb=64, watchdog_s=3)
-        model = gpt2.GPT2(config, batch_size=1, seq_len=32)
+        jnntile.runtime.start(memory_limit_mb=2, watchdog_s=3{swap_settings})
+        model = gpt2.GPT2(memory.config_from_args(args), batch_size=1, seq_len=32)
         ids = np.zeros((1, 32), np.int32)
         _, grads = gpt2.loss_and_grads(model, ids, ids)
         params = nnx.state(model, nnx.Param)
@@ -318,9 +345,11 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
     """
     started = time.perf_counter()
     result = _run(script)
-    assert "PLANNER: cannot run: a single task (adamw update of a wte.weight tile (2048, 128))" in result.stdout
+    assert "PLANNER: cannot run: a single task (adamw update of a wte.weight tile (2048, 128)) needs 4.0 MB" \
+        in result.stdout, result.stdout + result.stderr
     assert result.returncode != 0
     assert "no StarPU task completed" in result.stderr and "memory limit 2 MB" in result.stderr
+    assert "python -m jnntile.memory" in result.stderr
     assert time.perf_counter() - started < 90
     assert not [p for p in os.listdir(tmp_path) if p.startswith("jnntile-swap-")]
 

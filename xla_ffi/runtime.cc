@@ -418,7 +418,8 @@ void wait_until(Done done, const char* what) {
           << s.pending << " tasks pending, memory limit " << s.config.memory_limit_mb << " MB, "
           << (s.swap_subdir.empty() ? "no disk swap" : "disk swap in " + s.config.swap_dir)
           << "). The working set likely exceeds the memory limit: raise memory_limit_mb, "
-             "add swap_dir, or use smaller tiles. Raise watchdog_s if tasks are just slow.";
+             "add swap_dir, or use smaller tiles (python -m jnntile.memory with the model's flags "
+             "tells what fits). Raise watchdog_s if tasks are just slow.";
       s.failed = true;
       s.failure = msg.str();
       throw std::runtime_error(s.failure);
