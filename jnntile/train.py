@@ -252,13 +252,7 @@ def train(args) -> dict:
     train_data, val_data = _load_data(args)
     config = _config(args, train_data.vocab_size)
 
-    runtime_settings = {}
-    if args.workers is not None:
-        runtime_settings["workers"] = args.workers
-    if args.memory_limit_mb is not None:
-        runtime_settings["memory_limit_mb"] = args.memory_limit_mb
-    if args.swap_dir is not None:
-        runtime_settings.update(swap_dir=args.swap_dir, swap_size_mb=args.swap_size_mb)
+    runtime_settings = memory.runtime_settings(args)
     runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
     runtime_config.validate()
     plan = memory.plan(config, args.batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers)
