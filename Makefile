@@ -1,13 +1,17 @@
 # Two commands set everything up and run: `make train` and `make test`.
 # Both install what is missing (Debian packages, the .venv, the editable
-# package) and are safe to repeat.
+# package) and are safe to repeat. `make cuda` / `make test-gpu` do the same
+# for the GPU build (StarPU with CUDA from source, .venv-cuda).
+SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := libstarpu-dev libopenblas-dev pkg-config
 STAMP := $(VENV)/.jnntile-installed
-NATIVE_SOURCES := $(shell find xla_ffi -name '*.cc' -o -name '*.h') CMakeLists.txt pyproject.toml
+NATIVE_SOURCES := $(shell find xla_ffi -name '*.cc' -o -name '*.h' -o -name '*.cu') CMakeLists.txt pyproject.toml
+# What the package and its tests import; the GPU machines have them preinstalled.
+PYTHON_DEPS := jax flax optax numpy safetensors tokenizers tqdm matplotlib pytest nanobind scikit-build-core cmake ninja
 
-.PHONY: setup system-packages build train test bench bench-memory clean
+.PHONY: setup system-packages build train test bench bench-memory cuda cuda-python-deps test-gpu clean
 
 setup: $(STAMP)
 
@@ -46,5 +50,45 @@ bench: $(STAMP)
 bench-memory: $(STAMP)
 	$(PY) bench/memory.py
 
+# ---- GPU build ------------------------------------------------------------------------------
+# StarPU with CUDA from the pinned source (STARPU_SOURCE=tarball where there is
+# no network) into .cuda/, then this package with its CUDA kernels into
+# .venv-cuda. .venv-cuda sees the packages of the python3 that made it (a GPU
+# machine's preinstalled JAX with its CUDA plugin); what is missing comes from PyPI.
+CUDA_DIR := .cuda
+CUDA_VENV := .venv-cuda
+CUDA_PY := $(CUDA_VENV)/bin/python
+CUDA_STAMP := $(CUDA_VENV)/.jnntile-installed
+GPU_OUT ?= out/gpu
+
+cuda: $(CUDA_STAMP)
+
+$(CUDA_DIR)/starpu.stamp: tools/build_starpu_cuda.sh
+	$(MAKE) system-packages APT_PACKAGES="$(APT_PACKAGES) libhwloc-dev"
+	tools/build_starpu_cuda.sh
+
+$(CUDA_PY):
+	python3 -m venv --system-site-packages $(CUDA_VENV)
+	python3 -c "import site, sys; sys.prefix != sys.base_prefix and print('\n'.join(site.getsitepackages()))" \
+	  > $$(echo $(CUDA_VENV)/lib/python3*/site-packages)/_jnntile_parent_site.pth
+
+cuda-python-deps: $(CUDA_PY)
+	@missing=$$($(CUDA_PY) tools/missing_modules.py $(PYTHON_DEPS)); \
+	if [ -n "$$missing" ]; then echo "Installing into $(CUDA_VENV):$$missing"; \
+	  $(CUDA_PY) -m pip install -q $$missing || { echo "could not install$$missing (no network?)"; exit 1; }; fi
+
+$(CUDA_STAMP): $(CUDA_DIR)/starpu.stamp $(NATIVE_SOURCES) | cuda-python-deps
+	PKG_CONFIG_PATH=$(abspath $(CUDA_DIR))/starpu/lib/pkgconfig $(CUDA_PY) -m pip install -q --no-build-isolation \
+	  --no-deps -e . -C build-dir=build/cuda-{wheel_tag} -C cmake.define.CUDAToolkit_ROOT=$(abspath $(CUDA_DIR))/toolkit \
+	  -C cmake.define.CMAKE_CUDA_COMPILER=$(abspath $(CUDA_DIR))/toolkit/bin/nvcc
+	touch $(CUDA_STAMP)
+
+# The whole test suite against the CUDA build (GPU tests skip without a GPU),
+# then bench/gpu.py: a log and one JSON report in $(GPU_OUT).
+test-gpu: cuda
+	mkdir -p $(GPU_OUT)
+	set -o pipefail; $(CUDA_PY) -m pytest -q -rs tests 2>&1 | tee $(GPU_OUT)/test-gpu.log
+	set -o pipefail; $(CUDA_PY) bench/gpu.py --out $(GPU_OUT)/report.json 2>&1 | tee -a $(GPU_OUT)/test-gpu.log
+
 clean:
-	rm -rf build $(VENV)
+	rm -rf build $(VENV) $(CUDA_VENV) $(CUDA_DIR)

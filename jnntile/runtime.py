@@ -21,11 +21,14 @@ _blas.configure_openblas()  # must run before the native module loads OpenBLAS
 
 from jnntile import _xla_ffi  # noqa: E402
 
-MAX_CPU_WORKERS = 4  # Debian's StarPU is built with STARPU_MAXCPUS=4
+MAX_CPU_WORKERS = _xla_ffi.max_cpu_workers()  # the StarPU in use: 4 for Debian's, 64 for `make cuda`'s
+HAS_CUDA = _xla_ffi.has_cuda()  # built against a StarPU with CUDA, with the CUDA kernels
 MIN_SWAP_MB = 16  # StarPU's disk nodes must be at least this large (it aborts otherwise)
-# StarPU 1.3's schedulers (an unknown name would silently fall back to the default).
+# StarPU's schedulers (an unknown name would silently fall back to the default).
 SCHEDULERS = ("eager", "prio", "random", "lws", "ws", "dm", "dmda", "dmdap", "dmdar", "dmdas", "dmdasd",
               "pheft", "peager", "heteroprio")
+PLACEMENTS = {"auto": 0, "cpu": 1, "cuda": 2}
+MATMUL_PRECISIONS = ("default", "highest", "tf32")
 
 
 def _default_memory_limit_mb() -> int:
@@ -39,30 +42,75 @@ def _default_memory_limit_mb() -> int:
         return 4096
 
 
+def gpu_count() -> int:
+    """GPUs this jnntile can use: 0 unless built with CUDA (`make cuda`) on a machine with a GPU driver."""
+    return _xla_ffi.cuda_device_count() if HAS_CUDA else 0
+
+
+def _default_workers() -> int:
+    # StarPU drives each GPU from a CPU core of its own.
+    cores = (os.cpu_count() or 1) - gpu_count()
+    return max(1, min(cores, MAX_CPU_WORKERS))
+
+
+def _default_scheduler() -> str:
+    # With a GPU, a model-based scheduler: it learns which worker runs a kernel
+    # fastest and moved 2.6x fewer bytes than lws when GPU memory was short. On
+    # CPUs alone, lws has the lowest per-task overhead of the work-stealing ones.
+    return "dmdas" if gpu_count() > 0 else "lws"
+
+
 @dataclasses.dataclass
 class RuntimeConfig:
-    """How StarPU runs. Defaults suit this 2-core machine class."""
+    """How StarPU runs. Every default is stated; the GPU ones matter only with `make cuda` and a GPU."""
 
-    workers: int = dataclasses.field(default_factory=lambda: min(os.cpu_count() or 1, MAX_CPU_WORKERS))
-    scheduler: str = "lws"  # lowest measured per-task overhead among the work-stealing ones
+    workers: int = dataclasses.field(default_factory=_default_workers)  # CPU workers
+    cuda_workers: int = -1 if HAS_CUDA else 0  # -1: one per GPU found; 0: none
+    scheduler: str = dataclasses.field(default_factory=_default_scheduler)
     memory_limit_mb: int = dataclasses.field(default_factory=_default_memory_limit_mb)
+    gpu_memory_limit_mb: int = 0  # per GPU; 0: StarPU's default (nearly all of it); beyond it tiles go to RAM
     swap_dir: str | None = None  # where tiles go when RAM is over the limit; None: no swap
     swap_size_mb: int = 16384
     watchdog_s: float = 120.0  # a wait with no task completing for this long is an error
+    # Where tasks of kernels that have a CPU and a CUDA version may run: "auto"
+    # (the scheduler decides), "cpu" or "cuda" (tests compare one with the other).
+    placement: str = "auto"
+    # float32 matrix products on the GPU: "highest" (FP32) or "tf32" (tensor
+    # cores); "default" is JAX's default on GPUs jnntile builds for (sm_80 and
+    # newer): tf32. CPU kernels always compute in FP32.
+    matmul_precision: str = "default"
+    pin_host_memory: bool = True  # page-lock RAM tiles when a GPU is used: asynchronous copies
+    perf_model_dir: str | None = None  # StarPU's performance models; None: under STARPU_HOME
 
     def validate(self) -> None:
         if not 1 <= self.workers <= MAX_CPU_WORKERS:
             raise ValueError(
-                f"workers={self.workers}: Debian's StarPU allows 1 to {MAX_CPU_WORKERS} CPU workers")
+                f"workers={self.workers}: the StarPU in use allows 1 to {MAX_CPU_WORKERS} CPU workers")
+        if self.cuda_workers < -1:
+            raise ValueError(f"cuda_workers={self.cuda_workers} must be -1 (every GPU), 0 or a count")
+        if (self.cuda_workers > 0 or self.placement == "cuda") and not HAS_CUDA:
+            raise ValueError("CUDA workers were asked for, but this jnntile is built against a StarPU without "
+                             "CUDA (Debian's StarPU has none): build it with `make cuda` and use .venv-cuda")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={self.scheduler!r} is not a StarPU scheduler; use one of {SCHEDULERS}")
         if self.memory_limit_mb <= 0:
             raise ValueError(f"memory_limit_mb={self.memory_limit_mb} must be positive")
+        if self.gpu_memory_limit_mb < 0:
+            raise ValueError(f"gpu_memory_limit_mb={self.gpu_memory_limit_mb} must be 0 (no limit) or positive")
         if self.swap_dir is not None and self.swap_size_mb < MIN_SWAP_MB:
             raise ValueError(f"swap_size_mb={self.swap_size_mb} must be at least {MIN_SWAP_MB} when swap_dir is set "
                              "(StarPU's smallest disk)")
         if self.watchdog_s <= 0:
             raise ValueError(f"watchdog_s={self.watchdog_s} must be positive")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r}: use one of {sorted(PLACEMENTS)}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS}")
+
+    @property
+    def tf32(self) -> bool:
+        """Whether cuBLAS may use TF32 for float32 products (matmul_precision resolved)."""
+        return self.matmul_precision == "tf32" or (self.matmul_precision == "default" and gpu_count() > 0)
 
 
 _config = RuntimeConfig()
@@ -100,15 +148,22 @@ def start(**settings) -> None:
     if is_running():
         return
     _config.validate()
-    # Calibration files go here instead of ~/.starpu; StarPU reads it at init.
+    # Bus calibration and performance models go here instead of ~/.starpu; StarPU reads it at init.
     os.environ.setdefault("STARPU_HOME", str(Path.home() / ".cache" / "jnntile" / "starpu"))
+    if _config.perf_model_dir:
+        os.environ["STARPU_PERF_MODEL_DIR"] = _config.perf_model_dir
     _xla_ffi.runtime_start(
         workers=_config.workers,
+        cuda_workers=_config.cuda_workers,
         scheduler=_config.scheduler,
         memory_limit_mb=_config.memory_limit_mb,
+        gpu_memory_limit_mb=_config.gpu_memory_limit_mb,
         swap_dir=_config.swap_dir or "",
         swap_size_mb=_config.swap_size_mb if _config.swap_dir else 0,
         watchdog_s=_config.watchdog_s,
+        placement=PLACEMENTS[_config.placement],
+        tf32=_config.tf32,
+        pin_host_memory=_config.pin_host_memory,
     )
     _started = True
 
@@ -136,6 +191,27 @@ def wait_all() -> None:
     """Blocks until every submitted task has completed (with the watchdog)."""
     if is_running():
         _xla_ffi.wait_all()
+
+
+def cuda_worker_count() -> int:
+    """CUDA workers of the running runtime (0 when stopped, without CUDA or without a GPU)."""
+    return _xla_ffi.cuda_worker_count()
+
+
+def describe() -> str:
+    """One line on the hardware in use, e.g. for the start of a training run."""
+    ensure_started()
+    cuda = cuda_worker_count()
+    gpus = ""
+    if cuda:
+        names = sorted({w["name"] for w in stats()["workers"] if w["name"].startswith("CUDA")})
+        precision = "tf32" if _config.tf32 else "highest (FP32)"
+        gpus = f"{cuda} CUDA worker(s) ({'; '.join(names)}), matmul precision {precision}, "
+    elif HAS_CUDA:
+        gpus = "no GPU found (StarPU has CUDA), "
+    return (f"{gpus}{_config.workers} CPU workers, scheduler {_config.scheduler}, memory limit "
+            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_config.gpu_memory_limit_mb} MB"
+                                               if cuda and _config.gpu_memory_limit_mb else ""))
 
 
 def blas_core() -> str:

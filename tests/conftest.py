@@ -52,3 +52,50 @@ def check_op(op, reference, arrays, tile_shapes, *, jit, tol=1e-5, seed=0):
     for i, (g, ref_g) in enumerate(zip(grads, ref_grads)):
         assert g.id == tensors[i].id, "gradients come back with the argument's id"
         assert rel_err(jnntile.grad_of(g).numpy(), ref_g) <= tol, f"gradient of input {i} differs"
+
+
+# ---- CPU and CUDA kernels ---------------------------------------------------------------
+
+def cuda_skip_reason() -> str | None:
+    """Why CUDA kernels cannot run here, or None when a GPU can run them."""
+    from jnntile import runtime
+
+    if not runtime.HAS_CUDA:
+        return "jnntile is built against a StarPU without CUDA (`make test-gpu` builds one with CUDA)"
+    if runtime.gpu_count() == 0:
+        return "no GPU: this jnntile has CUDA kernels but the CUDA runtime sees no device"
+    return None
+
+
+def restart_runtime(**settings) -> None:
+    """Restarts the runtime with `settings` changed (nothing happens when they are already in force)."""
+    import dataclasses
+
+    from jnntile import runtime
+
+    if dataclasses.replace(runtime.config(), **settings) == runtime.config():
+        return
+    runtime.stop()
+    runtime.configure(**settings)
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def placement(request):
+    """Runs a test module's tests with every kernel on CPU workers, then on CUDA workers.
+
+    Op and model tests use it (`pytestmark = pytest.mark.usefixtures("placement")`),
+    so the CUDA kernels meet the same references, tilings and tolerances as the CPU
+    ones; CUDA products run in FP32 (matmul_precision="highest") for that. Without
+    a GPU the "cuda" half is skipped with the reason.
+    """
+    from jnntile import runtime
+
+    if request.param == "cuda" and cuda_skip_reason():
+        pytest.skip(cuda_skip_reason())
+    if not runtime.HAS_CUDA:  # CPU kernels only: nothing to switch
+        yield request.param
+        return
+    previous = runtime.config()
+    restart_runtime(placement=request.param if runtime.HAS_CUDA else "auto", matmul_precision="highest")
+    yield request.param
+    restart_runtime(placement=previous.placement, matmul_precision=previous.matmul_precision)

@@ -8,6 +8,9 @@ import pytest
 import jnntile
 from jnntile.ops import attention, gemm, reduce
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 B, T, H, D = 2, 12, 3, 8
 TILINGS = {  # qkv tile shapes (tb, tt, 1, th, D)
     "one_tile": (B, T, 1, H, D),

@@ -8,6 +8,9 @@ import pytest
 import jnntile
 from jnntile.ops.bias import add_bias, linear
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 # x shape, x tile; b is x's trailing axes (given by their count) with x's tiles on them
 BIAS_TILINGS = {
     "one_tile": ((2, 4, 6), (2, 4, 6), 1),

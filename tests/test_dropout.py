@@ -8,6 +8,9 @@ import pytest
 import jnntile
 from jnntile.ops.dropout import dropout
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 RATE = 0.3
 
 # shape, tile

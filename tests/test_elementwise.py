@@ -9,6 +9,9 @@ from conftest import check_op
 import jnntile
 from jnntile.ops import elementwise as ew
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 TILINGS = {"one tile": None, "many tiles": (2, 4), "uneven tiles": (3, 5)}
 SHAPE = (6, 8)
 

@@ -8,6 +8,9 @@ import pytest
 import jnntile
 from jnntile.ops.embedding import check_ids, embedding, position_ids
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 # (B, T, V, C, ids tile, table tile)
 TILINGS = {
     "one_tile": (2, 8, 16, 8, (2, 8), (16, 8)),

@@ -9,6 +9,9 @@ from conftest import check_op
 import jnntile
 from jnntile.ops import gemm
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 # (shape of a, tiles of a, shape of b, tiles of b) for C = A @ B with M=6, K=10, N=7
 TILINGS = {
     "one tile": (None, None),

@@ -20,6 +20,9 @@ from jnntile.models import gpt2_reference as ref
 from jnntile.models.config import GPT2Config
 from jnntile.models.hf_checkpoint import load_hf, save_hf
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 B, T = 2, 16
 BASE = GPT2Config(n_layer=1, n_head=4, n_embd=32, vocab_size=96, n_positions=32)
 TILINGS = {

@@ -8,6 +8,9 @@ import pytest
 import jnntile
 from jnntile.ops.layernorm import layer_norm
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 EPS = 1e-5
 
 # x shape, x tile (weight and bias take x's tile on the last axis)

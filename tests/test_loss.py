@@ -8,6 +8,9 @@ import pytest
 import jnntile
 from jnntile.ops import loss
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 B, T, V = 2, 6, 40
 TILINGS = {
     "one_tile": (B, T, V),

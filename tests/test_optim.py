@@ -12,6 +12,9 @@ from jnntile import optim
 from jnntile.ops import elementwise as ew
 from jnntile.ops import gemm
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 0.05, warmup_steps=3, decay_steps=10)
 
 

@@ -8,6 +8,9 @@ from conftest import check_op, rel_err
 import jnntile
 from jnntile.ops import reduce
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 TILINGS = {"one tile": None, "many tiles": (2, 4, 3), "uneven tiles": (3, 3, 5)}
 
 

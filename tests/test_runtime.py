@@ -1,5 +1,6 @@
 """The StarPU runtime: configuration, statistics, idle behaviour, failures."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -41,9 +42,16 @@ def test_idle_process_does_not_spin():
     assert cpu_per_s < 0.2, f"idle workers used {cpu_per_s:.2f} CPU-seconds per second"
 
 
+MAX_WORKERS = jnntile.runtime.MAX_CPU_WORKERS
+
+
 @pytest.mark.parametrize("settings, message", [
-    ({"workers": 5}, "1 to 4 CPU workers"),
-    ({"workers": 0}, "1 to 4 CPU workers"),
+    ({"workers": MAX_WORKERS + 1}, f"1 to {MAX_WORKERS} CPU workers"),
+    ({"workers": 0}, f"1 to {MAX_WORKERS} CPU workers"),
+    ({"cuda_workers": -2}, "cuda_workers=-2"),
+    ({"gpu_memory_limit_mb": -1}, "gpu_memory_limit_mb=-1"),
+    ({"placement": "gpu"}, "placement='gpu'"),
+    ({"matmul_precision": "fp16"}, "matmul_precision='fp16'"),
     ({"scheduler": "fastest"}, "not a StarPU scheduler"),
     ({"memory_limit_mb": 0}, "must be positive"),
     ({"swap_dir": "/tmp/x", "swap_size_mb": 0}, "at least 16"),
@@ -55,6 +63,22 @@ def test_bad_configuration(settings, message):
     with pytest.raises(ValueError, match=message):
         jnntile.runtime.configure(**settings)
     assert jnntile.runtime.config() == previous
+
+
+@pytest.mark.skipif(jnntile.runtime.HAS_CUDA, reason="this jnntile has CUDA kernels")
+@pytest.mark.parametrize("settings", [{"cuda_workers": 1}, {"placement": "cuda"}])
+def test_cuda_without_cuda_build_is_refused(settings):
+    jnntile.runtime.stop()
+    with pytest.raises(ValueError, match="make cuda"):
+        jnntile.runtime.configure(**settings)
+
+
+def test_no_cpu_worker_is_a_clear_error():
+    # STARPU_NCPU in the environment overrides the configuration; jnntile needs CPU workers.
+    code = "import jnntile\ntry:\n    jnntile.runtime.start()\nexcept RuntimeError as e:\n    print(e)\n"
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "STARPU_NCPU": "0"},
+                            capture_output=True, text=True, timeout=120)
+    assert "without CPU workers" in result.stdout and "STARPU_NCPU" in result.stdout, result.stdout + result.stderr
 
 
 def test_configure_while_running_is_refused():

@@ -8,6 +8,9 @@ import pytest
 import jnntile
 from jnntile import tensor as tensor_mod
 
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
 TILINGS = {"one tile": None, "many tiles": (2, 3), "uneven tiles": (4, 5)}
 
 

@@ -6,7 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "kernels/cpu/gemm.h"
+#include "kernels/gemm.h"
 #include "ops/data.h"
 #include "runtime.h"
 #include "task.h"
@@ -34,21 +34,38 @@ NB_MODULE(_xla_ffi, m) {
 
   m.def(
       "runtime_start",
-      [](int workers, const std::string& scheduler, int64_t memory_limit_mb,
-         const std::string& swap_dir, int64_t swap_size_mb, double watchdog_s) {
-        RuntimeConfig config{workers, scheduler, memory_limit_mb, swap_dir, swap_size_mb, watchdog_s};
+      [](int workers, int cuda_workers, const std::string& scheduler, int64_t memory_limit_mb,
+         int64_t gpu_memory_limit_mb, const std::string& swap_dir, int64_t swap_size_mb, double watchdog_s,
+         int placement, bool tf32, bool pin_host_memory) {
+        RuntimeConfig config;
+        config.workers = workers;
+        config.cuda_workers = cuda_workers;
+        config.scheduler = scheduler;
+        config.memory_limit_mb = memory_limit_mb;
+        config.gpu_memory_limit_mb = gpu_memory_limit_mb;
+        config.swap_dir = swap_dir;
+        config.swap_size_mb = swap_size_mb;
+        config.watchdog_s = watchdog_s;
+        config.placement = Placement(placement);
+        config.tf32 = tf32;
+        config.pin_host_memory = pin_host_memory;
         nb::gil_scoped_release release;
-        cpu::gemm_single_threaded();
+        gemm_single_threaded();
         runtime_start(config);
       },
-      nb::arg("workers"), nb::arg("scheduler"), nb::arg("memory_limit_mb"), nb::arg("swap_dir"),
-      nb::arg("swap_size_mb"), nb::arg("watchdog_s"));
+      nb::arg("workers"), nb::arg("cuda_workers"), nb::arg("scheduler"), nb::arg("memory_limit_mb"),
+      nb::arg("gpu_memory_limit_mb"), nb::arg("swap_dir"), nb::arg("swap_size_mb"), nb::arg("watchdog_s"),
+      nb::arg("placement"), nb::arg("tf32"), nb::arg("pin_host_memory"));
+  m.def("max_cpu_workers", &max_cpu_workers);
+  m.def("cuda_device_count", &cuda_device_count);
+  m.def("has_cuda", [] { return bool(JNNTILE_CUDA); });
+  m.def("cuda_worker_count", [] { return runtime_running() ? int(starpu_cuda_worker_get_count()) : 0; });
   m.def("runtime_stop", [] {
     nb::gil_scoped_release release;
     runtime_stop([](bool ok) { tensor_free_all(/*sync=*/ok); });
   });
   m.def("runtime_running", &runtime_running);
-  m.def("blas_core", [] { return std::string(cpu::blas_core()); });
+  m.def("blas_core", [] { return std::string(blas_core()); });
   m.def("wait_all", [] {
     nb::gil_scoped_release release;
     require_runtime();

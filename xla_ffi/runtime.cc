@@ -4,6 +4,10 @@ extern "C" {
 }
 #include "runtime.h"
 
+#if JNNTILE_CUDA
+#include "kernels/cuda/context.h"
+#endif
+
 #include <dirent.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -168,6 +172,10 @@ void remove_stale_swap_dirs(const std::string& swap_dir) {
 // which is which.
 constexpr size_t kMmapThreshold = size_t(64) << 10;
 
+// Page-locked tiles (runtime_config().pin_host_memory with a CUDA worker):
+// StarPU's copies to and from the GPU are then asynchronous DMA.
+std::atomic<bool> pin_tiles{false};
+
 struct MappedRegions {
   std::mutex mutex;
   std::unordered_map<void*, size_t> sizes;
@@ -182,6 +190,7 @@ int tile_malloc(unsigned, void** out, size_t size, int) {
   if (size >= kMmapThreshold) {
     void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return -ENOMEM;
+    if (pin_tiles) starpu_memory_pin(p, size);
     MappedRegions& m = mapped();
     std::lock_guard<std::mutex> lock(m.mutex);
     m.sizes.emplace(p, size);
@@ -206,8 +215,12 @@ int tile_free(unsigned, void* ptr, size_t, int) {
       m.sizes.erase(it);
     }
   }
-  if (size > 0) munmap(ptr, size);
-  else free(ptr);
+  if (size > 0) {
+    if (pin_tiles) starpu_memory_unpin(ptr, size);
+    munmap(ptr, size);
+  } else {
+    free(ptr);
+  }
   return 0;
 }
 
@@ -242,6 +255,12 @@ void runtime_start(const RuntimeConfig& config) {
     throw std::invalid_argument("workers must be >= 1, got " + std::to_string(config.workers));
   if (config.memory_limit_mb <= 0)
     throw std::invalid_argument("memory_limit_mb must be > 0 (StarPU's own guess is wrong on VMs)");
+#if !JNNTILE_CUDA
+  if (config.cuda_workers != 0 || config.placement == Placement::Cuda)
+    throw std::invalid_argument(
+        "CUDA workers were asked for, but this jnntile is built against a StarPU without CUDA (Debian's StarPU "
+        "has none): build the CUDA version with `make cuda` and use its environment (.venv-cuda)");
+#endif
   // starpu_disk_register aborts the process below its minimum size.
   if (!config.swap_dir.empty() && config.swap_size_mb * (int64_t(1) << 20) < int64_t(STARPU_DISK_SIZE_MIN))
     throw std::invalid_argument("swap_size_mb=" + std::to_string(config.swap_size_mb) + " is below StarPU's minimum of " +
@@ -249,24 +268,46 @@ void runtime_start(const RuntimeConfig& config) {
 
   // StarPU reads its settings from the environment at starpu_init.
   setenv("STARPU_LIMIT_CPU_MEM", std::to_string(config.memory_limit_mb).c_str(), 1);
+  if (config.gpu_memory_limit_mb > 0)
+    setenv("STARPU_LIMIT_CUDA_MEM", std::to_string(config.gpu_memory_limit_mb).c_str(), 1);
   setenv("STARPU_SILENT", "1", 0);
-  setenv("STARPU_NCUDA", "0", 0);
   setenv("STARPU_NOPENCL", "0", 0);
 
   starpu_malloc_set_hooks(tile_malloc, tile_free);
   starpu_conf conf;
   starpu_conf_init(&conf);
   conf.ncpus = config.workers;
+  conf.ncuda = config.cuda_workers;
   conf.sched_policy_name = config.scheduler.c_str();
   int ret = starpu_init(&conf);
+  const char* ncpu_env = getenv("STARPU_NCPU");
+  if (ret == -ENODEV || (ret == 0 && starpu_cpu_worker_get_count() == 0)) {
+    // Host copies (reading and writing arrays) run on CPU workers only.
+    if (ret == 0) starpu_shutdown();
+    throw std::runtime_error(std::string("StarPU started without CPU workers (STARPU_NCPU=") +
+                             (ncpu_env ? ncpu_env : "unset") +
+                             " in the environment overrides the configuration); jnntile needs at least one: "
+                             "unset STARPU_NCPU");
+  }
   if (ret != 0) {
     std::ostringstream msg;
     msg << "StarPU failed to start (starpu_init returned " << ret << ") with workers="
-        << config.workers << " scheduler='" << config.scheduler
-        << "'. Debian's StarPU allows at most 4 CPU workers; check the scheduler name.";
+        << config.workers << " cuda_workers=" << config.cuda_workers << " scheduler='" << config.scheduler
+        << "'. The StarPU in use allows at most " << max_cpu_workers()
+        << " CPU workers; check the scheduler name.";
     throw std::runtime_error(msg.str());
   }
+  if (config.placement == Placement::Cuda && starpu_cuda_worker_get_count() == 0) {
+    starpu_shutdown();
+    throw std::runtime_error("placement='cuda' needs a CUDA worker, and StarPU found no usable GPU (" +
+                             std::to_string(cuda_device_count()) + " visible to the CUDA runtime; STARPU_NCUDA=" +
+                             (getenv("STARPU_NCUDA") ? getenv("STARPU_NCUDA") : "unset") + ")");
+  }
   starpu_profiling_status_set(STARPU_PROFILING_ENABLE);
+#if JNNTILE_CUDA
+  cuda::start_workers(config.tf32);
+#endif
+  pin_tiles = config.pin_host_memory && starpu_cuda_worker_get_count() > 0;
 
   if (!config.swap_dir.empty()) {
     std::string pattern = config.swap_dir + "/" + kSwapPrefix + std::to_string(getpid()) + "-XXXXXX";
@@ -345,7 +386,12 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
   s.running = false;
   // After a watchdog failure tasks are stuck and starpu_shutdown would wait
   // for them forever: leave StarPU as it is and let the process exit.
-  if (!s.failed) starpu_shutdown();
+  if (!s.failed) {
+#if JNNTILE_CUDA
+    cuda::stop_workers();
+#endif
+    starpu_shutdown();
+  }
   if (!s.swap_subdir.empty()) {
     remove_tree(s.swap_subdir);
     s.swap_subdir.clear();
@@ -353,6 +399,16 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
 }
 
 bool runtime_running() { return state().running; }
+
+int max_cpu_workers() { return STARPU_MAXCPUS; }
+
+int cuda_device_count() {
+#if JNNTILE_CUDA
+  return cuda::device_count();
+#else
+  return 0;
+#endif
+}
 const RuntimeConfig& runtime_config() { return state().config; }
 
 void require_runtime() {
@@ -364,6 +420,10 @@ void require_runtime() {
 
 void submit(starpu_task* task, TaskGroup* group) {
   RuntimeState& s = state();
+  if (task->cl != nullptr && (task->cl->where & STARPU_CUDA)) {
+    if (s.config.placement == Placement::Cpu) task->where = STARPU_CPU;
+    if (s.config.placement == Placement::Cuda) task->where = STARPU_CUDA;
+  }
   task->callback_func = on_task_done;
   task->callback_arg = group;
   task->detach = 1;
@@ -381,8 +441,15 @@ void submit(starpu_task* task, TaskGroup* group) {
     std::string name = task->cl != nullptr && task->cl->name ? task->cl->name : "?";
     on_task_done(group);
     s.completed.fetch_sub(1);
-    throw std::runtime_error("StarPU refused task '" + name + "' (error " + std::to_string(ret) +
-                             ")");
+    if (ret == -ENODEV) {
+      bool cuda = task->cl != nullptr && (task->cl->where & STARPU_CUDA);
+      throw std::runtime_error("no StarPU worker can run task '" + name + "' (error -ENODEV): it runs on " +
+                               (cuda ? "CPU or CUDA" : "CPU") + " workers and StarPU has " +
+                               std::to_string(starpu_cpu_worker_get_count()) + " CPU and " +
+                               std::to_string(starpu_cuda_worker_get_count()) +
+                               " CUDA workers. Check STARPU_NCPU / STARPU_NCUDA in the environment");
+    }
+    throw std::runtime_error("StarPU refused task '" + name + "' (error " + std::to_string(ret) + ")");
   }
 }
 
@@ -416,6 +483,9 @@ void wait_until(Done done, const char* what) {
       std::ostringstream msg;
       msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << " ("
           << s.pending << " tasks pending, memory limit " << s.config.memory_limit_mb << " MB, "
+          << (s.config.gpu_memory_limit_mb > 0 ? "GPU memory limit " + std::to_string(s.config.gpu_memory_limit_mb) +
+                                                     " MB, "
+                                               : "")
           << (s.swap_subdir.empty() ? "no disk swap" : "disk swap in " + s.config.swap_dir)
           << "). The working set likely exceeds the memory limit: raise memory_limit_mb, "
              "add swap_dir, or use smaller tiles (python -m jnntile.memory with the model's flags "

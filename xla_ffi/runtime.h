@@ -21,14 +21,27 @@
 
 namespace jnntile {
 
+// Where tasks of kernels that exist for both devices may run.
+enum class Placement { Auto = 0, Cpu = 1, Cuda = 2 };
+
 struct RuntimeConfig {
-  int workers = 2;
+  int workers = 2;              // CPU workers
+  int cuda_workers = 0;         // -1: one per GPU StarPU finds
   std::string scheduler = "lws";
   int64_t memory_limit_mb = 0;  // 0: chosen by the Python side; must be > 0 here
+  int64_t gpu_memory_limit_mb = 0;  // per GPU; 0: StarPU's default (nearly all of it)
   std::string swap_dir;         // empty: no disk swap
   int64_t swap_size_mb = 0;
   double watchdog_s = 120.0;
+  Placement placement = Placement::Auto;
+  bool tf32 = false;            // cuBLAS may use TF32 tensor cores for float32 products
+  bool pin_host_memory = false; // page-lock RAM tiles so GPU transfers are asynchronous
 };
+
+// The most CPU workers the StarPU in use accepts (its STARPU_MAXCPUS).
+int max_cpu_workers();
+// GPUs the CUDA runtime sees; 0 when StarPU has no CUDA or there is no driver.
+int cuda_device_count();
 
 // A set of tasks a caller waits for. Heap-allocated and shared with the task
 // callbacks; a waiter that gives up (watchdog) leaks it on purpose, because the

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/device.h"
 #include "runtime.h"
 #include "tensor.h"
 #include "xla/ffi/api/ffi.h"
@@ -29,30 +30,42 @@ T* tile_ptr(void* buffer) {
   return reinterpret_cast<T*>(STARPU_VECTOR_GET_PTR(buffer));
 }
 
-// A codelet runs `Kernel(buffers, args)` with a by-value argument struct.
+// ---- codelets ---------------------------------------------------------------
+//
+// A kernel adaptor `void kernel(void** buffers, const Args& args)` unpacks the
+// task's tiles and calls a kernel entry point (kernels/<family>.h). Adaptors of
+// kernels that exist for both devices are templates over Device; declare their
+// codelet with JNNTILE_CODELET, which adds the CUDA instance where StarPU has
+// CUDA. CUDA instances launch asynchronously on StarPU's stream of the worker.
+
 template <class Args, void (*Kernel)(void** buffers, const Args& args)>
 void codelet_entry(void* buffers[], void* cl_arg) {
   Kernel(buffers, *static_cast<const Args*>(cl_arg));
 }
 
-template <class Args, void (*Kernel)(void** buffers, const Args& args)>
-starpu_codelet make_codelet(const char* name) {
-  starpu_codelet cl;
-  starpu_codelet_init(&cl);
-  cl.where = STARPU_CPU;
-  cl.cpu_funcs[0] = codelet_entry<Args, Kernel>;
-  cl.cpu_funcs_name[0] = name;
-  cl.nbuffers = STARPU_VARIABLE_NBUFFERS;
-  cl.name = name;
-  return cl;
-}
+using KernelEntry = void (*)(void* buffers[], void* cl_arg);
+
+// A codelet with a history-based performance model named after it: the
+// model-based schedulers (dmda family, used when a GPU is present) learn from
+// it which worker runs a kernel fastest; the others never consult it.
+starpu_codelet make_codelet(const char* name, KernelEntry cpu, KernelEntry cuda);
 
 // Declares a codelet once: `static starpu_codelet* cl = codelet<Args, kernel>("name");`
-template <class Args, void (*Kernel)(void** buffers, const Args& args)>
+// (CPU only), or `codelet<Args, cpu_kernel, cuda_kernel>("name")`.
+template <class Args, void (*CpuKernel)(void**, const Args&), void (*CudaKernel)(void**, const Args&) = nullptr>
 starpu_codelet* codelet(const char* name) {
-  static starpu_codelet cl = make_codelet<Args, Kernel>(name);
+  KernelEntry cuda = nullptr;
+  if constexpr (CudaKernel != nullptr) cuda = codelet_entry<Args, CudaKernel>;
+  static starpu_codelet cl = make_codelet(name, codelet_entry<Args, CpuKernel>, cuda);
   return &cl;
 }
+
+#if JNNTILE_CUDA
+#define JNNTILE_CODELET(Args, kernel, name) \
+  (::jnntile::codelet<Args, kernel<::jnntile::Device::Cpu>, kernel<::jnntile::Device::Cuda>>(name))
+#else
+#define JNNTILE_CODELET(Args, kernel, name) (::jnntile::codelet<Args, kernel<::jnntile::Device::Cpu>>(name))
+#endif
 
 template <class Args>
 void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const Args& args,

@@ -8,7 +8,7 @@
 #include <algorithm>
 
 #include "kernels/cpu/bias.h"
-#include "kernels/cpu/elementwise.h"
+#include "kernels/elementwise.h"
 #include "task.h"
 
 namespace jnntile {
@@ -24,7 +24,7 @@ void forward_kernel(void** buffers, const BiasArgs& a) {
 }
 
 void dx_kernel(void** buffers, const BiasArgs& a) {
-  cpu::accumulate(a.rows * a.n, 1.0f, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  accumulate<Device::Cpu>(a.rows * a.n, 1.0f, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
 }
 
 void db_kernel(void** buffers, const BiasArgs& a) {

@@ -1,5 +1,5 @@
 // Elementwise ops on tensors of identical shape and tiling: one task per tile.
-#include "kernels/cpu/elementwise.h"
+#include "kernels/elementwise.h"
 #include "task.h"
 
 namespace jnntile {
@@ -10,17 +10,18 @@ void require_f32(const TiledTensor& t, const char* op) {
 }
 
 struct UnaryArgs {
-  cpu::Unary op;
+  Unary op;
   int64_t n;
 };
 
+template <Device D>
 void unary_kernel(void** buffers, const UnaryArgs& a) {
-  cpu::unary_forward(a.op, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  unary_forward<D>(a.op, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
 }
 
+template <Device D>
 void unary_backward_kernel(void** buffers, const UnaryArgs& a) {
-  cpu::unary_backward(a.op, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                      tile_ptr<float>(buffers[2]));
+  unary_backward<D>(a.op, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]));
 }
 
 // ids [x, y]: y = f(x)
@@ -28,8 +29,8 @@ void unary_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &y = call.tensor(1);
   require_f32(x, "unary op");
   check_same_tiling(x, y, "unary op");
-  auto op = cpu::Unary(attr<int64_t>(call.attrs, "op"));
-  static starpu_codelet* cl = codelet<UnaryArgs, unary_kernel>("unary");
+  auto op = Unary(attr<int64_t>(call.attrs, "op"));
+  static starpu_codelet* cl = JNNTILE_CODELET(UnaryArgs, unary_kernel, "unary");
   for (int64_t t = 0; t < x.num_tiles(); ++t)
     submit_task(cl, {{x.tiles[t], STARPU_R}, {y.tiles[t], STARPU_W}}, UnaryArgs{op, x.tile_numel(t)},
                 double(x.tile_numel(t)));
@@ -41,8 +42,8 @@ void unary_backward_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &dy = call.tensor(1), &dx = call.tensor(2);
   check_same_tiling(x, dy, "unary op backward");
   check_same_tiling(x, dx, "unary op backward");
-  auto op = cpu::Unary(attr<int64_t>(call.attrs, "op"));
-  static starpu_codelet* cl = codelet<UnaryArgs, unary_backward_kernel>("unary_backward");
+  auto op = Unary(attr<int64_t>(call.attrs, "op"));
+  static starpu_codelet* cl = JNNTILE_CODELET(UnaryArgs, unary_backward_kernel, "unary_backward");
   for (int64_t t = 0; t < x.num_tiles(); ++t)
     submit_task(cl, {{x.tiles[t], STARPU_R}, {dy.tiles[t], STARPU_R}, {dx.tiles[t], STARPU_RW}},
                 UnaryArgs{op, x.tile_numel(t)}, 2.0 * x.tile_numel(t));
@@ -55,9 +56,10 @@ struct AxpbyArgs {
   bool has_y;
 };
 
+template <Device D>
 void axpby_kernel(void** buffers, const AxpbyArgs& a) {
   const float* y = a.has_y ? tile_ptr<float>(buffers[1]) : nullptr;
-  cpu::axpby(a.n, a.a, tile_ptr<float>(buffers[0]), a.b, y, tile_ptr<float>(buffers[a.has_y ? 2 : 1]));
+  axpby<D>(a.n, a.a, tile_ptr<float>(buffers[0]), a.b, y, tile_ptr<float>(buffers[a.has_y ? 2 : 1]));
 }
 
 // ids [x, y, out]: out = a x + b y;  ids [x, out]: out = a x.
@@ -68,7 +70,7 @@ void axpby_submit(const OpCall& call) {
   check_same_tiling(x, out, "axpby");
   if (has_y) check_same_tiling(x, call.tensor(1), "axpby");
   float a = float(attr<double>(call.attrs, "a")), b = has_y ? float(attr<double>(call.attrs, "b")) : 0.0f;
-  static starpu_codelet* cl = codelet<AxpbyArgs, axpby_kernel>("axpby");
+  static starpu_codelet* cl = JNNTILE_CODELET(AxpbyArgs, axpby_kernel, "axpby");
   for (int64_t t = 0; t < x.num_tiles(); ++t) {
     std::vector<Buffer> buffers{{x.tiles[t], STARPU_R}};
     if (has_y) buffers.push_back({call.tensor(1).tiles[t], STARPU_R});
@@ -83,8 +85,9 @@ struct AccumulateArgs {
   float a;
 };
 
+template <Device D>
 void accumulate_kernel(void** buffers, const AccumulateArgs& a) {
-  cpu::accumulate(a.n, a.a, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  accumulate<D>(a.n, a.a, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
 }
 
 // ids [src, dst_0, dst_1, ...], attr alphas: dst_i += alphas[i] * src (ids < 0 skipped).
@@ -94,7 +97,7 @@ void accumulate_submit(const OpCall& call) {
   auto alphas = call.attrs.get<ffi::Span<const double>>("alphas");
   if (alphas.has_error() || alphas.value().size() != call.ids.size() - 1)
     throw std::invalid_argument("accumulate: needs one alpha per destination");
-  static starpu_codelet* cl = codelet<AccumulateArgs, accumulate_kernel>("accumulate");
+  static starpu_codelet* cl = JNNTILE_CODELET(AccumulateArgs, accumulate_kernel, "accumulate");
   for (size_t d = 1; d < call.ids.size(); ++d) {
     if (call.ids[d] < 0) continue;
     const TiledTensor& dst = call.tensor(d);

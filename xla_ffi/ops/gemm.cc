@@ -5,7 +5,7 @@
 // [batch][M..][N..]; `ndim` is the number of contraction axes K. Every C tile
 // gets one task per K tile; the first is write-only when beta == 0 (DESIGN
 // invariant 3), the rest accumulate.
-#include "kernels/cpu/gemm.h"
+#include "kernels/gemm.h"
 #include "task.h"
 
 namespace jnntile {
@@ -17,8 +17,9 @@ struct GemmArgs {
   float alpha, beta;
 };
 
+template <Device D>
 void gemm_kernel(void** buffers, const GemmArgs& g) {
-  cpu::gemm_f32(g.trans_a, g.trans_b, g.batch, g.m, g.n, g.k, g.alpha, tile_ptr<float>(buffers[0]),
+  gemm_f32<D>(g.trans_a, g.trans_b, g.batch, g.m, g.n, g.k, g.alpha, tile_ptr<float>(buffers[0]),
                 tile_ptr<float>(buffers[1]), g.beta, tile_ptr<float>(buffers[2]));
 }
 
@@ -83,7 +84,7 @@ void gemm(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool
   require_match(a.batch, a.batch_tiles, c.batch, c.batch_tiles, "batch axes of A and C", A, C);
   require_match(b.batch, b.batch_tiles, c.batch, c.batch_tiles, "batch axes of B and C", B, C);
 
-  static starpu_codelet* cl = codelet<GemmArgs, gemm_kernel>("gemm");
+  static starpu_codelet* cl = JNNTILE_CODELET(GemmArgs, gemm_kernel, "gemm");
   Index k_grid = slice(A.grid, batch_ndim + (trans_a ? 0 : m_ndim), ndim);
   int64_t k_tiles = product(k_grid);
   for (int64_t linear = 0; linear < C.num_tiles(); ++linear) {

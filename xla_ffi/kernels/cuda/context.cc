@@ -1,0 +1,49 @@
+#include "kernels/cuda/context.h"
+
+#include <starpu.h>
+#include <starpu_cublas_v2.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace jnntile::cuda {
+
+cudaStream_t stream() { return starpu_cuda_get_local_stream(); }
+
+cublasHandle_t cublas() { return starpu_cublas_get_local_handle(); }
+
+void check(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return;
+  std::fprintf(stderr, "jnntile: CUDA kernel %s failed: %s\n", what, cudaGetErrorString(status));
+  std::abort();
+}
+
+void check(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  std::fprintf(stderr, "jnntile: cuBLAS call in %s failed with status %d\n", what, int(status));
+  std::abort();
+}
+
+namespace {
+void set_math_mode(void* tf32) {
+  cublasMath_t mode = *static_cast<bool*>(tf32) ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH;
+  check(cublasSetMathMode(starpu_cublas_get_local_handle(), mode), "cublasSetMathMode");
+}
+}  // namespace
+
+void start_workers(bool tf32) {
+  if (starpu_cuda_worker_get_count() == 0) return;
+  starpu_cublas_init();
+  starpu_execute_on_each_worker(set_math_mode, &tf32, STARPU_CUDA);
+}
+
+void stop_workers() {
+  if (starpu_cuda_worker_get_count() > 0) starpu_cublas_shutdown();
+}
+
+int device_count() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+}
+
+}  // namespace jnntile::cuda
