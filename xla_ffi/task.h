@@ -67,6 +67,16 @@ starpu_codelet* codelet(const char* name) {
 #define JNNTILE_CODELET(Args, kernel, name) (::jnntile::codelet<Args, kernel<::jnntile::Device::Cpu>>(name))
 #endif
 
+// A temporary vector of n elements with no home: StarPU allocates it where a
+// task first writes it, or, accessed as STARPU_SCRATCH, on the memory node of
+// each task (a kernel's working memory, on the GPU too). Unregister it with
+// starpu_data_unregister_submit after its last task.
+inline starpu_data_handle_t temporary_vector(int64_t n, size_t elem_size) {
+  starpu_data_handle_t handle;
+  starpu_vector_data_register(&handle, -1, 0, n > 0 ? n : 1, elem_size);
+  return handle;
+}
+
 template <class Args>
 void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const Args& args,
                  double flops = 0.0, TaskGroup* group = nullptr) {

@@ -13,7 +13,7 @@
 // validates token ids before they arrive; this only keeps bad ids from
 // reading out of bounds.
 #include "kernels/cpu/loss.h"
-#include "kernels/cpu/reduce.h"
+#include "kernels/reduce.h"
 #include "task.h"
 
 namespace jnntile {
@@ -47,12 +47,12 @@ struct CombineArgs {
 
 // buffers: partial (sum, count) per token tile, then loss and inv_count.
 void combine_kernel(void** buffers, const CombineArgs& a) {
-  std::vector<const double*> sums(a.count), counts(a.count);
+  CompensatedSum sum_of_sums, sum_of_counts;
   for (int64_t i = 0; i < a.count; ++i) {
-    sums[i] = tile_ptr<double>(buffers[i]);
-    counts[i] = sums[i] + 1;
+    sum_of_sums.add(tile_ptr<double>(buffers[i])[0]);
+    sum_of_counts.add(tile_ptr<double>(buffers[i])[1]);
   }
-  double sum = cpu::sum_partials(a.count, sums.data()), count = cpu::sum_partials(a.count, counts.data());
+  double sum = sum_of_sums.sum, count = sum_of_counts.sum;
   // Every target ignored: the loss is 0 and so is its gradient.
   *tile_ptr<float>(buffers[a.count]) = count > 0 ? float(sum / count) : 0.0f;
   *tile_ptr<float>(buffers[a.count + 1]) = count > 0 ? float(1.0 / count) : 0.0f;

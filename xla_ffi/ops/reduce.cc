@@ -3,9 +3,7 @@
 // Each tile writes its partial sum (double) to a scratch handle; one final
 // task combines them, so tiles are reduced in parallel and the result does not
 // depend on the order tasks ran in.
-#include <cmath>
-
-#include "kernels/cpu/reduce.h"
+#include "kernels/reduce.h"
 #include "task.h"
 
 namespace jnntile {
@@ -15,8 +13,10 @@ struct PartialArgs {
   int64_t n;
 };
 
+// buffers: x, partial (one double), scratch (kSumsqBlocks doubles)
+template <Device D>
 void partial_kernel(void** buffers, const PartialArgs& a) {
-  *tile_ptr<double>(buffers[1]) = cpu::sumsq(a.n, tile_ptr<float>(buffers[0]));
+  sumsq<D>(a.n, tile_ptr<float>(buffers[0]), tile_ptr<double>(buffers[1]), tile_ptr<double>(buffers[2]));
 }
 
 struct CombineArgs {
@@ -24,11 +24,13 @@ struct CombineArgs {
   bool take_sqrt;
 };
 
+// buffers: count partials, out, scratch (count pointers)
+template <Device D>
 void combine_kernel(void** buffers, const CombineArgs& a) {
   std::vector<const double*> partials(a.count);
   for (int64_t i = 0; i < a.count; ++i) partials[i] = tile_ptr<double>(buffers[i]);
-  double sum = cpu::sum_partials(a.count, partials.data());
-  *tile_ptr<float>(buffers[a.count]) = float(a.take_sqrt ? std::sqrt(sum) : sum);
+  sumsq_combine<D>(a.count, partials.data(), a.take_sqrt, tile_ptr<float>(buffers[a.count]),
+                   tile_ptr<void>(buffers[a.count + 1]));
 }
 
 // ids [x_0, ..., x_{n-1}, out]: out = sum of x_i^2 over all tensors (one tensor for
@@ -38,24 +40,29 @@ void sumsq_submit(const OpCall& call) {
   if (out.dtype != DType::F32 || out.numel() != 1)
     throw std::invalid_argument("sumsq: needs a float32 scalar output: " + out.describe());
   bool take_sqrt = attr<int64_t>(call.attrs, "sqrt") != 0;
-  static starpu_codelet* partial_cl = codelet<PartialArgs, partial_kernel>("sumsq_partial");
-  static starpu_codelet* combine_cl = codelet<CombineArgs, combine_kernel>("sumsq_combine");
+  static starpu_codelet* partial_cl = JNNTILE_CODELET(PartialArgs, partial_kernel, "sumsq_partial");
+  static starpu_codelet* combine_cl = JNNTILE_CODELET(CombineArgs, combine_kernel, "sumsq_combine");
   std::vector<Buffer> combine_buffers;
+  std::vector<starpu_data_handle_t> temporaries;
   for (size_t i = 0; i + 1 < call.ids.size(); ++i) {
     const TiledTensor& x = call.tensor(i);
     if (x.dtype != DType::F32) throw std::invalid_argument("sumsq: needs float32 inputs: " + x.describe());
     for (int64_t t = 0; t < x.num_tiles(); ++t) {
-      starpu_data_handle_t partial;
-      starpu_variable_data_register(&partial, -1, 0, sizeof(double));
-      submit_task(partial_cl, {{x.tiles[t], STARPU_R}, {partial, STARPU_W}}, PartialArgs{x.tile_numel(t)},
-                  2.0 * x.tile_numel(t));
+      starpu_data_handle_t partial = temporary_vector(1, sizeof(double));
+      starpu_data_handle_t blocks = temporary_vector(kSumsqBlocks, sizeof(double));
+      submit_task(partial_cl, {{x.tiles[t], STARPU_R}, {partial, STARPU_W}, {blocks, STARPU_SCRATCH}},
+                  PartialArgs{x.tile_numel(t)}, 2.0 * x.tile_numel(t));
       combine_buffers.push_back({partial, STARPU_R});
+      temporaries.insert(temporaries.end(), {partial, blocks});
     }
   }
   int64_t count = int64_t(combine_buffers.size());
+  starpu_data_handle_t pointers = temporary_vector(count, sizeof(void*));
   combine_buffers.push_back({out.tiles[0], STARPU_W});
+  combine_buffers.push_back({pointers, STARPU_SCRATCH});
+  temporaries.push_back(pointers);
   submit_task(combine_cl, combine_buffers, CombineArgs{count, take_sqrt});
-  for (size_t i = 0; i + 1 < combine_buffers.size(); ++i) starpu_data_unregister_submit(combine_buffers[i].handle);
+  for (starpu_data_handle_t handle : temporaries) starpu_data_unregister_submit(handle);
 }
 JNNTILE_OP(sumsq, sumsq_submit);
 
@@ -64,13 +71,11 @@ struct SumsqBackwardArgs {
   bool take_sqrt;
 };
 
-// dx += c * x with c = 2 dout (sum of squares) or dout / out (norm).
+// buffers: x, out, dout, dx
+template <Device D>
 void sumsq_backward_kernel(void** buffers, const SumsqBackwardArgs& a) {
-  const float* x = tile_ptr<float>(buffers[0]);
-  float out = *tile_ptr<float>(buffers[1]), dout = *tile_ptr<float>(buffers[2]);
-  float* dx = tile_ptr<float>(buffers[3]);
-  float c = a.take_sqrt ? (out > 0.0f ? dout / out : 0.0f) : 2.0f * dout;
-  for (int64_t i = 0; i < a.n; ++i) dx[i] += c * x[i];
+  sumsq_backward<D>(a.n, a.take_sqrt, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                    tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]));
 }
 
 // ids [x, out, dout, dx]
@@ -78,7 +83,7 @@ void sumsq_backward_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &out = call.tensor(1), &dout = call.tensor(2), &dx = call.tensor(3);
   check_same_tiling(x, dx, "sumsq backward");
   bool take_sqrt = attr<int64_t>(call.attrs, "sqrt") != 0;
-  static starpu_codelet* cl = codelet<SumsqBackwardArgs, sumsq_backward_kernel>("sumsq_backward");
+  static starpu_codelet* cl = JNNTILE_CODELET(SumsqBackwardArgs, sumsq_backward_kernel, "sumsq_backward");
   for (int64_t t = 0; t < x.num_tiles(); ++t)
     submit_task(cl,
                 {{x.tiles[t], STARPU_R}, {out.tiles[0], STARPU_R}, {dout.tiles[0], STARPU_R}, {dx.tiles[t], STARPU_RW}},

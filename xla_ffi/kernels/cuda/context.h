@@ -29,15 +29,15 @@ inline unsigned blocks_for(int64_t n, int threads = kThreads) {
   return unsigned(blocks < 1 ? 1 : (blocks > 65535 * 16 ? 65535 * 16 : blocks));
 }
 
-// Up to kSize tile pointers passed to a kernel by value: kernel parameters need
-// no device allocation and no copy. Entry points that take a host array of tile
-// pointers (the partial results a combine task reads) launch once per chunk.
+// Entry points that read many partial tiles (combine tasks) get a host array of
+// their pointers and a STARPU_SCRATCH buffer of as many pointers on the GPU:
+// this copies the array there and returns it. A copy from pageable memory
+// returns once the array is staged, so the caller's array may go away.
 template <class T>
-struct PointerChunk {
-  static constexpr int kSize = 64;
-  const T* ptr[kSize];
-  int count;
-};
+const T* const* device_pointers(const T* const* host, int64_t count, void* scratch, const char* what) {
+  check(cudaMemcpyAsync(scratch, host, size_t(count) * sizeof(T*), cudaMemcpyHostToDevice, stream()), what);
+  return static_cast<const T* const*>(scratch);
+}
 
 // Called by the runtime after starpu_init: cuBLAS handles on every CUDA worker,
 // with TF32 tensor-core math allowed or not; and before starpu_shutdown.

@@ -1,0 +1,71 @@
+#include "kernels/cuda/context.h"
+#include "kernels/reduce.h"
+
+namespace jnntile {
+namespace {
+
+constexpr int kReduceThreads = 256;
+
+// Block b sums the squares of its grid-stride share of x into partials[b]; the
+// shared-memory tree has a fixed shape, so the result is the same every run.
+__global__ void sumsq_blocks_kernel(int64_t n, const float* x, double* partials) {
+  __shared__ double acc[kReduceThreads];
+  double sum = 0.0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    sum += double(x[i]) * double(x[i]);
+  acc[threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) acc[threadIdx.x] += acc[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc[0];
+}
+
+__global__ void sum_blocks_kernel(int blocks, const double* partials, double* out) {
+  double sum = 0.0;
+  for (int b = 0; b < blocks; ++b) sum += partials[b];
+  *out = sum;
+}
+
+__global__ void combine_kernel(int64_t count, const double* const* partials, bool take_sqrt, float* out) {
+  CompensatedSum total;
+  for (int64_t i = 0; i < count; ++i) total.add(*partials[i]);
+  *out = float(take_sqrt ? sqrt(total.sum) : total.sum);
+}
+
+__global__ void backward_kernel(int64_t n, bool take_sqrt, const float* x, const float* out, const float* dout,
+                                float* dx) {
+  float c = sumsq_backward_scale(take_sqrt, *out, *dout);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    dx[i] += c * x[i];
+}
+
+}  // namespace
+
+template <>
+void sumsq<Device::Cuda>(int64_t n, const float* x, double* out, double* scratch) {
+  unsigned blocks = cuda::blocks_for(n, kReduceThreads);
+  if (blocks > unsigned(kSumsqBlocks)) blocks = kSumsqBlocks;
+  sumsq_blocks_kernel<<<blocks, kReduceThreads, 0, cuda::stream()>>>(n, x, scratch);
+  cuda::check_launch("sumsq");
+  sum_blocks_kernel<<<1, 1, 0, cuda::stream()>>>(int(blocks), scratch, out);
+  cuda::check_launch("sumsq");
+}
+
+template <>
+void sumsq_combine<Device::Cuda>(int64_t count, const double* const* partials, bool take_sqrt, float* out,
+                                 void* scratch) {
+  const double* const* device = cuda::device_pointers(partials, count, scratch, "sumsq_combine");
+  combine_kernel<<<1, 1, 0, cuda::stream()>>>(count, device, take_sqrt, out);
+  cuda::check_launch("sumsq_combine");
+}
+
+template <>
+void sumsq_backward<Device::Cuda>(int64_t n, bool take_sqrt, const float* x, const float* out, const float* dout,
+                                  float* dx) {
+  backward_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(n, take_sqrt, x, out, dout, dx);
+  cuda::check_launch("sumsq_backward");
+}
+
+}  // namespace jnntile
