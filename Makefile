@@ -64,7 +64,6 @@ GPU_OUT ?= out/gpu
 cuda: $(CUDA_STAMP)
 
 $(CUDA_DIR)/starpu.stamp: tools/build_starpu_cuda.sh
-	$(MAKE) system-packages APT_PACKAGES="$(APT_PACKAGES) libhwloc-dev"
 	tools/build_starpu_cuda.sh
 
 $(CUDA_PY):

@@ -36,7 +36,8 @@ MB = 2 ** 20
 F32 = 4
 I32 = 4
 F64 = 8
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}  # parameter-sized tensors of state per parameter
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}
+GPU_TASKS_IN_FLIGHT = 2  # StarPU's default CUDA pipeline: tiles of this many tasks per worker on the GPU  # parameter-sized tensors of state per parameter
 # The tile axes a suggestion may shrink, and the smallest tile it proposes on each.
 _TILE_AXES = ("vocab", "hidden", "embd", "seq", "heads", "batch")
 _MIN_TILE = {"vocab": 64, "hidden": 64, "embd": 32, "seq": 16, "heads": 1, "batch": 1}
@@ -245,20 +246,26 @@ class MemoryPlan:
         """Bytes that the tasks running at once may need in RAM: one largest task per worker."""
         return self.workers * self.largest_task
 
-    def swap_needed_mb(self, memory_limit_mb: float) -> int:
-        """Swap (MB) needed under `memory_limit_mb`; 0 when the step fits in RAM.
+    def host_bytes(self, gpu_mb: float = 0) -> int:
+        """Bytes of the peak that host memory (RAM and swap) must hold: all of it, or what a GPU of gpu_mb cannot."""
+        return max(0, self.peak - int(gpu_mb * MB))
+
+    def swap_needed_mb(self, memory_limit_mb: float, gpu_mb: float = 0) -> int:
+        """Swap (MB) needed under `memory_limit_mb` (beside `gpu_mb` of GPU memory); 0 when RAM suffices.
 
         RAM is a cache of the swap, not an extension of it: StarPU keeps the disk
-        copy of a tile it brought back, so the swap must hold the whole peak
-        (measured on a 41 MB step under a 16 MB limit: 40 MB of swap hangs, 44 MB
-        runs, 16 MB makes StarPU abort). Hence the peak plus a tenth, and never
-        below StarPU's smallest disk.
+        copy of a tile it brought back, so the swap must hold the whole host part
+        of the peak (measured on a 41 MB step under a 16 MB limit: 40 MB of swap
+        hangs, 44 MB runs, 16 MB makes StarPU abort). Hence that plus a tenth,
+        and never below StarPU's smallest disk. With a GPU, tiles it evicts go
+        to RAM: GPU memory and host memory add up.
         """
-        if self.peak <= memory_limit_mb * MB:
+        host = self.host_bytes(gpu_mb)
+        if host <= memory_limit_mb * MB:
             return 0
         from jnntile.runtime import MIN_SWAP_MB
 
-        return max(MIN_SWAP_MB, math.ceil(1.1 * self.peak / MB))
+        return max(MIN_SWAP_MB, math.ceil(1.1 * host / MB))
 
     def _task_problem(self, memory_limit_mb: float) -> str | None:
         if self.concurrent_tasks <= memory_limit_mb * MB:
@@ -272,29 +279,49 @@ class MemoryPlan:
                 f"the memory limit of {memory_limit_mb:g} MB; use smaller tiles{', e.g. ' + hint if hint else ''}"
                 f"{fewer}")
 
-    def verdict(self, memory_limit_mb: float, swap_size_mb: float = 0) -> str:
-        """ "fits in RAM", "needs N MB of swap" or "cannot run: ..." (a short sentence)."""
-        problem = self._task_problem(memory_limit_mb)
+    def _gpu_task_problem(self, gpu_mb: float) -> str | None:
+        # A CUDA worker keeps GPU_TASKS_IN_FLIGHT tasks' tiles on the GPU at once (StarPU's pipeline).
+        need = GPU_TASKS_IN_FLIGHT * self.largest_task
+        if not gpu_mb or need <= gpu_mb * MB:
+            return None
+        hint = self.suggest_tiles(gpu_mb / GPU_TASKS_IN_FLIGHT * self.workers)
+        return (f"cannot run: a single task ({self.largest_task_name}) needs {self.largest_task / MB:.1f} MB and a "
+                f"CUDA worker holds {GPU_TASKS_IN_FLIGHT} tasks' tiles at once ({need / MB:.1f} MB), more than the "
+                f"GPU memory limit of {gpu_mb:g} MB; use smaller tiles{', e.g. ' + hint if hint else ''} or raise "
+                "--gpu-memory-limit-mb")
+
+    def verdict(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0) -> str:
+        """A short sentence: "fits in RAM", "needs N MB of swap" or "cannot run: ...".
+
+        With a GPU (gpu_mb: its memory limit, or its memory, in MB): "fits on the
+        GPU", "fits on the GPU and N MB of host RAM", or the host verdicts for
+        what the GPU cannot hold.
+        """
+        problem = self._task_problem(memory_limit_mb) or self._gpu_task_problem(gpu_mb)
         if problem:
             return problem
-        need = self.swap_needed_mb(memory_limit_mb)
+        host_mb = math.ceil(self.host_bytes(gpu_mb) / MB)
+        need = self.swap_needed_mb(memory_limit_mb, gpu_mb)
         if need == 0:
-            return "fits in RAM"
+            if not gpu_mb:
+                return "fits in RAM"
+            return "fits on the GPU" if host_mb == 0 else f"fits on the GPU and {host_mb} MB of host RAM"
         if swap_size_mb and swap_size_mb < need:
-            return (f"cannot run: needs {need} MB of swap (the step's peak of {self.peak / MB:.0f} MB is over the "
-                    f"{memory_limit_mb:g} MB limit, and the swap must hold all of it) but swap is "
+            beside_gpu = f" beyond the GPU's {gpu_mb:g} MB" if gpu_mb else ""
+            return (f"cannot run: needs {need} MB of swap (the step's peak of {self.peak / MB:.0f} MB{beside_gpu} is "
+                    f"over the {memory_limit_mb:g} MB limit, and the swap must hold all of it) but swap is "
                     f"{swap_size_mb:g} MB; raise --swap-size-mb or --memory-limit-mb")
         return f"needs {need} MB of swap"
 
-    def check(self, memory_limit_mb: float, swap_size_mb: float = 0) -> str:
+    def check(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0) -> str:
         """Returns the verdict, or raises MemoryPlanError when the step cannot run (no swap given counts)."""
-        text = self.verdict(memory_limit_mb, swap_size_mb)
+        text = self.verdict(memory_limit_mb, swap_size_mb, gpu_mb)
         if text.startswith("cannot run"):
             raise MemoryPlanError(text)
         if text.startswith("needs") and not swap_size_mb:
             raise MemoryPlanError(f"cannot run without swap: the step {text} under a memory limit of "
                                   f"{memory_limit_mb:g} MB (peak {self.peak / MB:.0f} MB); give --swap-dir and "
-                                  f"--swap-size-mb {self.swap_needed_mb(memory_limit_mb)}, or raise "
+                                  f"--swap-size-mb {self.swap_needed_mb(memory_limit_mb, gpu_mb)}, or raise "
                                   "--memory-limit-mb")
         return text
 
@@ -457,6 +484,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for disk swap; a subdirectory is created in it and removed at exit")
     parser.add_argument("--swap-size-mb", type=int, default=None,
                         help="disk swap size (default: the runtime's when --swap-dir is given, else no swap)")
+    parser.add_argument("--gpu-memory-limit-mb", type=int, default=None,
+                        help="GPU memory StarPU may use for tiles, per GPU; beyond it tiles go to RAM (default: the "
+                             "whole GPU where there is one; `python -m jnntile.memory` plans for this much GPU "
+                             "memory even on a machine without one)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--workers", type=int, default=None, help="StarPU CPU workers (default: the runtime's)")
 
@@ -484,7 +515,7 @@ def plan_from_args(args) -> MemoryPlan:
 
 
 def runtime_settings(args) -> dict:
-    """The `jnntile.runtime.configure(**settings)` the flags ask for (memory limit, swap, workers)."""
+    """The `jnntile.runtime.configure(**settings)` the flags ask for (memory limits, swap, workers, GPUs)."""
     settings = {}
     if getattr(args, "memory_limit_mb", None) is not None:
         settings["memory_limit_mb"] = args.memory_limit_mb
@@ -494,13 +525,17 @@ def runtime_settings(args) -> dict:
             settings["swap_size_mb"] = args.swap_size_mb
     if getattr(args, "workers", None) is not None:
         settings["workers"] = args.workers
+    for name in ("gpu_memory_limit_mb", "cuda_workers", "matmul_precision"):
+        if getattr(args, name, None) is not None:
+            settings[name] = getattr(args, name)
     return settings
 
 
-def limits_from_args(args) -> tuple[int, int]:
-    """(memory limit MB, swap MB) the flags give, runtime defaults filling the gaps; swap 0 means none.
+def limits_from_args(args) -> tuple[int, int, int]:
+    """(memory limit MB, swap MB, GPU MB) the flags give, runtime defaults filling the gaps; 0 means none.
 
-    --swap-size-mb without --swap-dir plans with that much swap (what-if).
+    --swap-size-mb without --swap-dir plans with that much swap, and
+    --gpu-memory-limit-mb with that much GPU memory (what-if).
     """
     from jnntile import runtime
 
@@ -509,7 +544,10 @@ def limits_from_args(args) -> tuple[int, int]:
     swap = getattr(args, "swap_size_mb", None)
     if swap is None:
         swap = config.swap_size_mb if getattr(args, "swap_dir", None) else 0
-    return limit, swap
+    gpu = getattr(args, "gpu_memory_limit_mb", None)
+    if gpu is None:
+        gpu = runtime.gpu_memory_mb(config)
+    return limit, swap, gpu
 
 
 def check_before_training(args) -> MemoryPlan:
@@ -522,21 +560,22 @@ def check_before_training(args) -> MemoryPlan:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jnntile.memory",
                                      description="What one GPT-2 training step needs in memory, and whether it "
-                                                 "runs under a memory limit (with disk swap).")
+                                                 "runs on the GPU, in RAM or with disk swap under the limits.")
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         memory_plan = plan_from_args(args)
     except ValueError as error:
         parser.error(str(error))
-    limit, swap_mb = limits_from_args(args)
+    limit, swap_mb, gpu_mb = limits_from_args(args)
     config = memory_plan.config
     print(f"GPT-2 {args.model}: n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} "
           f"vocab_size={config.vocab_size}, {args.optimizer}")
     print(memory_plan.table())
+    gpu = f"GPU memory {gpu_mb} MB, " if gpu_mb else ""
     swap = f" and {swap_mb} MB of swap" if swap_mb else ""
-    verdict = memory_plan.verdict(limit, swap_mb)
-    print(f"memory limit {limit} MB{swap}: {verdict}")
+    verdict = memory_plan.verdict(limit, swap_mb, gpu_mb)
+    print(f"{gpu}memory limit {limit} MB{swap}: {verdict}")
     return 1 if verdict.startswith("cannot run") else 0
 
 

@@ -13,7 +13,12 @@ import dataclasses
 import os
 from pathlib import Path
 
-import jax
+# With jax[cuda] installed, XLA would take 75% of the GPU's memory when it first
+# starts, though jnntile's token graph runs on JAX's CPU device and StarPU needs
+# the GPU memory: XLA allocates on demand instead (unless the user decided).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
 
 from jnntile import _blas
 
@@ -45,6 +50,24 @@ def _default_memory_limit_mb() -> int:
 def gpu_count() -> int:
     """GPUs this jnntile can use: 0 unless built with CUDA (`make cuda`) on a machine with a GPU driver."""
     return _xla_ffi.cuda_device_count() if HAS_CUDA else 0
+
+
+# GPU memory left to the CUDA runtime, cuBLAS and StarPU's own buffers when no limit is given.
+GPU_MEMORY_RESERVE = 0.05
+
+
+def gpu_memory_mb(config: "RuntimeConfig | None" = None) -> int:
+    """GPU memory tiles may use under `config` (the current one by default), per GPU: its limit, else
+    what is free on the GPU less a 5% reserve; 0 when no CUDA worker will run."""
+    config = config or _config
+    if config.cuda_workers == 0 or gpu_count() == 0:
+        return 0
+    return config.gpu_memory_limit_mb or int(_xla_ffi.cuda_device_free_bytes() * (1 - GPU_MEMORY_RESERVE) / 2**20)
+
+
+def gpu_memory_in_use_limit_mb() -> int:
+    """The GPU memory limit the running runtime started with (0: no CUDA worker)."""
+    return _started_gpu_limit_mb if is_running() and cuda_worker_count() else 0
 
 
 def _default_workers() -> int:
@@ -115,6 +138,7 @@ class RuntimeConfig:
 
 _config = RuntimeConfig()
 _started = False
+_started_gpu_limit_mb = 0  # the GPU memory limit StarPU started with
 
 
 def _register_ffi_targets() -> None:
@@ -142,7 +166,7 @@ def config() -> RuntimeConfig:
 
 def start(**settings) -> None:
     """Starts StarPU now (it otherwise starts on first use)."""
-    global _started
+    global _started, _started_gpu_limit_mb
     if settings:
         configure(**settings)
     if is_running():
@@ -152,12 +176,15 @@ def start(**settings) -> None:
     os.environ.setdefault("STARPU_HOME", str(Path.home() / ".cache" / "jnntile" / "starpu"))
     if _config.perf_model_dir:
         os.environ["STARPU_PERF_MODEL_DIR"] = _config.perf_model_dir
+    # StarPU would count on the GPU's whole memory; take what is free (another
+    # library in this process, XLA for one, may hold some).
+    gpu_limit_mb = gpu_memory_mb(_config)
     _xla_ffi.runtime_start(
         workers=_config.workers,
         cuda_workers=_config.cuda_workers,
         scheduler=_config.scheduler,
         memory_limit_mb=_config.memory_limit_mb,
-        gpu_memory_limit_mb=_config.gpu_memory_limit_mb,
+        gpu_memory_limit_mb=gpu_limit_mb,
         swap_dir=_config.swap_dir or "",
         swap_size_mb=_config.swap_size_mb if _config.swap_dir else 0,
         watchdog_s=_config.watchdog_s,
@@ -166,6 +193,7 @@ def start(**settings) -> None:
         pin_host_memory=_config.pin_host_memory,
     )
     _started = True
+    _started_gpu_limit_mb = gpu_limit_mb
 
 
 def ensure_started() -> None:
@@ -210,8 +238,7 @@ def describe() -> str:
     elif HAS_CUDA:
         gpus = "no GPU found (StarPU has CUDA), "
     return (f"{gpus}{_config.workers} CPU workers, scheduler {_config.scheduler}, memory limit "
-            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_config.gpu_memory_limit_mb} MB"
-                                               if cuda and _config.gpu_memory_limit_mb else ""))
+            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_started_gpu_limit_mb} MB" if cuda else ""))
 
 
 def blas_core() -> str:

@@ -232,6 +232,11 @@ def new_handle(shape, dtype, tile_shape) -> _Handle:
         raise ValueError(f"one tile of shape {tile_shape} ({tile_mb:.1f} MB) of a tensor of shape {shape} is "
                          f"larger than the memory limit of {limit_mb} MB: use smaller tiles or raise "
                          "memory_limit_mb")
+    gpu_mb = runtime.gpu_memory_in_use_limit_mb()
+    if tile_mb > gpu_mb > 0:
+        raise ValueError(f"one tile of shape {tile_shape} ({tile_mb:.1f} MB) of a tensor of shape {shape} is "
+                         f"larger than the GPU memory limit of {gpu_mb} MB: use smaller tiles or raise "
+                         "gpu_memory_limit_mb")
     tensor_id = _xla_ffi.tensor_create(list(shape), list(tile_shape), DTYPES[dtype])
     return _Handle(tensor_id, shape, dtype, tile_shape)
 

@@ -71,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-limit-mb", type=int, help="RAM for tiles; the rest goes to --swap-dir")
     p.add_argument("--swap-dir", help="directory for tiles evicted from RAM")
     p.add_argument("--swap-size-mb", type=int, default=16384)
+    p.add_argument("--gpu-memory-limit-mb", type=int,
+                   help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the whole GPU)")
+    p.add_argument("--cuda-workers", type=int, help="GPUs to use (default: all; 0: CPU only)")
+    p.add_argument("--matmul-precision", choices=["default", "highest", "tf32"],
+                   help="float32 products on the GPU: FP32 or TF32 (default: JAX's default on the GPU, tf32)")
     p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="text samples printed at the end")
     p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"])
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -257,7 +262,8 @@ def train(args) -> dict:
     runtime_config.validate()
     plan = memory.plan(config, args.batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers)
     # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
-    verdict = plan.check(runtime_config.memory_limit_mb, runtime_config.swap_size_mb if runtime_config.swap_dir else 0)
+    verdict = plan.check(runtime_config.memory_limit_mb, runtime_config.swap_size_mb if runtime_config.swap_dir else 0,
+                         jnntile.runtime.gpu_memory_mb(runtime_config))
     if runtime_settings and runtime_config != jnntile.runtime.config():
         jnntile.runtime.stop()
         jnntile.runtime.configure(**runtime_settings)
@@ -287,9 +293,8 @@ def train(args) -> dict:
     train_step, eval_step = make_steps(graphdef, tx)
     n_params = config.n_params()
     print(f"GPT-2 {args.model}: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
-          f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; "
-          f"{runtime_config.workers} StarPU workers, memory limit {runtime_config.memory_limit_mb} MB "
-          f"(planned peak {plan.peak / 2**20:.0f} MB: {verdict})", flush=True)
+          f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; StarPU: "
+          f"{jnntile.runtime.describe()} (planned peak {plan.peak / 2**20:.0f} MB: {verdict})", flush=True)
 
     def save(step):
         state = {"data_position": step * args.batch_size * args.seq_len, "data_order": args.data_order,

@@ -54,6 +54,42 @@ def check_op(op, reference, arrays, tile_shapes, *, jit, tol=1e-5, seed=0):
         assert rel_err(jnntile.grad_of(g).numpy(), ref_g) <= tol, f"gradient of input {i} differs"
 
 
+def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0):
+    """Losses and final parameters of `steps` jitted AdamW steps of a jnntile GPT-2 on random tokens."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import jnntile
+    from jnntile import optim
+    from jnntile.models import gpt2
+
+    model = gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    graphdef, state = nnx.split(model)
+    tx = optim.adamw(1e-2)
+    opt_state = tx.init(nnx.state(model, nnx.Param))
+
+    @jax.jit
+    def step(state, opt_state, idx, targets):
+        m = nnx.merge(graphdef, state)
+        loss, grads = jnntile.nn.value_and_grad(lambda m, i, t: m(m.token_tensor(i), m.token_tensor(t))[1])(
+            m, idx, targets)
+        params = nnx.state(m, nnx.Param)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        nnx.update(m, optax.apply_updates(params, updates))
+        return nnx.state(m), opt_state, loss
+
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(steps):
+        idx, targets = (rng.integers(0, config.vocab_size, (batch_size, seq_len)).astype(np.int32) for _ in range(2))
+        state, opt_state, loss = step(state, opt_state, idx, targets)
+        losses.append(np.asarray(loss))
+    nnx.update(model, state)
+    params = {name: p.get_value().numpy() for name, p in model.named_params().items()}
+    return np.array(losses), params
+
+
 # ---- CPU and CUDA kernels ---------------------------------------------------------------
 
 def cuda_skip_reason() -> str | None:

@@ -10,6 +10,7 @@
 """
 
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -22,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+
+from conftest import train_steps
 
 import jnntile
 from jnntile import memory, optim
@@ -39,31 +41,7 @@ SWAP_CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=4096, n_pos
 
 
 def _train(config, steps, seed=0):
-    """Losses and final parameters of `steps` jitted AdamW steps, and the bytes moved per step."""
-    model = gpt2.GPT2(config, batch_size=B, seq_len=T, seed=seed)
-    graphdef, state = nnx.split(model)
-    tx = optim.adamw(1e-2)
-    opt_state = tx.init(nnx.state(model, nnx.Param))
-
-    @jax.jit
-    def step(state, opt_state, idx, targets):
-        m = nnx.merge(graphdef, state)
-        loss, grads = jnntile.nn.value_and_grad(lambda m, i, t: m(m.token_tensor(i), m.token_tensor(t))[1])(
-            m, idx, targets)
-        params = nnx.state(m, nnx.Param)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        nnx.update(m, optax.apply_updates(params, updates))
-        return nnx.state(m), opt_state, loss
-
-    rng = np.random.default_rng(seed)
-    losses = []
-    for _ in range(steps):
-        idx, targets = (rng.integers(0, config.vocab_size, (B, T)).astype(np.int32) for _ in range(2))
-        state, opt_state, loss = step(state, opt_state, idx, targets)
-        losses.append(np.asarray(loss))
-    nnx.update(model, state)
-    params = {name: p.get_value().numpy() for name, p in model.named_params().items()}
-    return np.array(losses), params
+    return train_steps(config, steps, B, T, seed)
 
 
 def _restart(**settings):
@@ -284,6 +262,28 @@ def test_planner_suggestion_makes_the_task_fit():
     assert not memory.plan(smaller, 2, 64, workers=2).verdict(limit, 4096).startswith("cannot run")
 
 
+def test_planner_gpu_verdicts():
+    """With a GPU, its memory comes first, then host RAM, then swap; a task must fit the GPU twice over."""
+    plan = memory.plan(TINY, 2, 64, workers=2)
+    peak_mb = plan.peak / 2**20
+    ram_mb = 4 * peak_mb
+    assert plan.verdict(ram_mb, gpu_mb=peak_mb + 1) == "fits on the GPU"
+    host_mb = math.ceil(plan.peak / 2**20 - peak_mb / 2)
+    assert plan.verdict(ram_mb, gpu_mb=peak_mb / 2) == f"fits on the GPU and {host_mb} MB of host RAM"
+    need = plan.swap_needed_mb(host_mb / 2, gpu_mb=peak_mb / 2)
+    assert need == max(16, math.ceil(1.1 * plan.host_bytes(peak_mb / 2) / 2**20)), "swap holds what the GPU cannot"
+    assert plan.verdict(host_mb / 2, need, gpu_mb=peak_mb / 2) == f"needs {need} MB of swap"
+    task_mb = plan.largest_task / 2**20
+    with pytest.raises(memory.MemoryPlanError, match="GPU memory limit.*--gpu-memory-limit-mb"):
+        plan.check(ram_mb, gpu_mb=1.5 * task_mb)
+
+
+def test_memory_cli_plans_for_a_gpu_without_one(capsys):
+    assert memory.main(["--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--gpu-memory-limit-mb",
+                        "4096", "--memory-limit-mb", "1024"]) == 0
+    assert "GPU memory 4096 MB" in capsys.readouterr().out
+
+
 def test_runtime_settings_from_flags():
     import argparse
 
@@ -291,10 +291,11 @@ def test_runtime_settings_from_flags():
     memory.add_arguments(parser)
     args = parser.parse_args(["--memory-limit-mb", "64", "--swap-dir", "/tmp/s", "--workers", "1"])
     assert memory.runtime_settings(args) == {"memory_limit_mb": 64, "swap_dir": "/tmp/s", "workers": 1}
-    assert memory.limits_from_args(args) == (64, jnntile.runtime.config().swap_size_mb)
+    assert memory.limits_from_args(args) == (64, jnntile.runtime.config().swap_size_mb,
+                                             jnntile.runtime.gpu_memory_mb())
     args = parser.parse_args(["--memory-limit-mb", "64", "--swap-size-mb", "100"])
     assert memory.runtime_settings(args) == {"memory_limit_mb": 64}
-    assert memory.limits_from_args(args) == (64, 100)
+    assert memory.limits_from_args(args) == (64, 100, jnntile.runtime.gpu_memory_mb())
 
 
 def test_planner_command_line(capsys):

@@ -32,6 +32,23 @@ JOBS=$(nproc 2>/dev/null || echo 2)
 die() { echo "make cuda: $*" >&2; exit 1; }
 log() { echo "make cuda: $*" >&2; }
 
+# ---- build dependencies ---------------------------------------------------------------------
+
+# hwloc (StarPU), pkg-config and OpenBLAS (this project): from apt where they are
+# missing and apt can install them; a GPU machine without network has them already.
+ensure_build_packages() {
+  local missing=()
+  command -v pkg-config >/dev/null || missing+=(pkg-config)
+  pkg-config --exists hwloc 2>/dev/null || missing+=(libhwloc-dev)
+  ls /usr/include/cblas.h /usr/include/*/cblas.h /usr/include/*/*/cblas.h >/dev/null 2>&1 || missing+=(libopenblas-dev)
+  [ ${#missing[@]} -eq 0 ] && return
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  log "installing ${missing[*]} with apt-get"
+  { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"; } \
+    || die "could not install ${missing[*]}: install them (Debian/Ubuntu package names) and run make cuda again"
+}
+
 # ---- the CUDA toolkit ----------------------------------------------------------------------
 
 has_cudart() { [ -e "$1/lib64/libcudart.so" ] || [ -e "$1/targets/x86_64-linux/lib/libcudart.so" ] \
@@ -188,6 +205,7 @@ main() {
     return
   fi
   rm -f "$WORK/starpu.stamp"
+  ensure_build_packages
   assemble_toolkit "$system"
   build_starpu
   echo "$stamp_want" > "$WORK/starpu.stamp"

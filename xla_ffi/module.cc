@@ -58,6 +58,8 @@ NB_MODULE(_xla_ffi, m) {
       nb::arg("placement"), nb::arg("tf32"), nb::arg("pin_host_memory"));
   m.def("max_cpu_workers", &max_cpu_workers);
   m.def("cuda_device_count", &cuda_device_count);
+  m.def("cuda_device_memory_bytes", &cuda_device_memory_bytes);
+  m.def("cuda_device_free_bytes", &cuda_device_free_bytes);
   m.def("has_cuda", [] { return bool(JNNTILE_CUDA); });
   m.def("cuda_worker_count", [] { return runtime_running() ? int(starpu_cuda_worker_get_count()) : 0; });
   m.def("runtime_stop", [] {

@@ -42,6 +42,8 @@ struct RuntimeConfig {
 int max_cpu_workers();
 // GPUs the CUDA runtime sees; 0 when StarPU has no CUDA or there is no driver.
 int cuda_device_count();
+int64_t cuda_device_memory_bytes();
+int64_t cuda_device_free_bytes();
 
 // A set of tasks a caller waits for. Heap-allocated and shared with the task
 // callbacks; a waiter that gives up (watchdog) leaks it on purpose, because the

@@ -30,6 +30,14 @@ call and nothing is released.
 
 Every differentiable op is declared once, from its forward and backward, by
 `differentiable`.
+
+Where JAX's default backend is a GPU (jax[cuda13] installed), the token graph
+still runs on JAX's CPU device: the FFI targets are registered for the CPU
+platform and read tensor ids and per-step values from host memory, while
+StarPU, not XLA, runs the work on the GPU. Eager calls run under
+`jax.default_device(cpu)` and their tokens are committed to the CPU device, so a
+jitted step whose arguments hold Tensors is compiled for the CPU ("computation
+follows data"); its loss comes back as a JAX array on the CPU device.
 """
 
 from __future__ import annotations
@@ -47,6 +55,26 @@ from jnntile import tensor as tensor_mod
 from jnntile.tensor import Tensor, _Handle
 
 TOKEN = jax.ShapeDtypeStruct((), jnp.float32)
+
+# True when JAX's default device is not the CPU (see the module docstring).
+COMMIT_TO_HOST = jax.default_backend() != "cpu"
+
+
+def host_device():
+    """JAX's CPU device, where the token graph runs."""
+    return jax.devices("cpu")[0]
+
+
+def on_host(fn, *args, **kwargs):
+    """Calls `fn` (an FFI call or an array constructor) so that its eager result lives on the CPU device.
+
+    Traced calls are placed by the jitted computation they belong to.
+    """
+    if not COMMIT_TO_HOST:
+        return fn(*args, **kwargs)
+    with jax.default_device(host_device()):
+        out = fn(*args, **kwargs)
+    return out if isinstance(out, jax.core.Tracer) else jax.device_put(out, host_device())
 
 # Measurement switches for bench/memory.py. LAZY_ZERO = False zeroes gradients
 # eagerly in the forward call; RELEASE = False keeps every activation and
@@ -206,7 +234,7 @@ def call(target: str, handles: Sequence[_Handle], tokens: Sequence, *,
     if inputs:
         attrs["n_inputs"] = len(inputs)
     fn = jax.ffi.ffi_call(f"jnntile_{target}", TOKEN, has_side_effect=True)
-    token = fn(ids, *inputs, *tokens, **{k: _attr(v) for k, v in attrs.items()})
+    token = on_host(fn, ids, *inputs, *tokens, **{k: _attr(v) for k, v in attrs.items()})
     for handle in writes:
         handle.invalidated = target == "invalidate"
     record(token, *handles, *(h.grad for h in zero_grads))

@@ -38,7 +38,7 @@ def _write(t: Tensor, array, accumulate: bool):
     ids = _ffi._ids([t.handle], writes)
     tokens = _ffi.prepare([t.handle], [] if t.token is None else [t.token], writes)
     fn = jax.ffi.ffi_call("jnntile_write", jax.ShapeDtypeStruct((), jnp.float32), has_side_effect=True)
-    token = fn(ids, array, *tokens, accumulate=np.int64(accumulate))
+    token = _ffi.on_host(fn, ids, array, *tokens, accumulate=np.int64(accumulate))
     if not accumulate:
         t.handle.invalidated = False
     _ffi.record(token, t.handle)
@@ -57,7 +57,7 @@ def write(t: Tensor, array) -> Tensor:
             jax.block_until_ready(t.token)
         _xla_ffi.tensor_write(t.id, np.ascontiguousarray(array))
         t.handle.invalidated = False
-        return t.with_token(after(jnp.zeros((), jnp.float32), t.handle))
+        return t.with_token(after(_ffi.on_host(jnp.zeros, (), jnp.float32), t.handle))
     return t.with_token(_write(t, array, accumulate=False))
 
 
@@ -81,7 +81,7 @@ def _read(t: Tensor) -> jax.Array:
     tokens = _ffi.prepare([t.handle], [t.token])
     fn = jax.ffi.ffi_call("jnntile_read", jax.ShapeDtypeStruct(t.shape, jnp.dtype(t.dtype)),
                           has_side_effect=True)
-    out = fn(ids, *tokens)
+    out = _ffi.on_host(fn, ids, *tokens)
     # A later invalidation of t in this step must wait for this read.
     if _ffi.current_step() is not None:
         _ffi.record(_ffi.read_token(out), t.handle)

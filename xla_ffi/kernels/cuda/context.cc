@@ -46,4 +46,16 @@ int device_count() {
   return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
 }
 
+int64_t device_memory_bytes() {
+  cudaDeviceProp properties;
+  return device_count() > 0 && cudaGetDeviceProperties(&properties, 0) == cudaSuccess
+             ? int64_t(properties.totalGlobalMem)
+             : 0;
+}
+
+int64_t device_free_bytes() {
+  size_t free = 0, total = 0;
+  return device_count() > 0 && cudaMemGetInfo(&free, &total) == cudaSuccess ? int64_t(free) : 0;
+}
+
 }  // namespace jnntile::cuda

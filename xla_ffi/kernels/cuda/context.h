@@ -43,7 +43,10 @@ const T* const* device_pointers(const T* const* host, int64_t count, void* scrat
 // with TF32 tensor-core math allowed or not; and before starpu_shutdown.
 void start_workers(bool tf32);
 void stop_workers();
-// GPUs the CUDA runtime sees (0 without a driver).
+// GPUs the CUDA runtime sees (0 without a driver), and the memory of the first.
 int device_count();
+int64_t device_memory_bytes();
+// Memory free now on the first GPU (another library in the process may hold some).
+int64_t device_free_bytes();
 
 }  // namespace jnntile::cuda

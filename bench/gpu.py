@@ -1,0 +1,354 @@
+"""GPU benchmark: what jnntile does with a GPU, as one JSON report (`make test-gpu` runs it).
+
+    .venv-cuda/bin/python bench/gpu.py [--out out/gpu/report.json] [--only gemm train limited capacity]
+        [--capacity-layers 24] [--swap-dir DIR] [--smoke]
+
+Sections, each measured in a process of its own so that it has the whole GPU:
+  gemm      tile GEMM through StarPU vs jnp.dot on the GPU, FP32 and TF32, several tile sizes
+  train     GPT-2 124M, batch 8 x 1024: training tokens/s of jnntile vs plain JAX (jit, parameters and
+            optimizer state donated, both at JAX's default precision on the GPU, TF32); the share of tasks
+            and busy time on the CPU workers beside the GPU
+  limited   the same jnntile run with the GPU memory limited to a quarter of parameters + gradients +
+            AdamW state + activations: tokens/s and bytes moved per step between GPU and RAM
+  capacity  GPT-2 with n_embd 2048 (16 heads), batch 1 x 1024, AdamW in float32, n_layer from
+            --capacity-layers, 2 steps using GPU memory, host RAM and disk swap: step time, bytes per
+            level, peak use of each level. The default size fits the 10 minutes of `make test-gpu`;
+            --capacity-layers 250 is 12.7B parameters, 2.6x the 4.94B that plain JAX fits on an H100 80GB.
+Without a GPU the report says so and nothing runs; --smoke runs every section with tiny sizes on
+whatever hardware there is (the CPU here), to check this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MB = 2**20
+SECTIONS = ("gemm", "train", "limited", "capacity")
+# Measured on an H100 80GB HBM3 (plain GPT-2 with optax.adamw, jit, donated, n_embd 2048, batch 1 x 1024,
+# XLA_PYTHON_CLIENT_MEM_FRACTION=0.95): 96 layers ran, 112 ran out of memory.
+PLAIN_JAX_MAX_PARAMS_H100 = 4.94e9
+
+
+def sizes(smoke: bool) -> dict:
+    if smoke:
+        return {"gemm": {"sizes": [512], "tiles": [256], "repeats": 2},
+                "train": {"model": dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, n_positions=64),
+                          "batch": 2, "seq": 64, "steps": 2},
+                # 2.7M parameters (42 MB of state) under a 16 MB limit: every level is used.
+                "capacity": {"n_embd": 256, "n_head": 4, "vocab_size": 4096, "seq": 32, "batch": 2,
+                             "tiles": dict(tile_batch=1, tile_seq=16, tile_embd=128, tile_heads=2, tile_hidden=256,
+                                           tile_vocab=1024)}}
+    return {"gemm": {"sizes": [8192, 16384], "tiles": [2048, 4096], "repeats": 3},
+            "train": {"model": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024),
+                      "batch": 8, "seq": 1024, "steps": 10},
+            "capacity": {"n_embd": 2048, "n_head": 16, "vocab_size": 50257, "seq": 1024, "batch": 1}}
+
+
+# ---- measurements (each runs in a child process) ------------------------------------------------
+
+def best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: compilation, first transfers
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_gemm(p: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jnntile
+    from jnntile.ops import gemm
+
+    rows = []
+    for precision, xla_precision in (("highest", jax.lax.Precision.HIGHEST), ("tf32", jax.lax.Precision.DEFAULT)):
+        jnntile.runtime.stop()
+        jnntile.runtime.start(matmul_precision=precision)
+        dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=xla_precision))
+        for n in p["sizes"]:
+            rng = np.random.default_rng(0)
+            a_np, b_np = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+            a_x, b_x = jnp.asarray(a_np), jnp.asarray(b_np)
+            xla_s = best_seconds(lambda: dot(a_x, b_x).block_until_ready(), p["repeats"])
+            del a_x, b_x
+            for tile in p["tiles"]:
+                a, b = jnntile.from_array(a_np, tile), jnntile.from_array(b_np, tile)
+
+                def run():
+                    c = gemm.matmul(a, b)
+                    jnntile.runtime.wait_all()
+                    c.free()
+
+                tiled_s = best_seconds(run, p["repeats"])
+                flops = 2.0 * n**3
+                rows.append({"precision": precision, "n": n, "tile": tile, "jnntile_gflops": flops / tiled_s / 1e9,
+                             "xla_gflops": flops / xla_s / 1e9, "ratio": xla_s / tiled_s})
+                a.free()
+                b.free()
+    return {"rows": rows, "jax_device": str(jax.devices()[0])}
+
+
+def _config(model: dict):
+    from jnntile.models.config import GPT2Config
+
+    return GPT2Config(dropout=0.0, **model)
+
+
+def _worker_shares(before: dict, after: dict) -> dict:
+    """Tasks and busy seconds per worker kind between two stats() snapshots."""
+    out = {}
+    for w0, w1 in zip(before["workers"], after["workers"]):
+        kind = "CUDA" if w1["name"].startswith("CUDA") else "CPU"
+        entry = out.setdefault(kind, {"tasks": 0, "busy_s": 0.0})
+        entry["tasks"] += w1["tasks"] - w0["tasks"]
+        entry["busy_s"] += w1["busy_s"] - w0["busy_s"]
+    total_tasks = sum(e["tasks"] for e in out.values()) or 1
+    total_busy = sum(e["busy_s"] for e in out.values()) or 1.0
+    for entry in out.values():
+        entry["task_share"] = entry["tasks"] / total_tasks
+        entry["busy_share"] = entry["busy_s"] / total_busy
+    return out
+
+
+def _bytes_per_step(before: dict, after: dict, steps: int) -> dict:
+    keys = set(before["bytes_moved"]) | set(after["bytes_moved"])
+    return {k: (after["bytes_moved"].get(k, 0) - before["bytes_moved"].get(k, 0)) / steps for k in sorted(keys)}
+
+
+def _peaks(stats: dict) -> dict:
+    peaks = {}
+    for node in stats["nodes"]:
+        peaks[node["kind"]] = max(peaks.get(node["kind"], 0), node["peak_used_bytes"])
+    return peaks
+
+
+def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) -> dict:
+    """Tokens/s of jnntile's GPT-2 step; with gpu_memory_fraction, under that share of the step's memory."""
+    import jnntile
+    from jnntile import memory
+    from steps import jnntile_step, step_seconds
+
+    config = _config(p["model"])
+    B, T = p["batch"], p["seq"]
+    settings = {}
+    if gpu_memory_fraction is not None:
+        plan = memory.plan(config, B, T)
+        settings["gpu_memory_limit_mb"] = max(1, int((plan.state + plan.activations) * gpu_memory_fraction / MB))
+    jnntile.runtime.stop()
+    jnntile.runtime.start(**settings)
+    step = jnntile_step(config, B, T)
+    step()
+    step()  # compiled, tiles allocated, performance models fed
+    jnntile.runtime.wait_all()
+    before = jnntile.runtime.stats()
+    jnntile.runtime.reset_peaks()
+    times = step_seconds(step, p["steps"], warmup=0)
+    jnntile.runtime.wait_all()
+    after = jnntile.runtime.stats()
+    seconds = statistics.median(times)
+    return {"config": p["model"], "batch": [B, T], "tiles": str(step.model.tiles),
+            "runtime": jnntile.runtime.describe(), "settings": settings, "step_s": seconds,
+            "tokens_per_s": B * T / seconds, "workers": _worker_shares(before, after),
+            "bytes_per_step": _bytes_per_step(before, after, p["steps"]), "peak_bytes": _peaks(after)}
+
+
+def measure_xla_training(p: dict) -> dict:
+    import jax
+
+    from steps import median_step_seconds, xla_step
+
+    config = _config(p["model"])
+    B, T = p["batch"], p["seq"]
+    seconds = median_step_seconds(xla_step(config, B, T), p["steps"])
+    return {"jax_device": str(jax.devices()[0]), "step_s": seconds, "tokens_per_s": B * T / seconds}
+
+
+def measure_capacity(p: dict) -> dict:
+    """Two AdamW steps of a GPT-2 that needs GPU memory, host RAM and disk swap together."""
+    import jnntile
+    from jnntile import memory
+    from jnntile.models.config import GPT2Config
+    from steps import jnntile_step
+
+    config = GPT2Config(n_layer=p["n_layer"], n_head=p["n_head"], n_embd=p["n_embd"], vocab_size=p["vocab_size"],
+                        n_positions=p["seq"], dropout=0.0, **p.get("tiles", {}))
+    B, T = p["batch"], p["seq"]
+    plan = memory.plan(config, B, T)
+    gpu_mb = p.get("gpu_memory_limit_mb") or jnntile.runtime.gpu_memory_mb()
+    ram_mb = p["memory_limit_mb"]
+    swap_mb = plan.swap_needed_mb(ram_mb, gpu_mb) or jnntile.runtime.MIN_SWAP_MB
+    settings = {"memory_limit_mb": ram_mb, "swap_dir": p["swap_dir"], "swap_size_mb": swap_mb}
+    if p.get("gpu_memory_limit_mb"):
+        settings["gpu_memory_limit_mb"] = p["gpu_memory_limit_mb"]
+    verdict = plan.check(ram_mb, swap_mb, gpu_mb)
+    jnntile.runtime.stop()
+    jnntile.runtime.start(**settings)
+    started = time.perf_counter()
+    step = jnntile_step(config, B, T)
+    jnntile.runtime.wait_all()
+    init_s = time.perf_counter() - started
+    before = jnntile.runtime.stats()
+    jnntile.runtime.reset_peaks()
+    times, losses = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - start)
+    jnntile.runtime.wait_all()
+    after = jnntile.runtime.stats()
+    n_params = config.n_params()
+    return {"n_layer": config.n_layer, "n_embd": config.n_embd, "n_params": n_params,
+            "state_bytes": plan.state, "planned_peak_bytes": plan.peak, "verdict": verdict,
+            "runtime": jnntile.runtime.describe(), "settings": settings, "init_s": init_s, "step_s": times,
+            "losses": losses, "bytes_per_step": _bytes_per_step(before, after, 2), "peak_bytes": _peaks(after),
+            "vs_plain_jax_h100": n_params / PLAIN_JAX_MAX_PARAMS_H100}
+
+
+CHILDREN = {"gemm": measure_gemm, "train_jnntile": measure_jnntile_training, "train_xla": measure_xla_training,
+            "limited": lambda p: measure_jnntile_training(p, gpu_memory_fraction=0.25), "capacity": measure_capacity}
+
+
+# ---- the parent: one child process per measurement ------------------------------------------------
+
+def run_child(name: str, params: dict, timeout_s: float, log) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--child", name, "--params", json.dumps(params)]
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    log.write(result.stderr)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode != 0 or not lines:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+        return {"error": f"exit code {result.returncode}: " + " | ".join(tail)}
+    out = json.loads(lines[-1][len("RESULT "):])
+    out["wall_s"] = time.perf_counter() - started
+    return out
+
+
+def gpu_summary() -> dict:
+    import jnntile
+
+    jnntile.runtime.start()
+    return {"runtime": jnntile.runtime.describe(), "cuda_workers": jnntile.runtime.cuda_worker_count(),
+            "gpu_memory_mb": jnntile.runtime.gpu_memory_mb()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out/gpu/report.json")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--capacity-layers", type=int, default=24,
+                        help="n_layer of the capacity run (24: 1.3B parameters; 250: 12.7B)")
+    parser.add_argument("--memory-limit-mb", type=int, default=None,
+                        help="RAM for tiles in the capacity run (default: half of what is available)")
+    parser.add_argument("--swap-dir", default=None, help="disk swap of the capacity run (default: a temporary dir)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on any hardware, to check the script")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--params", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(CHILDREN[args.child](json.loads(args.params))), flush=True)
+        return 0
+
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"command": " ".join(sys.argv), "smoke": args.smoke, **gpu_summary()}
+    if report["cuda_workers"] == 0 and not args.smoke:
+        report["skipped"] = ("no CUDA worker: " + report["runtime"] + ". Nothing was measured; --smoke checks "
+                             "this script on the CPU")
+        out_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(report["skipped"])
+        return 0
+
+    s = sizes(args.smoke)
+    timeout_s = 300 if not args.smoke else 120
+    log_path = out_path.with_suffix(".log")
+    with log_path.open("w") as log, tempfile.TemporaryDirectory(prefix="jnntile-bench-swap-") as tmp_swap:
+        if "gemm" in args.only:
+            report["gemm"] = run_child("gemm", s["gemm"], timeout_s, log)
+            print_gemm(report["gemm"])
+        if "train" in args.only:
+            jn = run_child("train_jnntile", s["train"], timeout_s, log)
+            xla = run_child("train_xla", s["train"], timeout_s, log)
+            report["train"] = {"jnntile": jn, "xla": xla}
+            if "tokens_per_s" in jn and "tokens_per_s" in xla:
+                report["train"]["ratio"] = jn["tokens_per_s"] / xla["tokens_per_s"]
+            print_train(report["train"])
+        if "limited" in args.only:
+            report["limited"] = run_child("limited", s["train"], timeout_s, log)
+            print_limited(report["limited"])
+        if "capacity" in args.only:
+            available_mb = _available_mb()
+            params = dict(s["capacity"], n_layer=args.capacity_layers if not args.smoke else 2,
+                          swap_dir=args.swap_dir or tmp_swap,
+                          memory_limit_mb=args.memory_limit_mb or max(64, available_mb // 2))
+            if args.smoke:  # a tiny model still goes through every level
+                params.update(memory_limit_mb=16, gpu_memory_limit_mb=8 if report["cuda_workers"] else None)
+            report["capacity"] = run_child("capacity", params, 3 * timeout_s, log)
+            print_capacity(report["capacity"])
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report: {out_path}, child logs: {log_path}")
+    failed = [k for k in SECTIONS if isinstance(report.get(k), dict) and "error" in report[k]]
+    return 1 if failed else 0
+
+
+def _available_mb() -> int:
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    return int(fields["MemAvailable"].split()[0]) // 1024
+
+
+# ---- printing ---------------------------------------------------------------------------------------
+
+def print_gemm(result: dict) -> None:
+    print(f"tile GEMM vs jnp.dot ({result.get('jax_device', result.get('error'))})")
+    for r in result.get("rows", []):
+        print(f"  {r['precision']:>7} n={r['n']:>6} tile={r['tile']:>5}: jnntile {r['jnntile_gflops']:10.0f} "
+              f"GFLOP/s, XLA {r['xla_gflops']:10.0f} GFLOP/s, ratio {r['ratio']:.2f}")
+
+
+def print_train(result: dict) -> None:
+    jn, xla = result["jnntile"], result["xla"]
+    if "error" in jn or "error" in xla:
+        print(f"training: jnntile {jn.get('error', 'ok')}, XLA {xla.get('error', 'ok')}")
+        return
+    print(f"training {jn['config']} batch {jn['batch']}: jnntile {jn['tokens_per_s']:.0f} tokens/s, plain JAX "
+          f"{xla['tokens_per_s']:.0f} tokens/s, ratio {result['ratio']:.2f}")
+    for kind, share in jn["workers"].items():
+        print(f"  {kind} workers: {share['task_share']:.0%} of tasks, {share['busy_share']:.0%} of busy time")
+
+
+def print_limited(result: dict) -> None:
+    if "error" in result:
+        print(f"GPU-limited training: {result['error']}")
+        return
+    moved = ", ".join(f"{k} {v / MB:.0f} MB" for k, v in result["bytes_per_step"].items())
+    print(f"training under {result['settings']}: {result['tokens_per_s']:.0f} tokens/s; per step {moved}")
+
+
+def print_capacity(result: dict) -> None:
+    if "error" in result:
+        print(f"capacity: {result['error']}")
+        return
+    moved = ", ".join(f"{k} {v / MB:.0f} MB" for k, v in result["bytes_per_step"].items())
+    peaks = ", ".join(f"{k} {v / MB:.0f} MB" for k, v in result["peak_bytes"].items())
+    print(f"capacity: {result['n_params'] / 1e9:.2f}B parameters ({result['verdict']}), steps "
+          f"{', '.join(f'{t:.1f}' for t in result['step_s'])} s; per step {moved}; peaks {peaks}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

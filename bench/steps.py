@@ -1,0 +1,84 @@
+"""The training steps the benchmarks time: jnntile's GPT-2 and the pure-JAX reference.
+
+Both train the same model on the same batch with AdamW and global-norm
+clipping under `jax.jit`; the reference donates its parameters and optimizer
+state, as best-practice plain JAX does. Each `*_step` returns a callable that
+runs one step and returns the loss as a float (the one blocking read).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jnntile import optim
+from jnntile.models import gpt2, gpt2_reference
+from jnntile.models.config import GPT2Config
+from jnntile.train import make_steps
+
+LEARNING_RATE = 1e-4
+MAX_NORM = 1.0
+
+
+def random_batch(config: GPT2Config, batch_size: int, seq_len: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.integers(0, config.vocab_size, (batch_size, seq_len)).astype(np.int32) for _ in range(2))
+
+
+def jnntile_step(config: GPT2Config, batch_size: int, seq_len: int):
+    """One jnntile training step per call (`.model` holds the model, for its tiles)."""
+    idx, targets = random_batch(config, batch_size, seq_len)
+    model = gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len)
+    tx = optax.chain(optim.clip_by_global_norm(MAX_NORM), optim.adamw(LEARNING_RATE))
+    graphdef, params = nnx.split(model, nnx.Param)
+    state = {"params": params, "opt": tx.init(params)}
+    train_step, _ = make_steps(graphdef, tx)
+
+    def step() -> float:
+        state["params"], state["opt"], loss = train_step(state["params"], state["opt"], idx, targets, None)
+        return float(loss)
+
+    step.model = model
+    return step
+
+
+def xla_step(config: GPT2Config, batch_size: int, seq_len: int):
+    """One step of the pure-JAX reference per call, parameters and optimizer state donated."""
+    idx, targets = random_batch(config, batch_size, seq_len)
+    params = gpt2_reference.init_params(config, 0)
+    tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LEARNING_RATE))
+    state = {"params": params, "opt": tx.init(params)}
+
+    def train_step(params, opt_state, idx, targets):
+        loss, grads = jax.value_and_grad(lambda p: gpt2_reference.loss(p, config, idx, targets))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    train_step = jax.jit(train_step, donate_argnums=(0, 1))
+
+    def step() -> float:
+        state["params"], state["opt"], loss = train_step(state["params"], state["opt"], idx, targets)
+        return float(loss)
+
+    return step
+
+
+def step_seconds(step, steps: int, warmup: int = 2) -> list[float]:
+    """Seconds of each of `steps` calls after `warmup` (compilation, first allocations)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median_step_seconds(step, steps: int, warmup: int = 2) -> float:
+    return statistics.median(step_seconds(step, steps, warmup))
