@@ -109,6 +109,7 @@ void cross_entropy_submit(const OpCall& call) {
   for (int64_t ib = 0; ib < gb; ++ib)
     for (int64_t it = 0; it < gt; ++it) {
       int64_t rows = tile_rows(logits, ib, it);
+      // stats: (rows, 3) double, scratch of this token tile
       starpu_data_handle_t stats = temporary_vector(rows * kCrossEntropyStats, sizeof(double));
       starpu_data_handle_t partial = temporary_vector(2, sizeof(double));
       starpu_data_handle_t target_tile = targets.tile({ib, it});
