@@ -34,17 +34,17 @@ struct AttentionPair {
 
 namespace attention {
 
-// Floats in one score block set: (nq, nk) per head of one batch row.
-JNNTILE_HD int64_t score_blocks_size(const AttentionPair& p) { return p.nh * p.nq * p.nk; }
+// Floats in the score blocks of one batch row: (nq, nk) per head.
+inline int64_t score_blocks_size(const AttentionPair& p) { return p.nh * p.nq * p.nk; }
 
-// Working memory of a step, in floats: the forward keeps P; the backward P and
+// Working memory of a step, in floats: S, which becomes P; the backward also
 // dP, which becomes dS.
 inline int64_t forward_scratch_size(const AttentionPair& p) { return score_blocks_size(p); }
 inline int64_t backward_scratch_size(const AttentionPair& p) { return 2 * score_blocks_size(p); }
 
 // Offsets of head 0 of batch row b in a query-side and a key-side tile.
-JNNTILE_HD int64_t query_offset(const AttentionPair& p, int64_t b) { return b * p.nq * p.nh * p.d; }
-JNNTILE_HD int64_t key_offset(const AttentionPair& p, int64_t b) { return b * p.nk * p.nh * p.d; }
+inline int64_t query_offset(const AttentionPair& p, int64_t b) { return b * p.nq * p.nh * p.d; }
+inline int64_t key_offset(const AttentionPair& p, int64_t b) { return b * p.nk * p.nh * p.d; }
 
 // Index of query r of head h of batch row b among the per-row values; times d,
 // the offset of its row in o and do.
