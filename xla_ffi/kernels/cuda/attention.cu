@@ -1,5 +1,5 @@
 #include "kernels/attention.h"
-#include "kernels/cuda/context.h"
+#include "kernels/cuda/warp.h"
 
 namespace jnntile {
 
@@ -7,36 +7,25 @@ using namespace attention;
 
 namespace {
 
-constexpr int kWarp = 32;
-
-// The lanes of a warp share one row. The xor butterfly leaves the same value
-// on every lane (additions in the same pairs, commutative), run after run.
+// The lanes of a warp share one row (kernels/cuda/warp.h).
 struct WarpLanes {
   int64_t lane;
-  static constexpr int64_t count = kWarp;
-  __device__ float max(float x) const {
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    return x;
-  }
-  __device__ double sum(double x) const {
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-    return x;
-  }
+  static constexpr int64_t count = cuda::kWarp;
+  __device__ float max(float x) const { return cuda::warp_reduce(x, [](float a, float b) { return fmaxf(a, b); }); }
+  __device__ double sum(double x) const { return cuda::warp_reduce(x, [](double a, double b) { return a + b; }); }
 };
 
 // One warp per row, grid-stride over the rows: `row` is the same on all lanes
 // of a warp, so every lane reaches the shuffles of the row body.
 template <class Row, class... Args>
 __global__ void rows_kernel(int64_t rows, Args... args) {
-  const WarpLanes lanes{threadIdx.x % kWarp};
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / kWarp);
-  for (int64_t row = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; row < rows; row += warps)
-    Row::apply(lanes, row, args...);
+  const WarpLanes lanes{cuda::lane()};
+  for (int64_t row = cuda::warp_index(); row < rows; row += cuda::warp_count()) Row::apply(lanes, row, args...);
 }
 
 template <class Row, class... Args>
 void for_rows(const char* what, int64_t rows, Args... args) {
-  rows_kernel<Row><<<cuda::blocks_for(rows * kWarp), cuda::kThreads, 0, cuda::stream()>>>(rows, args...);
+  rows_kernel<Row><<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(rows, args...);
   cuda::check_launch(what);
 }
 
