@@ -40,7 +40,8 @@ ensure_build_packages() {
   local missing=()
   command -v pkg-config >/dev/null || missing+=(pkg-config)
   pkg-config --exists hwloc 2>/dev/null || missing+=(libhwloc-dev)
-  ls /usr/include/cblas.h /usr/include/*/cblas.h /usr/include/*/*/cblas.h >/dev/null 2>&1 || missing+=(libopenblas-dev)
+  ls /usr/include/cblas.h /usr/include/*/cblas.h /usr/include/*/*/cblas.h 2>/dev/null | grep -q . \
+    || missing+=(libopenblas-dev)
   [ ${#missing[@]} -eq 0 ] && return
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo=sudo
