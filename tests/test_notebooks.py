@@ -22,6 +22,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # Small settings per notebook: a few steps, two tile sizes, one memory limit.
 SMOKE = {
     "01_quickstart.ipynb": {"STEPS": 3, "SAMPLE_TOKENS": 8},
+    "02_custom_model.ipynb": {"TRAIN_STEPS": 3, "TILE_SIZES": [256, 1024], "TIMED_STEPS": 1},
 }
 
 
