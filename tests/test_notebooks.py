@@ -23,6 +23,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SMOKE = {
     "01_quickstart.ipynb": {"STEPS": 3, "SAMPLE_TOKENS": 8},
     "02_custom_model.ipynb": {"TRAIN_STEPS": 3, "TILE_SIZES": [256, 1024], "TIMED_STEPS": 1},
+    "03_beyond_ram.ipynb": {"LIMITS_MB": [12], "STEPS": 2},
 }
 
 
