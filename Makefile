@@ -44,7 +44,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/gemm.py
 	$(PY) bench/overhead.py
-	$(PY) bench/train.py
+	$(PY) bench/train_step.py
 
 # Training beyond RAM: memory limit, swap traffic, capacity (about 10 minutes on 2 cores).
 bench-memory: $(STAMP)

@@ -196,8 +196,10 @@ class _Step:
         out = _T(prefix + "attn", (B, T, H, D), (tb, ts, th, D), F32, "act")
         lse = _T(prefix + "attn.lse", (B, T, H), (tb, ts, th), F32, "scratch")
         rows_bytes = lse.tile_bytes
-        # backward step: q, k, v, dout, lse, delta, dq, dk, dv
-        task = 7 * out.tile_bytes + 2 * rows_bytes
+        # backward step: q, k, v, dout, lse, delta, dq, dk, dv, and a scratch of P and dP,
+        # (ts, ts) per head of one batch row (xla_ffi/kernels/attention.h)
+        scores_bytes = 2 * min(th, H) * min(ts, T) ** 2 * F32
+        task = 7 * out.tile_bytes + 2 * rows_bytes + scores_bytes
         self._add_op(f"attention {prefix}", [qkv], [out], [lse], [(task, f"attention {prefix} backward step")])
         return out
 

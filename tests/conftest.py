@@ -12,6 +12,19 @@ def rel_err(actual, expected) -> float:
     return float(np.linalg.norm(actual - expected) / (denom if denom > 0 else 1.0))
 
 
+def counter_uniform01(seed: int, counter) -> np.ndarray:
+    """The kernels' uniform in (0, 1) of (seed, counter) (kernels/data.h), in numpy uint64 arithmetic."""
+
+    def splitmix64(x):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+    bits = splitmix64(np.uint64(seed % 2**64) ^ splitmix64(np.asarray(counter, np.uint64))) >> np.uint64(40)
+    return (bits.astype(np.float64) + 0.5) / 2.0**24
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

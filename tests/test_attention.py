@@ -18,6 +18,14 @@ TILINGS = {  # qkv tile shapes (tb, tt, 1, th, D)
     "uneven_seq": (B, 5, 1, H, D),  # T = 5 + 5 + 2
     "batch_heads_seq_tiles": (1, 4, 1, 1, D),
     "uneven_heads_seq": (1, 5, 1, 2, D),  # H = 2 + 1
+    "batch_uneven_heads_seq": (B, 5, 1, 2, D),  # several batch rows and heads per tile, uneven H and T
+}
+# Rows longer than the 32 lanes of a CUDA warp (keys per tile and D), several
+# batch rows and heads per tile.
+LONG_SHAPE = (2, 70, 3, 40)  # B, T, H, D
+LONG_TILINGS = {
+    "long_one_tile": (2, 70, 1, 3, 40),
+    "long_uneven": (2, 36, 1, 2, 40),  # T = 36 + 34, H = 2 + 1
 }
 
 
@@ -33,24 +41,21 @@ def reference(qkv):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
 
 
-def make_data(seed=0):
+def make_data(seed=0, shape=(B, T, H, D)):
     rng = np.random.default_rng(seed)
+    b, t, h, d = shape
     # Scaled so that the running max changes between key tiles.
-    qkv = (2.0 * rng.standard_normal((B, T, 3, H, D))).astype(np.float32)
-    weight = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    qkv = (2.0 * rng.standard_normal((b, t, 3, h, d))).astype(np.float32)
+    weight = rng.standard_normal(shape).astype(np.float32)
     return qkv, weight
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("tiling", TILINGS)
-def test_values_and_gradients(tiling, jit):
-    qkv, weight = make_data()
-    tiles = TILINGS[tiling]
+def check_values_and_gradients(qkv, weight, tiles, jit):
     x = jnntile.from_array(qkv, tiles)
 
     def f(x):
         out = attention.causal_attention(x)
-        assert out.shape == (B, T, H, D) and out.tile_shape == tiles[:2] + tiles[3:]
+        assert out.shape == weight.shape and out.tile_shape == tiles[:2] + tiles[3:]
         return jnp.sum(jnntile.to_array(out) * weight)
 
     vg = jnntile.value_and_grad(f)
@@ -59,6 +64,17 @@ def test_values_and_gradients(tiling, jit):
     assert grad.id == x.id
     assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
     assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_values_and_gradients(tiling, jit):
+    check_values_and_gradients(*make_data(), TILINGS[tiling], jit)
+
+
+@pytest.mark.parametrize("tiling", LONG_TILINGS)
+def test_rows_longer_than_a_warp(tiling):
+    check_values_and_gradients(*make_data(seed=3, shape=LONG_SHAPE), LONG_TILINGS[tiling], jit=True)
 
 
 @pytest.mark.parametrize("tiling", TILINGS)

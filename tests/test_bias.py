@@ -18,6 +18,8 @@ BIAS_TILINGS = {
     "uneven_tiles": ((3, 5, 7), (2, 2, 3), 1),
     "vector_x": ((7,), (3,), 1),
     "several_bias_axes": ((3, 5, 3, 2, 4), (2, 3, 1, 2, 3), 3),
+    # tiles of more rows and columns than a CUDA block of the bias gradient spans (16 x 32)
+    "wide_tiles": ((3, 40, 70), (2, 24, 40), 1),
 }
 
 # x shape, x tile, w shape, w tile

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jnntile
+from conftest import counter_uniform01
 from jnntile.ops.dropout import dropout
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
@@ -36,6 +37,15 @@ def test_mask_is_the_same_for_any_tiling():
     for tile in [(1, 1, 10), (2, 3, 4), (3, 7, 1), (1, 5, 3)]:
         np.testing.assert_array_equal(mask_of(shape, tile, RATE, 11), reference)
     assert not np.array_equal(mask_of(shape, shape, RATE, 12), reference)  # another seed, another mask
+
+
+def test_mask_follows_the_counter_based_formula():
+    """Every device keeps element g when uniform01(seed ^ stream, g) >= rate (kernels/dropout.h)."""
+    shape, seed = (3, 7, 10), -5
+    g = np.arange(np.prod(shape), dtype=np.uint64).reshape(shape)
+    expected = counter_uniform01(seed ^ 0xD60F0A7E5EED, g) >= RATE
+    for tile in [shape, (2, 3, 4)]:
+        np.testing.assert_array_equal(mask_of(shape, tile, RATE, jnp.int32(seed)), expected)
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])

@@ -16,6 +16,8 @@ TILINGS = {
     "one_tile": (2, 8, 16, 8, (2, 8), (16, 8)),
     "many_tiles": (2, 8, 16, 8, (1, 4), (4, 4)),
     "uneven_tiles": (3, 7, 17, 10, (2, 3), (5, 3)),
+    # More columns than a GPU warp (32), vocabulary tiles 40 + 40 + 20.
+    "wide_tiles": (2, 16, 100, 40, (2, 8), (40, 40)),
 }
 
 

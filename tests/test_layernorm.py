@@ -19,6 +19,8 @@ TILINGS = {
     "many_tiles": ((2, 4, 8), (1, 2, 4)),
     "uneven_tiles": ((3, 5, 10), (2, 2, 3)),
     "vector_x": ((10,), (4,)),
+    # Rows longer than a GPU warp (32), C tiles 40 + 40 + 20.
+    "long_rows": ((3, 100), (2, 40)),
 }
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jnntile
+from conftest import counter_uniform01
 from jnntile import tensor as tensor_mod
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
@@ -65,6 +66,18 @@ def test_random_is_independent_of_worker_count():
     finally:
         jnntile.runtime.stop()
         jnntile.runtime.configure(workers=2)
+
+
+def test_random_values_follow_the_counter_based_formula():
+    """Every device computes element g from (seed, g) alone, with the same arithmetic."""
+    shape, seed, tile = (9, 13), 2**40 + 5, (4, 5)
+    g = np.arange(np.prod(shape), dtype=np.uint64).reshape(shape)
+    u1, u2 = counter_uniform01(seed, np.uint64(2) * g), counter_uniform01(seed, np.uint64(2) * g + np.uint64(1))
+    uniform = jnntile.random_uniform(shape, seed, low=-2.0, high=3.0, tile_shape=tile).numpy()
+    np.testing.assert_array_equal(uniform, (-2.0 + 5.0 * u1).astype(np.float32))  # exact in double
+    normal = jnntile.random_normal(shape, seed, std=2.0, mean=0.5, tile_shape=tile).numpy()
+    z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)  # libm may differ from the GPU's in the last bit
+    np.testing.assert_allclose(normal, (0.5 + 2.0 * z).astype(np.float32), rtol=1e-6, atol=1e-6)
 
 
 def test_write_and_read_under_jit(rng):

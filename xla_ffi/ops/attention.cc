@@ -7,32 +7,35 @@
 //
 // Forward, for every (batch tile, head tile, query tile i): one task per key
 // tile j <= i (later key tiles are entirely in the future) updates out_i and
-// the running (max, sum) per row in a scratch handle with an online softmax,
-// the first write-only; a finish task normalises out_i and writes lse_i. Only a
-// (tt, tt) score block per task exists, so memory does not grow with T^2.
+// the running (max, sum) per row in a temporary handle with an online softmax,
+// the first write-only; a finish task normalises out_i and writes lse_i.
 //
 // Backward: delta_i = rowsum(dout_i * out_i) per query tile, then one task per
 // pair (i, j <= i) recomputes P = exp(S - lse) and accumulates into the dq_i,
 // dk_j and dv_j tiles of grad(qkv).
+//
+// The scores of a pair exist only in its task's STARPU_SCRATCH buffer, which
+// StarPU allocates on the node that runs the task (kernels/attention.h: th
+// (tt, tt) blocks, twice in the backward), so memory does not grow with T^2.
 #include <cmath>
 
-#include "kernels/cpu/attention.h"
+#include "kernels/attention.h"
 #include "task.h"
 
 namespace jnntile {
 namespace {
-
-using cpu::AttentionPair;
 
 struct StepArgs {
   bool first;
   AttentionPair pair;
 };
 
-// buffers: q_i, k_j, v_j, out_i, stats_i
+// buffers: q_i, k_j, v_j, out_i, stats_i, scratch
+template <Device D>
 void forward_step_kernel(void** buffers, const StepArgs& a) {
-  cpu::attention_forward_step(a.first, a.pair, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                              tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]));
+  attention_forward_step<D>(a.first, a.pair, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                            tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]),
+                            tile_ptr<float>(buffers[5]));
 }
 
 struct RowsArgs {
@@ -40,23 +43,26 @@ struct RowsArgs {
 };
 
 // buffers: stats_i, out_i, lse_i
+template <Device D>
 void forward_finish_kernel(void** buffers, const RowsArgs& a) {
-  cpu::attention_forward_finish(a.rows, a.d, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                                tile_ptr<float>(buffers[2]));
+  attention_forward_finish<D>(a.rows, a.d, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                              tile_ptr<float>(buffers[2]));
 }
 
 // buffers: out_i, dout_i, delta_i
+template <Device D>
 void backward_delta_kernel(void** buffers, const RowsArgs& a) {
-  cpu::attention_backward_delta(a.rows, a.d, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                                tile_ptr<float>(buffers[2]));
+  attention_backward_delta<D>(a.rows, a.d, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                              tile_ptr<float>(buffers[2]));
 }
 
-// buffers: q_i, k_j, v_j, dout_i, lse_i, delta_i, dq_i, dk_j, dv_j
+// buffers: q_i, k_j, v_j, dout_i, lse_i, delta_i, dq_i, dk_j, dv_j, scratch
+template <Device D>
 void backward_step_kernel(void** buffers, const AttentionPair& p) {
-  cpu::attention_backward_step(p, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                               tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]),
-                               tile_ptr<float>(buffers[5]), tile_ptr<float>(buffers[6]), tile_ptr<float>(buffers[7]),
-                               tile_ptr<float>(buffers[8]));
+  attention_backward_step<D>(p, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]),
+                             tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]), tile_ptr<float>(buffers[5]),
+                             tile_ptr<float>(buffers[6]), tile_ptr<float>(buffers[7]), tile_ptr<float>(buffers[8]),
+                             tile_ptr<float>(buffers[9]));
 }
 
 // The tile grid shared by qkv, out and lse, checked once.
@@ -94,8 +100,8 @@ double pair_flops(const AttentionPair& p) { return double(p.nb) * p.nh * p.nq * 
 void attention_submit(const OpCall& call) {
   const TiledTensor &qkv = call.tensor(0), &out = call.tensor(1), &lse = call.tensor(2);
   const Layout l = check_layout(qkv, out, lse, "causal_attention");
-  static starpu_codelet* step_cl = codelet<StepArgs, forward_step_kernel>("attention_forward_step");
-  static starpu_codelet* finish_cl = codelet<RowsArgs, forward_finish_kernel>("attention_forward_finish");
+  static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
+  static starpu_codelet* finish_cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
@@ -103,14 +109,17 @@ void attention_submit(const OpCall& call) {
         AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
         int64_t rows = diag.nb * diag.nq * diag.nh;
         // stats: (tb, tt, th, 2) running max and sum of this query tile
-        starpu_data_handle_t stats;
-        starpu_vector_data_register(&stats, -1, 0, rows * 2, sizeof(float));
+        starpu_data_handle_t stats = temporary_vector(rows * 2, sizeof(float));
         for (int64_t j = 0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
           starpu_data_handle_t k_j = qkv.tile({ib, j, 1, ih, 0}), v_j = qkv.tile({ib, j, 2, ih, 0});
-          submit_task(step_cl, {{q_i, STARPU_R}, {k_j, STARPU_R}, {v_j, STARPU_R}, {out_i, mode}, {stats, mode}},
+          starpu_data_handle_t scratch = temporary_vector(attention::forward_scratch_size(p), sizeof(float));
+          submit_task(step_cl,
+                      {{q_i, STARPU_R}, {k_j, STARPU_R}, {v_j, STARPU_R}, {out_i, mode}, {stats, mode},
+                       {scratch, STARPU_SCRATCH}},
                       StepArgs{j == 0, p}, 4.0 * pair_flops(p));
+          starpu_data_unregister_submit(scratch);
         }
         submit_task(finish_cl, {{stats, STARPU_R}, {out_i, STARPU_RW}, {lse.tile({ib, i, ih}), STARPU_W}},
                     RowsArgs{rows, l.d}, double(rows * l.d));
@@ -128,8 +137,8 @@ void attention_backward_submit(const OpCall& call) {
   const Layout l = check_layout(qkv, out, lse, "causal_attention backward");
   check_same_tiling(out, dout, "causal_attention backward");
   check_same_tiling(qkv, dqkv, "causal_attention backward");
-  static starpu_codelet* delta_cl = codelet<RowsArgs, backward_delta_kernel>("attention_backward_delta");
-  static starpu_codelet* step_cl = codelet<AttentionPair, backward_step_kernel>("attention_backward_step");
+  static starpu_codelet* delta_cl = JNNTILE_CODELET(RowsArgs, backward_delta_kernel, "attention_backward_delta");
+  static starpu_codelet* step_cl = JNNTILE_CODELET(AttentionPair, backward_step_kernel, "attention_backward_step");
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
@@ -137,18 +146,20 @@ void attention_backward_submit(const OpCall& call) {
         AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
         int64_t rows = diag.nb * diag.nq * diag.nh;
         // delta: (tb, tt, th) rowsum(dout * out) of this query tile
-        starpu_data_handle_t delta;
-        starpu_vector_data_register(&delta, -1, 0, rows, sizeof(float));
+        starpu_data_handle_t delta = temporary_vector(rows, sizeof(float));
         submit_task(delta_cl, {{out.tile(o_coord), STARPU_R}, {dout.tile(o_coord), STARPU_R}, {delta, STARPU_W}},
                     RowsArgs{rows, l.d}, 2.0 * rows * l.d);
         for (int64_t j = 0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
+          starpu_data_handle_t scratch = temporary_vector(attention::backward_scratch_size(p), sizeof(float));
           submit_task(step_cl,
                       {{qkv.tile({ib, i, 0, ih, 0}), STARPU_R}, {qkv.tile({ib, j, 1, ih, 0}), STARPU_R},
                        {qkv.tile({ib, j, 2, ih, 0}), STARPU_R}, {dout.tile(o_coord), STARPU_R},
                        {lse.tile({ib, i, ih}), STARPU_R}, {delta, STARPU_R}, {dqkv.tile({ib, i, 0, ih, 0}), STARPU_RW},
-                       {dqkv.tile({ib, j, 1, ih, 0}), STARPU_RW}, {dqkv.tile({ib, j, 2, ih, 0}), STARPU_RW}},
+                       {dqkv.tile({ib, j, 1, ih, 0}), STARPU_RW}, {dqkv.tile({ib, j, 2, ih, 0}), STARPU_RW},
+                       {scratch, STARPU_SCRATCH}},
                       p, 10.0 * pair_flops(p));
+          starpu_data_unregister_submit(scratch);
         }
         starpu_data_unregister_submit(delta);
       }

@@ -7,7 +7,7 @@
 // one RW chain per b tile over the x tiles that share it.
 #include <algorithm>
 
-#include "kernels/cpu/bias.h"
+#include "kernels/bias.h"
 #include "kernels/elementwise.h"
 #include "task.h"
 
@@ -19,16 +19,19 @@ struct BiasArgs {
   int64_t n;     // elements of the b tile
 };
 
+template <Device D>
 void forward_kernel(void** buffers, const BiasArgs& a) {
-  cpu::add_bias(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]));
+  add_bias<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]));
 }
 
+template <Device D>
 void dx_kernel(void** buffers, const BiasArgs& a) {
-  accumulate<Device::Cpu>(a.rows * a.n, 1.0f, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  accumulate<D>(a.rows * a.n, 1.0f, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
 }
 
+template <Device D>
 void db_kernel(void** buffers, const BiasArgs& a) {
-  cpu::bias_grad(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  bias_grad<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
 }
 
 void check_layout(const TiledTensor& x, const TiledTensor& b, const char* op) {
@@ -51,7 +54,7 @@ void bias_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &b = call.tensor(1), &out = call.tensor(2);
   check_layout(x, b, "add_bias");
   check_same_tiling(x, out, "add_bias");
-  static starpu_codelet* cl = codelet<BiasArgs, forward_kernel>("add_bias");
+  static starpu_codelet* cl = JNNTILE_CODELET(BiasArgs, forward_kernel, "add_bias");
   for (int64_t t = 0; t < x.num_tiles(); ++t) {
     int64_t bt = bias_tile(x, b, t), n = b.tile_numel(bt);
     submit_task(cl, {{x.tiles[t], STARPU_R}, {b.tiles[bt], STARPU_R}, {out.tiles[t], STARPU_W}},
@@ -63,8 +66,8 @@ JNNTILE_OP(add_bias, bias_submit);
 // ids [dy, dx or -1, db or -1]: dx += dy; db += sum of dy over the leading axes.
 void bias_backward_submit(const OpCall& call) {
   const TiledTensor& dy = call.tensor(0);
-  static starpu_codelet* dx_cl = codelet<BiasArgs, dx_kernel>("add_bias_dx");
-  static starpu_codelet* db_cl = codelet<BiasArgs, db_kernel>("add_bias_db");
+  static starpu_codelet* dx_cl = JNNTILE_CODELET(BiasArgs, dx_kernel, "add_bias_dx");
+  static starpu_codelet* db_cl = JNNTILE_CODELET(BiasArgs, db_kernel, "add_bias_db");
   if (call.ids[1] >= 0) {
     const TiledTensor& dx = call.tensor(1);
     check_same_tiling(dy, dx, "add_bias backward");

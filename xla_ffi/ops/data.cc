@@ -1,35 +1,10 @@
 // Data movement and initialisation: write, read, fill, random, copy.
 #include "ops/data.h"
 
-#include "kernels/cpu/data.h"
 #include "task.h"
 
 namespace jnntile {
 namespace {
-
-constexpr int kMaxDims = 8;
-
-struct TileGeometry {
-  int ndim;
-  int64_t shape[kMaxDims];
-  int64_t offset[kMaxDims];
-  int64_t extent[kMaxDims];
-};
-
-TileGeometry geometry(const TiledTensor& t, int64_t linear) {
-  if (t.ndim() > kMaxDims)
-    throw std::invalid_argument(t.describe() + " has more than 8 axes, which is unsupported");
-  TileGeometry g{};
-  g.ndim = t.ndim();
-  Index coord = t.tile_coord(linear);
-  Index extent = t.tile_extent(coord);
-  for (int a = 0; a < g.ndim; ++a) {
-    g.shape[a] = t.shape[a];
-    g.offset[a] = coord[a] * t.tile_shape[a];
-    g.extent[a] = extent[a];
-  }
-  return g;
-}
 
 struct HostCopyArgs {
   TileGeometry geo;
@@ -38,18 +13,15 @@ struct HostCopyArgs {
 };
 
 void copy_in_kernel(void** buffers, const HostCopyArgs& a) {
-  cpu::copy_tile(tile_ptr<void>(buffers[0]), a.array, a.geo.ndim, a.geo.shape, a.geo.offset,
-                 a.geo.extent, a.elem_size, true);
+  copy_tile(a.geo, a.elem_size, true, tile_ptr<void>(buffers[0]), a.array);
 }
 
 void copy_out_kernel(void** buffers, const HostCopyArgs& a) {
-  cpu::copy_tile(tile_ptr<void>(buffers[0]), a.array, a.geo.ndim, a.geo.shape, a.geo.offset,
-                 a.geo.extent, a.elem_size, false);
+  copy_tile(a.geo, a.elem_size, false, tile_ptr<void>(buffers[0]), a.array);
 }
 
 void add_in_kernel(void** buffers, const HostCopyArgs& a) {
-  cpu::add_to_tile(tile_ptr<float>(buffers[0]), static_cast<const float*>(a.array), a.geo.ndim, a.geo.shape,
-                   a.geo.offset, a.geo.extent);
+  add_to_tile(a.geo, static_cast<const float*>(a.array), tile_ptr<float>(buffers[0]));
 }
 
 enum class Direction { Write, Add, Read };
@@ -72,7 +44,7 @@ void host_copy(int64_t id, void* data, int64_t nbytes, Direction direction) {
     for (starpu_data_handle_t handle : t.tiles) check_readable(handle);
   auto* group = new TaskGroup();
   for (int64_t tile = 0; tile < t.num_tiles(); ++tile) {
-    HostCopyArgs args{geometry(t, tile), data, dtype_size(t.dtype)};
+    HostCopyArgs args{tile_geometry(t, tile), data, dtype_size(t.dtype)};
     switch (direction) {
       case Direction::Write: submit_task(in_cl, {{t.tiles[tile], STARPU_W}}, args, 0.0, group); break;
       case Direction::Add: submit_task(add_cl, {{t.tiles[tile], STARPU_RW}}, args, 0.0, group); break;
@@ -90,16 +62,17 @@ struct FillArgs {
   int64_t n;
 };
 
+template <Device D>
 void fill_kernel(void** buffers, const FillArgs& a) {
   switch (a.dtype) {
-    case DType::F32: cpu::fill_f32(tile_ptr<float>(buffers[0]), a.n, float(a.value)); break;
-    case DType::I32: cpu::fill_i32(tile_ptr<int32_t>(buffers[0]), a.n, int32_t(a.value)); break;
-    case DType::I64: cpu::fill_i64(tile_ptr<int64_t>(buffers[0]), a.n, int64_t(a.value)); break;
+    case DType::F32: fill<D>(a.n, float(a.value), tile_ptr<float>(buffers[0])); break;
+    case DType::I32: fill<D>(a.n, int32_t(a.value), tile_ptr<int32_t>(buffers[0])); break;
+    case DType::I64: fill<D>(a.n, int64_t(a.value), tile_ptr<int64_t>(buffers[0])); break;
   }
 }
 
 void fill_tensor(TiledTensor& t, double value) {
-  static starpu_codelet* cl = codelet<FillArgs, fill_kernel>("fill");
+  static starpu_codelet* cl = JNNTILE_CODELET(FillArgs, fill_kernel, "fill");
   for (int64_t tile = 0; tile < t.num_tiles(); ++tile)
     submit_task(cl, {{t.tiles[tile], STARPU_W}}, FillArgs{t.dtype, value, t.tile_numel(tile)});
 }
@@ -114,9 +87,9 @@ struct RandomArgs {
   float a, b;
 };
 
+template <Device D>
 void random_kernel(void** buffers, const RandomArgs& r) {
-  cpu::random_f32(tile_ptr<float>(buffers[0]), r.geo.ndim, r.geo.shape, r.geo.offset,
-                  r.geo.extent, r.seed, r.normal, r.a, r.b);
+  fill_random<D>(r.geo, r.seed, r.normal, r.a, r.b, tile_ptr<float>(buffers[0]));
 }
 
 void random_submit(const OpCall& call) {
@@ -127,9 +100,9 @@ void random_submit(const OpCall& call) {
   uint64_t seed = (uint64_t(call.input_scalar(0)) << 32) | uint64_t(call.input_scalar(1));
   bool normal = attr<int64_t>(attrs, "normal") != 0;
   float a = float(attr<double>(attrs, "a")), b = float(attr<double>(attrs, "b"));
-  static starpu_codelet* cl = codelet<RandomArgs, random_kernel>("random");
+  static starpu_codelet* cl = JNNTILE_CODELET(RandomArgs, random_kernel, "random");
   for (int64_t tile = 0; tile < t.num_tiles(); ++tile)
-    submit_task(cl, {{t.tiles[tile], STARPU_W}}, RandomArgs{geometry(t, tile), seed, normal, a, b});
+    submit_task(cl, {{t.tiles[tile], STARPU_W}}, RandomArgs{tile_geometry(t, tile), seed, normal, a, b});
 }
 JNNTILE_OP(random, random_submit);
 
@@ -137,8 +110,9 @@ struct CopyArgs {
   int64_t nbytes;
 };
 
+template <Device D>
 void copy_kernel(void** buffers, const CopyArgs& a) {
-  std::memcpy(tile_ptr<void>(buffers[1]), tile_ptr<void>(buffers[0]), a.nbytes);
+  copy<D>(a.nbytes, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
 }
 
 void copy_submit(const OpCall& call) {
@@ -146,7 +120,7 @@ void copy_submit(const OpCall& call) {
   TiledTensor& dst = call.tensor(1);
   check_same_tiling(src, dst, "copy");
   if (src.dtype != dst.dtype) throw std::invalid_argument("copy: dtypes differ: " + src.describe() + " vs " + dst.describe());
-  static starpu_codelet* cl = codelet<CopyArgs, copy_kernel>("copy");
+  static starpu_codelet* cl = JNNTILE_CODELET(CopyArgs, copy_kernel, "copy");
   for (int64_t tile = 0; tile < src.num_tiles(); ++tile)
     submit_task(cl, {{src.tiles[tile], STARPU_R}, {dst.tiles[tile], STARPU_W}},
                 CopyArgs{src.tile_numel(tile) * int64_t(dtype_size(src.dtype))});
@@ -209,6 +183,22 @@ static RegisterTarget register_read("jnntile_read", reinterpret_cast<void*>(ffi_
 
 void zero_grads(const std::vector<int64_t>& ids) {
   for (int64_t id : ids) fill_tensor(tensor_get(tensor_grad(id)), 0.0);
+}
+
+TileGeometry tile_geometry(const TiledTensor& t, int64_t linear) {
+  if (t.ndim() > kMaxDims)
+    throw std::invalid_argument(t.describe() + " has more than " + std::to_string(kMaxDims) +
+                                " axes, which is unsupported");
+  TileGeometry g{};
+  g.ndim = t.ndim();
+  Index coord = t.tile_coord(linear);
+  Index extent = t.tile_extent(coord);
+  for (int a = 0; a < g.ndim; ++a) {
+    g.shape[a] = t.shape[a];
+    g.offset[a] = coord[a] * t.tile_shape[a];
+    g.extent[a] = extent[a];
+  }
+  return g;
 }
 
 void write_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Write); }

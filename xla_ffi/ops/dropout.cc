@@ -3,52 +3,37 @@
 // value, so it arrives as extra input 0 (DESIGN invariant 4) and is read at
 // submit time; the rate selects code and is an attribute. The backward
 // recomputes the mask: dx += dy * mask / (1 - rate).
-#include "kernels/cpu/dropout.h"
+#include "kernels/dropout.h"
+#include "ops/data.h"
 #include "task.h"
 
 namespace jnntile {
 namespace {
 
-constexpr int kMaxDims = 8;
-
 struct DropoutArgs {
-  int ndim;
-  int64_t shape[kMaxDims], offset[kMaxDims], extent[kMaxDims];
+  TileGeometry geo;
   uint64_t seed;
   double rate;
   bool accumulate;
 };
 
+template <Device D>
 void dropout_kernel(void** buffers, const DropoutArgs& a) {
-  cpu::dropout(a.ndim, a.shape, a.offset, a.extent, a.seed, a.rate, a.accumulate, tile_ptr<float>(buffers[0]),
-               tile_ptr<float>(buffers[1]));
+  dropout<D>(a.geo, a.seed, a.rate, a.accumulate, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
 }
 
 // Submits out = (or +=) in * mask / (1 - rate) for every tile; `in` and `out` share the tiling.
 void submit_dropout(const OpCall& call, const TiledTensor& in, const TiledTensor& out, bool accumulate) {
   check_same_tiling(in, out, "dropout");
-  if (in.dtype != DType::F32 || in.ndim() > kMaxDims)
-    throw std::invalid_argument("dropout needs float32 with at most 8 axes: " + in.describe());
+  if (in.dtype != DType::F32) throw std::invalid_argument("dropout needs float32: " + in.describe());
   double rate = attr<double>(call.attrs, "rate");
   if (!(rate >= 0.0 && rate < 1.0)) throw std::invalid_argument("dropout: rate must be in [0, 1)");
   // An int32 seed; negative values are as good as any.
   uint64_t seed = uint64_t(int64_t(call.input_scalar(0)));
-  static starpu_codelet* cl = codelet<DropoutArgs, dropout_kernel>("dropout");
-  for (int64_t t = 0; t < in.num_tiles(); ++t) {
-    DropoutArgs args{};
-    args.ndim = in.ndim();
-    Index coord = in.tile_coord(t), extent = in.tile_extent(coord);
-    for (int a = 0; a < args.ndim; ++a) {
-      args.shape[a] = in.shape[a];
-      args.offset[a] = coord[a] * in.tile_shape[a];
-      args.extent[a] = extent[a];
-    }
-    args.seed = seed;
-    args.rate = rate;
-    args.accumulate = accumulate;
-    submit_task(cl, {{in.tiles[t], STARPU_R}, {out.tiles[t], accumulate ? STARPU_RW : STARPU_W}}, args,
-                double(in.tile_numel(t)));
-  }
+  static starpu_codelet* cl = JNNTILE_CODELET(DropoutArgs, dropout_kernel, "dropout");
+  for (int64_t t = 0; t < in.num_tiles(); ++t)
+    submit_task(cl, {{in.tiles[t], STARPU_R}, {out.tiles[t], accumulate ? STARPU_RW : STARPU_W}},
+                DropoutArgs{tile_geometry(in, t), seed, rate, accumulate}, double(in.tile_numel(t)));
 }
 
 // ids [x, y]; extra input 0: the seed

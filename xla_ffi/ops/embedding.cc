@@ -6,8 +6,9 @@
 // tile, DESIGN invariant 3), the others fill in their rows (RW). Output tiles
 // are independent, so they run in parallel. The backward scatter-adds dOut
 // rows into the table gradient: every (vocab tile, column tile) of dtable is an
-// RW chain over the id tiles. ids may have any number of axes.
-#include "kernels/cpu/embedding.h"
+// RW chain over the id tiles, which keeps the sum deterministic. ids may have
+// any number of axes.
+#include "kernels/embedding.h"
 #include "task.h"
 
 namespace jnntile {
@@ -21,14 +22,18 @@ struct EmbeddingArgs {
   bool first;     // forward only: first vocabulary tile of this output tile
 };
 
+// buffers: ids, table, out
+template <Device D>
 void forward_kernel(void** buffers, const EmbeddingArgs& a) {
-  cpu::embedding_forward(a.n, a.c, a.v0, a.vlen, tile_ptr<int32_t>(buffers[0]), tile_ptr<float>(buffers[1]),
-                         a.first, tile_ptr<float>(buffers[2]));
+  embedding_forward<D>(a.n, a.c, a.v0, a.vlen, tile_ptr<int32_t>(buffers[0]), tile_ptr<float>(buffers[1]), a.first,
+                       tile_ptr<float>(buffers[2]));
 }
 
+// buffers: ids, dout, dtable
+template <Device D>
 void backward_kernel(void** buffers, const EmbeddingArgs& a) {
-  cpu::embedding_backward(a.n, a.c, a.v0, a.vlen, tile_ptr<int32_t>(buffers[0]), tile_ptr<float>(buffers[1]),
-                          tile_ptr<float>(buffers[2]));
+  embedding_backward<D>(a.n, a.c, a.v0, a.vlen, tile_ptr<int32_t>(buffers[0]), tile_ptr<float>(buffers[1]),
+                        tile_ptr<float>(buffers[2]));
 }
 
 // out (or dout) must be ids' axes plus the table's columns, tiled the same way.
@@ -48,7 +53,7 @@ void check_layout(const TiledTensor& ids, const TiledTensor& table, const TiledT
 void embedding_submit(const OpCall& call) {
   const TiledTensor &ids = call.tensor(0), &table = call.tensor(1), &out = call.tensor(2);
   check_layout(ids, table, out, "embedding");
-  static starpu_codelet* cl = codelet<EmbeddingArgs, forward_kernel>("embedding");
+  static starpu_codelet* cl = JNNTILE_CODELET(EmbeddingArgs, forward_kernel, "embedding");
   for (int64_t t = 0; t < out.num_tiles(); ++t) {
     Index ids_coord = out.tile_coord(t);  // the output tile is (id tile, column tile)
     int64_t col = ids_coord.back();
@@ -70,7 +75,7 @@ void embedding_backward_submit(const OpCall& call) {
   if (call.ids[2] < 0) return;  // ids get no gradient; nobody wants the table's
   const TiledTensor &ids = call.tensor(0), &dout = call.tensor(1), &dtable = call.tensor(2);
   check_layout(ids, dtable, dout, "embedding backward");
-  static starpu_codelet* cl = codelet<EmbeddingArgs, backward_kernel>("embedding_backward");
+  static starpu_codelet* cl = JNNTILE_CODELET(EmbeddingArgs, backward_kernel, "embedding_backward");
   for (int64_t t = 0; t < dtable.num_tiles(); ++t) {
     Index coord = dtable.tile_coord(t), extent = dtable.tile_extent(coord);
     for (int64_t i = 0; i < ids.num_tiles(); ++i) {

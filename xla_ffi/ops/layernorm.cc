@@ -9,10 +9,11 @@
 //   backward: per C tile partial sums of g = dy*w and g*xhat into scratch; one
 //             combine task; per C tile dx += ...; and dw, db accumulate the
 //             sums over leading axes in one RW chain per C tile over L.
-// Leading tiles are independent and run in parallel.
+// Leading tiles are independent and run in parallel. The combine tasks get a
+// scratch of K pointers: on a GPU they read the partials through a device copy.
 #include <algorithm>
 
-#include "kernels/cpu/layernorm.h"
+#include "kernels/layernorm.h"
 #include "task.h"
 
 namespace jnntile {
@@ -36,8 +37,10 @@ struct ParamsArgs {
   bool has_dw, has_db;
 };
 
+// buffers: x, partial
+template <Device D>
 void partial_kernel(void** buffers, const TileArgs& a) {
-  cpu::layernorm_partial(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<double>(buffers[1]));
+  layernorm_partial<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<double>(buffers[1]));
 }
 
 std::vector<const double*> partials(void** buffers, int64_t count) {
@@ -46,44 +49,50 @@ std::vector<const double*> partials(void** buffers, int64_t count) {
   return p;
 }
 
+// buffers: count partials, stats, scratch (count pointers)
+template <Device D>
 void stats_kernel(void** buffers, const CombineArgs& a) {
-  std::vector<int64_t> widths(a.count, a.tile_c);
-  widths.back() = a.c - (a.count - 1) * a.tile_c;
-  cpu::layernorm_stats(a.rows, a.count, partials(buffers, a.count).data(), widths.data(), a.eps,
-                       tile_ptr<float>(buffers[a.count]));
+  layernorm_stats<D>(a.rows, a.count, partials(buffers, a.count).data(), a.tile_c, a.c, a.eps,
+                     tile_ptr<float>(buffers[a.count]), tile_ptr<void>(buffers[a.count + 1]));
 }
 
 // buffers: x, stats, w, b, y
+template <Device D>
 void normalize_kernel(void** buffers, const TileArgs& a) {
-  cpu::layernorm_normalize(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                           tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]));
+  layernorm_normalize<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                         tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]));
 }
 
 // buffers: x, stats, w, dy, partial
+template <Device D>
 void backward_partial_kernel(void** buffers, const TileArgs& a) {
-  cpu::layernorm_backward_partial(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                                  tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]),
-                                  tile_ptr<double>(buffers[4]));
+  layernorm_backward_partial<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                                tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]),
+                                tile_ptr<double>(buffers[4]));
 }
 
+// buffers: count partials, sums, scratch (count pointers)
+template <Device D>
 void backward_combine_kernel(void** buffers, const CombineArgs& a) {
-  cpu::layernorm_backward_combine(a.rows, a.count, partials(buffers, a.count).data(),
-                                  tile_ptr<double>(buffers[a.count]));
+  layernorm_backward_combine<D>(a.rows, a.count, partials(buffers, a.count).data(),
+                                tile_ptr<double>(buffers[a.count]), tile_ptr<void>(buffers[a.count + 1]));
 }
 
 // buffers: x, stats, w, dy, sums, dx
+template <Device D>
 void backward_dx_kernel(void** buffers, const TileArgs& a) {
-  cpu::layernorm_backward_dx(a.rows, a.n, a.c, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                             tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<double>(buffers[4]),
-                             tile_ptr<float>(buffers[5]));
+  layernorm_backward_dx<D>(a.rows, a.n, a.c, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                           tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<double>(buffers[4]),
+                           tile_ptr<float>(buffers[5]));
 }
 
 // buffers: x, stats, dy, then dw and/or db
+template <Device D>
 void backward_params_kernel(void** buffers, const ParamsArgs& a) {
   float* dw = a.has_dw ? tile_ptr<float>(buffers[3]) : nullptr;
   float* db = a.has_db ? tile_ptr<float>(buffers[a.has_dw ? 4 : 3]) : nullptr;
-  cpu::layernorm_backward_params(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                                 tile_ptr<float>(buffers[2]), dw, db);
+  layernorm_backward_params<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                               tile_ptr<float>(buffers[2]), dw, db);
 }
 
 // The tiling shared by x, a (C,) parameter and the stats tensor.
@@ -110,12 +119,6 @@ void check_stats(const TiledTensor& x, const TiledTensor& stats, const char* op)
                                 stats.describe() + " for " + x.describe());
 }
 
-starpu_data_handle_t scratch(int64_t n, size_t elem_size) {
-  starpu_data_handle_t h;
-  starpu_vector_data_register(&h, -1, 0, n, elem_size);
-  return h;
-}
-
 // ids [x, w, b, y, stats or -1]; attr eps. Without stats (no backward will
 // follow) the per-row statistics live in scratch.
 void layernorm_submit(const OpCall& call) {
@@ -126,20 +129,22 @@ void layernorm_submit(const OpCall& call) {
   bool keep_stats = call.ids[4] >= 0;
   if (keep_stats) check_stats(x, call.tensor(4), "layer_norm");
   double eps = attr<double>(call.attrs, "eps");
-  static starpu_codelet* partial_cl = codelet<TileArgs, partial_kernel>("layer_norm_partial");
-  static starpu_codelet* stats_cl = codelet<CombineArgs, stats_kernel>("layer_norm_stats");
-  static starpu_codelet* normalize_cl = codelet<TileArgs, normalize_kernel>("layer_norm_normalize");
+  static starpu_codelet* partial_cl = JNNTILE_CODELET(TileArgs, partial_kernel, "layer_norm_partial");
+  static starpu_codelet* stats_cl = JNNTILE_CODELET(CombineArgs, stats_kernel, "layer_norm_stats");
+  static starpu_codelet* normalize_cl = JNNTILE_CODELET(TileArgs, normalize_kernel, "layer_norm_normalize");
   for (int64_t lead = 0; lead < l.lead_tiles; ++lead) {
     int64_t rows = l.rows(x, lead);
     std::vector<Buffer> combine;
     for (int64_t k = 0; k < l.k_tiles; ++k) {
-      starpu_data_handle_t partial = scratch(2 * rows, sizeof(double));
+      starpu_data_handle_t partial = temporary_vector(2 * rows, sizeof(double));
       submit_task(partial_cl, {{x.tiles[lead * l.k_tiles + k], STARPU_R}, {partial, STARPU_W}},
                   TileArgs{rows, l.width(k), l.c}, 3.0 * rows * l.width(k));
       combine.push_back({partial, STARPU_R});
     }
-    starpu_data_handle_t stats = keep_stats ? call.tensor(4).tiles[lead] : scratch(2 * rows, sizeof(float));
+    starpu_data_handle_t stats = keep_stats ? call.tensor(4).tiles[lead] : temporary_vector(2 * rows, sizeof(float));
+    starpu_data_handle_t pointers = temporary_vector(l.k_tiles, sizeof(void*));
     combine.push_back({stats, STARPU_W});
+    combine.push_back({pointers, STARPU_SCRATCH});
     submit_task(stats_cl, combine, CombineArgs{rows, l.k_tiles, l.tile_c, l.c, eps});
     for (int64_t k = 0; k < l.k_tiles; ++k) {
       int64_t t = lead * l.k_tiles + k;
@@ -149,6 +154,7 @@ void layernorm_submit(const OpCall& call) {
                   TileArgs{rows, l.width(k), l.c}, 4.0 * rows * l.width(k));
     }
     for (int64_t k = 0; k < l.k_tiles; ++k) starpu_data_unregister_submit(combine[k].handle);
+    starpu_data_unregister_submit(pointers);
     if (!keep_stats) starpu_data_unregister_submit(stats);
   }
 }
@@ -164,25 +170,27 @@ void layernorm_backward_submit(const OpCall& call) {
   if (has_dx) check_same_tiling(x, call.tensor(4), "layer_norm backward");
   if (has_dw) check_layout(x, call.tensor(5), "layer_norm backward");
   if (has_db) check_layout(x, call.tensor(6), "layer_norm backward");
-  static starpu_codelet* partial_cl = codelet<TileArgs, backward_partial_kernel>("layer_norm_backward_partial");
-  static starpu_codelet* combine_cl = codelet<CombineArgs, backward_combine_kernel>("layer_norm_backward_combine");
-  static starpu_codelet* dx_cl = codelet<TileArgs, backward_dx_kernel>("layer_norm_backward_dx");
-  static starpu_codelet* params_cl = codelet<ParamsArgs, backward_params_kernel>("layer_norm_backward_params");
+  static starpu_codelet* partial_cl = JNNTILE_CODELET(TileArgs, backward_partial_kernel, "layer_norm_backward_partial");
+  static starpu_codelet* combine_cl =
+      JNNTILE_CODELET(CombineArgs, backward_combine_kernel, "layer_norm_backward_combine");
+  static starpu_codelet* dx_cl = JNNTILE_CODELET(TileArgs, backward_dx_kernel, "layer_norm_backward_dx");
+  static starpu_codelet* params_cl = JNNTILE_CODELET(ParamsArgs, backward_params_kernel, "layer_norm_backward_params");
   for (int64_t lead = 0; lead < l.lead_tiles; ++lead) {
     int64_t rows = l.rows(x, lead);
     if (has_dx) {
       std::vector<Buffer> combine;
       for (int64_t k = 0; k < l.k_tiles; ++k) {
         int64_t t = lead * l.k_tiles + k;
-        starpu_data_handle_t partial = scratch(2 * rows, sizeof(double));
+        starpu_data_handle_t partial = temporary_vector(2 * rows, sizeof(double));
         submit_task(partial_cl,
                     {{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {w.tiles[k], STARPU_R},
                      {dy.tiles[t], STARPU_R}, {partial, STARPU_W}},
                     TileArgs{rows, l.width(k), l.c}, 6.0 * rows * l.width(k));
         combine.push_back({partial, STARPU_R});
       }
-      starpu_data_handle_t sums = scratch(2 * rows, sizeof(double));
+      starpu_data_handle_t sums = temporary_vector(2 * rows, sizeof(double));
       combine.push_back({sums, STARPU_W});
+      combine.push_back({temporary_vector(l.k_tiles, sizeof(void*)), STARPU_SCRATCH});
       submit_task(combine_cl, combine, CombineArgs{rows, l.k_tiles, l.tile_c, l.c, 0.0});
       for (int64_t k = 0; k < l.k_tiles; ++k) {
         int64_t t = lead * l.k_tiles + k;

@@ -6,29 +6,31 @@
 // row stats (running max, sum of exp, target logit) in a scratch handle (the
 // first write-only), a finish task writes logsumexp (kept for the backward)
 // and a partial (loss sum, count) in double, and one combine task over all
-// token tiles writes the mean and 1 / count. Token tiles run in parallel.
+// token tiles writes the mean and 1 / count (on a GPU it reads the partials
+// through a device copy of their pointers, in a scratch). Token tiles run in
+// parallel. The backward reads dloss and 1 / count inside its kernel: on a GPU
+// they are in device memory.
 //
 // A target outside [0, V) that is not ignore_index contributes only its
 // logsumexp (no logit is subtracted, no one-hot in the gradient): the model
 // validates token ids before they arrive; this only keeps bad ids from
 // reading out of bounds.
-#include "kernels/cpu/loss.h"
-#include "kernels/reduce.h"
+#include "kernels/loss.h"
 #include "task.h"
 
 namespace jnntile {
 namespace {
-
-using cpu::kCrossEntropyStats;
 
 struct StatsArgs {
   bool first;
   int64_t rows, nv, v0;
 };
 
+// buffers: logits, targets, stats
+template <Device D>
 void stats_kernel(void** buffers, const StatsArgs& a) {
-  cpu::cross_entropy_stats(a.first, a.rows, a.nv, a.v0, tile_ptr<float>(buffers[0]), tile_ptr<int32_t>(buffers[1]),
-                           tile_ptr<double>(buffers[2]));
+  cross_entropy_stats<D>(a.first, a.rows, a.nv, a.v0, tile_ptr<float>(buffers[0]), tile_ptr<int32_t>(buffers[1]),
+                         tile_ptr<double>(buffers[2]));
 }
 
 struct FinishArgs {
@@ -36,26 +38,24 @@ struct FinishArgs {
   int32_t ignore_index;
 };
 
+// buffers: stats, targets, lse, partial
+template <Device D>
 void finish_kernel(void** buffers, const FinishArgs& a) {
-  cpu::cross_entropy_finish(a.rows, tile_ptr<double>(buffers[0]), tile_ptr<int32_t>(buffers[1]), a.ignore_index,
-                            tile_ptr<float>(buffers[2]), tile_ptr<double>(buffers[3]));
+  cross_entropy_finish<D>(a.rows, tile_ptr<double>(buffers[0]), tile_ptr<int32_t>(buffers[1]), a.ignore_index,
+                          tile_ptr<float>(buffers[2]), tile_ptr<double>(buffers[3]));
 }
 
 struct CombineArgs {
   int64_t count;  // token tiles
 };
 
-// buffers: partial (sum, count) per token tile, then loss and inv_count.
+// buffers: partial (sum, count) per token tile, then loss, inv_count, scratch (count pointers).
+template <Device D>
 void combine_kernel(void** buffers, const CombineArgs& a) {
-  CompensatedSum sum_of_sums, sum_of_counts;
-  for (int64_t i = 0; i < a.count; ++i) {
-    sum_of_sums.add(tile_ptr<double>(buffers[i])[0]);
-    sum_of_counts.add(tile_ptr<double>(buffers[i])[1]);
-  }
-  double sum = sum_of_sums.sum, count = sum_of_counts.sum;
-  // Every target ignored: the loss is 0 and so is its gradient.
-  *tile_ptr<float>(buffers[a.count]) = count > 0 ? float(sum / count) : 0.0f;
-  *tile_ptr<float>(buffers[a.count + 1]) = count > 0 ? float(1.0 / count) : 0.0f;
+  std::vector<const double*> partials(a.count);
+  for (int64_t i = 0; i < a.count; ++i) partials[i] = tile_ptr<double>(buffers[i]);
+  cross_entropy_combine<D>(a.count, partials.data(), tile_ptr<float>(buffers[a.count]),
+                           tile_ptr<float>(buffers[a.count + 1]), tile_ptr<void>(buffers[a.count + 2]));
 }
 
 struct BackwardArgs {
@@ -64,10 +64,11 @@ struct BackwardArgs {
 };
 
 // buffers: logits, targets, lse, inv_count, dloss, dlogits (RW)
+template <Device D>
 void backward_kernel(void** buffers, const BackwardArgs& a) {
-  float scale = *tile_ptr<float>(buffers[3]) * *tile_ptr<float>(buffers[4]);
-  cpu::cross_entropy_backward(a.rows, a.nv, a.v0, tile_ptr<float>(buffers[0]), tile_ptr<int32_t>(buffers[1]),
-                              tile_ptr<float>(buffers[2]), a.ignore_index, scale, tile_ptr<float>(buffers[5]));
+  cross_entropy_backward<D>(a.rows, a.nv, a.v0, tile_ptr<float>(buffers[0]), tile_ptr<int32_t>(buffers[1]),
+                            tile_ptr<float>(buffers[2]), a.ignore_index, tile_ptr<float>(buffers[3]),
+                            tile_ptr<float>(buffers[4]), tile_ptr<float>(buffers[5]));
 }
 
 // Checks logits (B, T, V) f32, targets (B, T) i32 and a per-token tensor
@@ -100,18 +101,17 @@ void cross_entropy_submit(const OpCall& call) {
   if (loss.numel() != 1 || inv_count.numel() != 1 || loss.dtype != DType::F32 || inv_count.dtype != DType::F32)
     throw std::invalid_argument("cross_entropy: loss and inv_count must be float32 scalars");
   auto ignore_index = int32_t(attr<int64_t>(call.attrs, "ignore_index"));
-  static starpu_codelet* stats_cl = codelet<StatsArgs, stats_kernel>("cross_entropy_stats");
-  static starpu_codelet* finish_cl = codelet<FinishArgs, finish_kernel>("cross_entropy_finish");
-  static starpu_codelet* combine_cl = codelet<CombineArgs, combine_kernel>("cross_entropy_combine");
+  static starpu_codelet* stats_cl = JNNTILE_CODELET(StatsArgs, stats_kernel, "cross_entropy_stats");
+  static starpu_codelet* finish_cl = JNNTILE_CODELET(FinishArgs, finish_kernel, "cross_entropy_finish");
+  static starpu_codelet* combine_cl = JNNTILE_CODELET(CombineArgs, combine_kernel, "cross_entropy_combine");
   const int64_t gb = logits.grid[0], gt = logits.grid[1], gv = logits.grid[2];
   std::vector<Buffer> combine_buffers;
   for (int64_t ib = 0; ib < gb; ++ib)
     for (int64_t it = 0; it < gt; ++it) {
       int64_t rows = tile_rows(logits, ib, it);
       // stats: (rows, 3) double, scratch of this token tile
-      starpu_data_handle_t stats, partial;
-      starpu_vector_data_register(&stats, -1, 0, rows * kCrossEntropyStats, sizeof(double));
-      starpu_vector_data_register(&partial, -1, 0, 2, sizeof(double));
+      starpu_data_handle_t stats = temporary_vector(rows * kCrossEntropyStats, sizeof(double));
+      starpu_data_handle_t partial = temporary_vector(2, sizeof(double));
       starpu_data_handle_t target_tile = targets.tile({ib, it});
       for (int64_t iv = 0; iv < gv; ++iv) {
         int64_t nv = logits.tile_extent({ib, it, iv})[2];
@@ -126,10 +126,13 @@ void cross_entropy_submit(const OpCall& call) {
       combine_buffers.push_back({partial, STARPU_R});
     }
   int64_t n_partials = int64_t(combine_buffers.size());
+  starpu_data_handle_t pointers = temporary_vector(n_partials, sizeof(void*));
   combine_buffers.push_back({loss.tiles[0], STARPU_W});
   combine_buffers.push_back({inv_count.tiles[0], STARPU_W});
+  combine_buffers.push_back({pointers, STARPU_SCRATCH});
   submit_task(combine_cl, combine_buffers, CombineArgs{n_partials}, double(n_partials));
   for (int64_t i = 0; i < n_partials; ++i) starpu_data_unregister_submit(combine_buffers[i].handle);
+  starpu_data_unregister_submit(pointers);
 }
 JNNTILE_OP(cross_entropy, cross_entropy_submit);
 
@@ -143,7 +146,7 @@ void cross_entropy_backward_submit(const OpCall& call) {
   check_layout(logits, targets, lse, "cross_entropy backward");
   check_same_tiling(logits, dlogits, "cross_entropy backward");
   auto ignore_index = int32_t(attr<int64_t>(call.attrs, "ignore_index"));
-  static starpu_codelet* cl = codelet<BackwardArgs, backward_kernel>("cross_entropy_backward");
+  static starpu_codelet* cl = JNNTILE_CODELET(BackwardArgs, backward_kernel, "cross_entropy_backward");
   for (int64_t t = 0; t < logits.num_tiles(); ++t) {
     Index coord = logits.tile_coord(t), ext = logits.tile_extent(coord);
     Index tok{coord[0], coord[1]};

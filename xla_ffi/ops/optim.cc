@@ -5,7 +5,7 @@
 // attributes.
 #include <cmath>
 
-#include "kernels/cpu/optim.h"
+#include "kernels/optim.h"
 #include "task.h"
 
 namespace jnntile {
@@ -13,12 +13,13 @@ namespace {
 
 struct AdamwArgs {
   int64_t n;
-  float lr, b1, b2, eps, weight_decay, bc1, bc2;
+  AdamwStep step;
 };
 
+template <Device D>
 void adamw_kernel(void** buffers, const AdamwArgs& a) {
-  cpu::adamw(a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]),
-             tile_ptr<float>(buffers[3]), a.lr, a.b1, a.b2, a.eps, a.weight_decay, a.bc1, a.bc2);
+  adamw<D>(a.n, a.step, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]),
+           tile_ptr<float>(buffers[3]));
 }
 
 // ids [p, g, m, v]; inputs [lr, step (1-based)]
@@ -29,9 +30,9 @@ void adamw_submit(const OpCall& call) {
   double step = call.input_scalar(1);
   float b1 = float(attr<double>(call.attrs, "b1")), b2 = float(attr<double>(call.attrs, "b2"));
   float bc1 = float(1.0 - std::pow(double(b1), step)), bc2 = float(1.0 - std::pow(double(b2), step));
-  AdamwArgs args{0, lr, b1, b2, float(attr<double>(call.attrs, "eps")),
-                 float(attr<double>(call.attrs, "weight_decay")), bc1, bc2};
-  static starpu_codelet* cl = codelet<AdamwArgs, adamw_kernel>("adamw");
+  AdamwArgs args{0, {lr, b1, b2, float(attr<double>(call.attrs, "eps")),
+                     float(attr<double>(call.attrs, "weight_decay")), bc1, bc2}};
+  static starpu_codelet* cl = JNNTILE_CODELET(AdamwArgs, adamw_kernel, "adamw");
   for (int64_t t = 0; t < p.num_tiles(); ++t) {
     args.n = p.tile_numel(t);
     submit_task(cl, {{p.tiles[t], STARPU_RW}, {g.tiles[t], STARPU_R}, {m.tiles[t], STARPU_RW}, {v.tiles[t], STARPU_RW}},
@@ -45,8 +46,9 @@ struct SgdArgs {
   float lr;
 };
 
+template <Device D>
 void sgd_kernel(void** buffers, const SgdArgs& a) {
-  cpu::sgd(a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), a.lr);
+  sgd<D>(a.n, a.lr, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
 }
 
 // ids [p, g]; inputs [lr]
@@ -54,7 +56,7 @@ void sgd_submit(const OpCall& call) {
   const TiledTensor &p = call.tensor(0), &g = call.tensor(1);
   check_same_tiling(p, g, "sgd");
   float lr = float(call.input_scalar(0));
-  static starpu_codelet* cl = codelet<SgdArgs, sgd_kernel>("sgd");
+  static starpu_codelet* cl = JNNTILE_CODELET(SgdArgs, sgd_kernel, "sgd");
   for (int64_t t = 0; t < p.num_tiles(); ++t)
     submit_task(cl, {{p.tiles[t], STARPU_RW}, {g.tiles[t], STARPU_R}}, SgdArgs{p.tile_numel(t), lr},
                 2.0 * p.tile_numel(t));
@@ -66,17 +68,16 @@ struct ClipArgs {
   float max_norm;
 };
 
-// As optax.clip_by_global_norm: scale by max_norm / norm when norm >= max_norm.
+template <Device D>
 void clip_kernel(void** buffers, const ClipArgs& a) {
-  float norm = *tile_ptr<float>(buffers[1]);
-  if (norm >= a.max_norm) cpu::scale_in_place(a.n, tile_ptr<float>(buffers[0]), a.max_norm / norm);
+  clip_by_norm<D>(a.n, a.max_norm, tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[0]));
 }
 
 // ids [x_0, ..., x_{n-1}, norm]: x_i *= min(1, max_norm / norm), reading the norm on StarPU.
 void clip_submit(const OpCall& call) {
   const TiledTensor& norm = call.tensor(call.ids.size() - 1);
   float max_norm = float(attr<double>(call.attrs, "max_norm"));
-  static starpu_codelet* cl = codelet<ClipArgs, clip_kernel>("clip_by_norm");
+  static starpu_codelet* cl = JNNTILE_CODELET(ClipArgs, clip_kernel, "clip_by_norm");
   for (size_t i = 0; i + 1 < call.ids.size(); ++i) {
     const TiledTensor& x = call.tensor(i);
     for (int64_t t = 0; t < x.num_tiles(); ++t)

@@ -1,19 +1,22 @@
-#include "kernels/cpu/bias.h"
+#include "kernels/bias.h"
 
 #include <vector>
 
-namespace jnntile::cpu {
+namespace jnntile {
 
-void add_bias(int64_t rows, int64_t n, const float* x, const float* b, float* out) {
+template <>
+void add_bias<Device::Cpu>(int64_t rows, int64_t n, const float* x, const float* b, float* out) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < n; ++j) out[r * n + j] = x[r * n + j] + b[j];
 }
 
-void bias_grad(int64_t rows, int64_t n, const float* dy, float* db) {
+// Rows in the outer loop: the CPU reads dy in memory order.
+template <>
+void bias_grad<Device::Cpu>(int64_t rows, int64_t n, const float* dy, float* db) {
   std::vector<double> sum(n, 0.0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < n; ++j) sum[j] += dy[r * n + j];
   for (int64_t j = 0; j < n; ++j) db[j] += float(sum[j]);
 }
 
-}  // namespace jnntile::cpu
+}  // namespace jnntile

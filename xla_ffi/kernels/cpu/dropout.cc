@@ -1,24 +1,18 @@
-#include "kernels/cpu/dropout.h"
+#include "kernels/dropout.h"
 
-#include "kernels/cpu/data.h"
+namespace jnntile {
 
-namespace jnntile::cpu {
-namespace {
-// Separates dropout's stream from random_f32's when a seed is reused for both.
-constexpr uint64_t kDropoutStream = 0xD60F0A7E5EEDull;
-}  // namespace
-
-void dropout(int ndim, const int64_t* shape, const int64_t* offset, const int64_t* extent, uint64_t seed,
-             double rate, bool accumulate, const float* in, float* out) {
-  float scale = float(1.0 / (1.0 - rate));
-  int64_t row_len = ndim == 0 ? 1 : extent[ndim - 1];
-  for_each_row(ndim, shape, offset, extent, [&](int64_t tile_start, int64_t global_start) {
-    for (int64_t i = 0; i < row_len; ++i) {
-      bool keep = uniform01(seed ^ kDropoutStream, uint64_t(global_start + i)) >= rate;
-      float value = keep ? in[tile_start + i] * scale : 0.0f;
+template <>
+void dropout<Device::Cpu>(const TileGeometry& g, uint64_t seed, double rate, bool accumulate, const float* in,
+                          float* out) {
+  float scale = dropout_scale(rate);
+  int64_t length = g.row_length();
+  for_each_row(g, [&](int64_t tile_start, int64_t global_start) {
+    for (int64_t i = 0; i < length; ++i) {
+      float value = dropout_value(seed, global_start + i, rate, scale, in[tile_start + i]);
       out[tile_start + i] = accumulate ? out[tile_start + i] + value : value;
     }
   });
 }
 
-}  // namespace jnntile::cpu
+}  // namespace jnntile

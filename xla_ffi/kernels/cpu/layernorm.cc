@@ -1,98 +1,71 @@
-#include "kernels/cpu/layernorm.h"
+#include "kernels/layernorm.h"
 
-#include <cmath>
 #include <vector>
 
-namespace jnntile::cpu {
+namespace jnntile {
 
-void layernorm_partial(int64_t rows, int64_t n, const float* x, double* partial) {
+template <>
+void layernorm_partial<Device::Cpu>(int64_t rows, int64_t n, const float* x, double* partial) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * n;
-    double sum = 0.0;
-    for (int64_t j = 0; j < n; ++j) sum += row[j];
-    double mean = sum / double(n), m2 = 0.0;
-    for (int64_t j = 0; j < n; ++j) {
-      double d = row[j] - mean;
-      m2 += d * d;
-    }
-    partial[2 * r] = mean;
-    partial[2 * r + 1] = m2;
+    layernorm::Moments m = layernorm::strided_moments(x + r * n, 0, n, 1);
+    partial[2 * r] = m.mean;
+    partial[2 * r + 1] = m.m2;
   }
 }
 
-void layernorm_stats(int64_t rows, int64_t count, const double* const* partials, const int64_t* widths, double eps,
-                     float* stats) {
-  int64_t c = 0;
-  for (int64_t k = 0; k < count; ++k) c += widths[k];
-  for (int64_t r = 0; r < rows; ++r) {
-    double mean = 0.0;
-    for (int64_t k = 0; k < count; ++k) mean += double(widths[k]) * partials[k][2 * r];
-    mean /= double(c);
-    double m2 = 0.0;
-    for (int64_t k = 0; k < count; ++k) {
-      double d = partials[k][2 * r] - mean;
-      m2 += partials[k][2 * r + 1] + double(widths[k]) * d * d;
-    }
-    stats[2 * r] = float(mean);
-    stats[2 * r + 1] = float(1.0 / std::sqrt(m2 / double(c) + eps));
-  }
+template <>
+void layernorm_stats<Device::Cpu>(int64_t rows, int64_t count, const double* const* partials, int64_t tile_c,
+                                  int64_t c, double eps, float* stats, void*) {
+  for (int64_t r = 0; r < rows; ++r) layernorm::row_stats(r, count, partials, tile_c, c, eps, stats);
 }
 
-void layernorm_normalize(int64_t rows, int64_t n, const float* x, const float* stats, const float* w,
-                         const float* b, float* y) {
+template <>
+void layernorm_normalize<Device::Cpu>(int64_t rows, int64_t n, const float* x, const float* stats, const float* w,
+                                      const float* b, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     float mean = stats[2 * r], rstd = stats[2 * r + 1];
-    for (int64_t j = 0; j < n; ++j) y[r * n + j] = (x[r * n + j] - mean) * rstd * w[j] + b[j];
+    for (int64_t j = 0; j < n; ++j) y[r * n + j] = layernorm::y(x[r * n + j], mean, rstd, w[j], b[j]);
   }
 }
 
-void layernorm_backward_partial(int64_t rows, int64_t n, const float* x, const float* stats, const float* w,
-                                const float* dy, double* partial) {
+template <>
+void layernorm_backward_partial<Device::Cpu>(int64_t rows, int64_t n, const float* x, const float* stats,
+                                             const float* w, const float* dy, double* partial) {
   for (int64_t r = 0; r < rows; ++r) {
-    float mean = stats[2 * r], rstd = stats[2 * r + 1];
-    double sum_g = 0.0, sum_gx = 0.0;
-    for (int64_t j = 0; j < n; ++j) {
-      float g = dy[r * n + j] * w[j];
-      float xhat = (x[r * n + j] - mean) * rstd;
-      sum_g += g;
-      sum_gx += double(g) * xhat;
-    }
-    partial[2 * r] = sum_g;
-    partial[2 * r + 1] = sum_gx;
+    layernorm::GradSums s =
+        layernorm::strided_grad_sums(x + r * n, dy + r * n, w, stats[2 * r], stats[2 * r + 1], 0, n, 1);
+    partial[2 * r] = s.g;
+    partial[2 * r + 1] = s.gx;
   }
 }
 
-void layernorm_backward_combine(int64_t rows, int64_t count, const double* const* partials, double* sums) {
-  for (int64_t i = 0; i < 2 * rows; ++i) {
-    double sum = 0.0;
-    for (int64_t k = 0; k < count; ++k) sum += partials[k][i];
-    sums[i] = sum;
-  }
+template <>
+void layernorm_backward_combine<Device::Cpu>(int64_t rows, int64_t count, const double* const* partials, double* sums,
+                                             void*) {
+  for (int64_t i = 0; i < 2 * rows; ++i) sums[i] = layernorm::sum_partials(count, partials, i);
 }
 
-void layernorm_backward_dx(int64_t rows, int64_t n, int64_t c, const float* x, const float* stats, const float* w,
-                           const float* dy, const double* sums, float* dx) {
+template <>
+void layernorm_backward_dx<Device::Cpu>(int64_t rows, int64_t n, int64_t c, const float* x, const float* stats,
+                                        const float* w, const float* dy, const double* sums, float* dx) {
   for (int64_t r = 0; r < rows; ++r) {
     float mean = stats[2 * r], rstd = stats[2 * r + 1];
     float mean_g = float(sums[2 * r] / double(c)), mean_gx = float(sums[2 * r + 1] / double(c));
-    for (int64_t j = 0; j < n; ++j) {
-      float g = dy[r * n + j] * w[j];
-      float xhat = (x[r * n + j] - mean) * rstd;
-      dx[r * n + j] += rstd * (g - mean_g - xhat * mean_gx);
-    }
+    for (int64_t j = 0; j < n; ++j)
+      dx[r * n + j] += layernorm::dx(x[r * n + j], dy[r * n + j], w[j], mean, rstd, mean_g, mean_gx);
   }
 }
 
-void layernorm_backward_params(int64_t rows, int64_t n, const float* x, const float* stats, const float* dy,
-                               float* dw, float* db) {
+// Rows outer, columns inner: the tile is read once, in memory order; each
+// column still sums its rows in order, as the GPU's thread per column does.
+template <>
+void layernorm_backward_params<Device::Cpu>(int64_t rows, int64_t n, const float* x, const float* stats,
+                                            const float* dy, float* dw, float* db) {
   std::vector<double> sum_dw(n, 0.0), sum_db(n, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
     float mean = stats[2 * r], rstd = stats[2 * r + 1];
-    for (int64_t j = 0; j < n; ++j) {
-      float d = dy[r * n + j];
-      sum_dw[j] += double(d) * ((x[r * n + j] - mean) * rstd);
-      sum_db[j] += d;
-    }
+    for (int64_t j = 0; j < n; ++j)
+      layernorm::add_param_terms(x[r * n + j], dy[r * n + j], mean, rstd, sum_dw[j], sum_db[j]);
   }
   for (int64_t j = 0; j < n; ++j) {
     if (dw) dw[j] += float(sum_dw[j]);
@@ -100,4 +73,4 @@ void layernorm_backward_params(int64_t rows, int64_t n, const float* x, const fl
   }
 }
 
-}  // namespace jnntile::cpu
+}  // namespace jnntile

@@ -1,0 +1,104 @@
+"""Training-step throughput: jnntile's GPT-2 vs the pure-JAX reference, same model, batch and machine, one run.
+
+    .venv/bin/python bench/train_step.py [--configs tiny small 124M-4x256 124M-1x1024] [--steps 10] [--json]
+
+Both train with AdamW + global-norm clipping under `jax.jit`; the reference
+donates its parameters and optimizer state (best-practice plain JAX). Each
+configuration runs in a process of its own, jnntile first, then XLA. Prints a
+table, or with --json one object per configuration:
+{"config": "124M 4x256", "jnntile_tokens_per_s": ..., "xla_tokens_per_s": ..., "ratio": ...}, plus, for
+jnntile, tasks per step, the median task duration and each worker's idle fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CONFIGS = {
+    # name: (model, batch, seq)
+    "tiny": (dict(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=256), 8, 128),
+    "small": (dict(n_layer=6, n_head=6, n_embd=384, vocab_size=4096, n_positions=256), 8, 256),
+    "124M-4x256": (dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024), 4, 256),
+    "124M-1x1024": (dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024), 1, 1024),
+}
+
+
+def label(name: str) -> str:
+    """The config name of the report: "tiny 8x128", "124M 4x256", ..."""
+    _, batch, seq = CONFIGS[name]
+    return f"{name.split('-')[0]} {batch}x{seq}"
+
+
+def measure(name: str, which: str, steps: int) -> dict:
+    """Runs in a child process: tokens/s of one implementation on one configuration."""
+    import jnntile
+    from jnntile.models.config import GPT2Config
+    from steps import jnntile_step, step_seconds, xla_step
+
+    model, batch, seq = CONFIGS[name]
+    config = GPT2Config(dropout=0.0, **model)
+    if which == "xla":
+        seconds = statistics.median(step_seconds(xla_step(config, batch, seq), steps))
+        return {"tokens_per_s": batch * seq / seconds}
+    step = jnntile_step(config, batch, seq)
+    step()
+    step()
+    jnntile.runtime.wait_all()
+    before = jnntile.runtime.stats()
+    times = step_seconds(step, steps, warmup=0)
+    jnntile.runtime.wait_all()
+    after = jnntile.runtime.stats()
+    seconds = statistics.median(times)
+    tasks = after["tasks_completed"] - before["tasks_completed"]
+    busy = [w1["busy_s"] - w0["busy_s"] for w0, w1 in zip(before["workers"], after["workers"])]
+    wall = sum(times)
+    return {"tokens_per_s": batch * seq / seconds, "tiles": str(step.model.tiles),
+            "tasks_per_step": tasks / steps, "mean_task_ms": 1e3 * sum(busy) / max(tasks, 1),
+            "worker_idle_fraction": [round(1 - b / wall, 3) for b in busy],
+            "runtime": jnntile.runtime.describe()}
+
+
+def run(name: str, which: str, steps: int) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--child", name, which, "--steps", str(steps)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{which} on {name} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after two warm-up steps")
+    parser.add_argument("--json", action="store_true", help="one JSON object per configuration")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(*args.child, args.steps)))
+        return 0
+    if not args.json:
+        print(f"{'config':>12} {'jnntile tok/s':>14} {'XLA tok/s':>10} {'ratio':>6} {'tasks/step':>11} "
+              f"{'task ms':>8}  idle per worker")
+    for name in args.configs:
+        jn = run(name, "jnntile", args.steps)
+        xla = run(name, "xla", args.steps)
+        row = {"config": label(name), "jnntile_tokens_per_s": round(jn["tokens_per_s"], 1),
+               "xla_tokens_per_s": round(xla["tokens_per_s"], 1),
+               "ratio": round(jn["tokens_per_s"] / xla["tokens_per_s"], 3),
+               **{k: v for k, v in jn.items() if k != "tokens_per_s"}}
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"{row['config']:>12} {row['jnntile_tokens_per_s']:14.0f} {row['xla_tokens_per_s']:10.0f} "
+                  f"{row['ratio']:6.2f} {row['tasks_per_step']:11.0f} {row['mean_task_ms']:8.2f}  "
+                  f"{row['worker_idle_fraction']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

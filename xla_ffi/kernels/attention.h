@@ -1,0 +1,161 @@
+// Causal softmax attention on one (query tile, key tile) pair, FlashAttention-2
+// style: scores exist only for the pair (nq x nk), never for the sequence.
+//
+// Tiles keep the (batch, seq, head, head_dim) layout of the model, so head h of
+// batch row b in a q/k/v/o tile is a (rows, d) matrix with leading dimension
+// nh * d, and the heads of a batch row are nh such matrices d floats apart:
+//   q, o, do: (nb, nq, nh, d)   k, v: (nb, nk, nh, d)
+// Per-row values (stats, lse, delta) are (nb, nq, nh). q0 and k0 are the
+// sequence positions of the first query and key: key k0 + c is visible to
+// query q0 + r when k0 + c <= q0 + r.
+//
+// A step works one batch row at a time in a scratch of score blocks, one
+// (nq, nk) block per head: matrix products over all heads of the batch row
+// (BLAS / cuBLAS), then a pass over the nh * nq rows of the blocks (row `row`
+// is query r = row % nq of head h = row / nq) with the row bodies below. The
+// CPU runs a row body on one thread, the GPU on a warp; `Lanes` says which
+// share of the row a thread takes: columns lane, lane + count, ..., and
+// lanes.max / lanes.sum combine a value over the lanes of the row (every lane
+// gets the result).
+#pragma once
+#include <math.h>
+
+#include "kernels/device.h"
+
+namespace jnntile {
+
+struct AttentionPair {
+  int64_t nb, nh, nq, nk, d;  // tile extents
+  // Sequence positions of the first query and key. k0 <= q0 (the op pairs a
+  // query tile with key tiles up to its own), so every query row sees key k0.
+  int64_t q0, k0;
+  float scale;  // softmax scale, 1 / sqrt(d)
+};
+
+namespace attention {
+
+// Floats in the score blocks of one batch row: (nq, nk) per head.
+inline int64_t score_blocks_size(const AttentionPair& p) { return p.nh * p.nq * p.nk; }
+
+// Working memory of a step, in floats: S, which becomes P; the backward also
+// dP, which becomes dS.
+inline int64_t forward_scratch_size(const AttentionPair& p) { return score_blocks_size(p); }
+inline int64_t backward_scratch_size(const AttentionPair& p) { return 2 * score_blocks_size(p); }
+
+// Offsets of head 0 of batch row b in a query-side and a key-side tile.
+inline int64_t query_offset(const AttentionPair& p, int64_t b) { return b * p.nq * p.nh * p.d; }
+inline int64_t key_offset(const AttentionPair& p, int64_t b) { return b * p.nk * p.nh * p.d; }
+
+// Index of query r of head h of batch row b among the per-row values; times d,
+// the offset of its row in o and do.
+JNNTILE_HD int64_t row_index(const AttentionPair& p, int64_t b, int64_t r, int64_t h) {
+  return (b * p.nq + r) * p.nh + h;
+}
+
+// Keys of the pair visible to query r: a prefix of the key tile.
+JNNTILE_HD int64_t visible_keys(const AttentionPair& p, int64_t r) {
+  int64_t n = p.q0 + r - p.k0 + 1;
+  return n < p.nk ? n : p.nk;
+}
+
+// dS = P * (dP - delta), the softmax backward of one score.
+JNNTILE_HD float softmax_grad(float prob, float dprob, float delta) { return prob * (dprob - delta); }
+
+// Forward step, one row of the scores s of batch row b: the online softmax.
+// stats hold the running max m and sum l per query row, o the unnormalised
+// output. Turns the scores into P = exp(s - m_new) (0 for masked keys), updates
+// (m, l) and rescales o by alpha = exp(m_old - m_new), so that o = alpha o + P v
+// (a product after this pass) stays a sum over the keys seen so far with the
+// new max. `first`: stats and o were never written; they start at
+// (-inf, 0) and 0 and o is not read.
+struct ForwardRow {
+  template <class Lanes>
+  static JNNTILE_HD void apply(const Lanes& lanes, int64_t row, bool first, const AttentionPair& p, int64_t b,
+                               float* s, float* o, float* stats) {
+    const int64_t h = row / p.nq, r = row % p.nq, n = visible_keys(p, r);
+    const int64_t i = row_index(p, b, r, h);
+    float* s_row = s + row * p.nk;
+    const float m_old = first ? -INFINITY : stats[2 * i], l_old = first ? 0.0f : stats[2 * i + 1];
+    float m = m_old;
+    for (int64_t c = lanes.lane; c < n; c += lanes.count) m = fmaxf(m, s_row[c]);
+    m = lanes.max(m);
+    double sum = 0.0;
+    for (int64_t c = lanes.lane; c < p.nk; c += lanes.count) {
+      s_row[c] = c < n ? expf(s_row[c] - m) : 0.0f;
+      sum += s_row[c];
+    }
+    sum = lanes.sum(sum);
+    const float alpha = expf(m_old - m);
+    if (!first) {
+      float* o_row = o + i * p.d;
+      for (int64_t c = lanes.lane; c < p.d; c += lanes.count) o_row[c] *= alpha;
+    }
+    if (lanes.lane == 0) {
+      stats[2 * i] = m;
+      stats[2 * i + 1] = l_old * alpha + float(sum);
+    }
+  }
+};
+
+// Forward finish, one of the nb * nq * nh query rows: o /= l, lse = m + log(l).
+struct FinishRow {
+  template <class Lanes>
+  static JNNTILE_HD void apply(const Lanes& lanes, int64_t row, int64_t d, const float* stats, float* o, float* lse) {
+    const float m = stats[2 * row], l = stats[2 * row + 1];
+    const float inv = 1.0f / l;
+    for (int64_t c = lanes.lane; c < d; c += lanes.count) o[row * d + c] *= inv;
+    if (lanes.lane == 0) lse[row] = m + logf(l);
+  }
+};
+
+// Backward, one of the nb * nq * nh query rows: delta = rowsum(do * o), in double.
+struct DeltaRow {
+  template <class Lanes>
+  static JNNTILE_HD void apply(const Lanes& lanes, int64_t row, int64_t d, const float* o, const float* d_o,
+                               float* delta) {
+    double acc = 0.0;
+    for (int64_t c = lanes.lane; c < d; c += lanes.count) acc += double(o[row * d + c]) * double(d_o[row * d + c]);
+    acc = lanes.sum(acc);
+    if (lanes.lane == 0) delta[row] = float(acc);
+  }
+};
+
+// Backward step, one row of batch row b: the scores s become P = exp(s - lse)
+// (0 for masked keys) and dP (in dp) becomes dS.
+struct BackwardRow {
+  template <class Lanes>
+  static JNNTILE_HD void apply(const Lanes& lanes, int64_t row, const AttentionPair& p, int64_t b, const float* lse,
+                               const float* delta, float* s, float* dp) {
+    const int64_t h = row / p.nq, r = row % p.nq, n = visible_keys(p, r);
+    const int64_t i = row_index(p, b, r, h);
+    const float row_lse = lse[i], row_delta = delta[i];
+    float *s_row = s + row * p.nk, *dp_row = dp + row * p.nk;
+    for (int64_t c = lanes.lane; c < p.nk; c += lanes.count) {
+      s_row[c] = c < n ? expf(s_row[c] - row_lse) : 0.0f;
+      dp_row[c] = softmax_grad(s_row[c], dp_row[c], row_delta);
+    }
+  }
+};
+
+}  // namespace attention
+
+// Online softmax step of the pair: updates o and the (m, l) stats (nb, nq, nh, 2)
+// of the query tile with key tile k, v (ForwardRow). `first`: the first key tile;
+// o and stats are write-only. scratch: forward_scratch_size(p) floats.
+template <Device D>
+void attention_forward_step(bool first, const AttentionPair& p, const float* q, const float* k, const float* v,
+                            float* o, float* stats, float* scratch);
+// o /= l and lse = m + log(l) for `rows` query rows of width d.
+template <Device D>
+void attention_forward_finish(int64_t rows, int64_t d, const float* stats, float* o, float* lse);
+// delta = rowsum(do * o) for `rows` rows of width d.
+template <Device D>
+void attention_backward_delta(int64_t rows, int64_t d, const float* o, const float* d_o, float* delta);
+// Recomputes P = exp(S - lse) for the pair and accumulates
+// dv += P^T do, dq += scale dS k, dk += scale dS^T q with dS = P * (do v^T - delta).
+// scratch: backward_scratch_size(p) floats.
+template <Device D>
+void attention_backward_step(const AttentionPair& p, const float* q, const float* k, const float* v, const float* d_o,
+                             const float* lse, const float* delta, float* dq, float* dk, float* dv, float* scratch);
+
+}  // namespace jnntile

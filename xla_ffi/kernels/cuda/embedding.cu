@@ -1,0 +1,60 @@
+#include "kernels/cuda/warp.h"
+#include "kernels/embedding.h"
+
+namespace jnntile {
+namespace {
+
+using cuda::kWarp;
+
+// A warp per position, its lanes on every 32nd column.
+__global__ void forward_kernel(int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
+                               const float* table, bool first, float* out) {
+  for (int64_t p = cuda::warp_index(); p < n; p += cuda::warp_count()) {
+    int64_t row = embedding::row(ids[p], v0, vlen);
+    if (row < 0 && !first) continue;
+    for (int64_t j = cuda::lane(); j < c; j += kWarp) out[p * c + j] = row >= 0 ? table[row * c + j] : 0.0f;
+  }
+}
+
+// The backward splits the table tile into at most this many groups of rows.
+constexpr int64_t kRowGroups = 32;
+
+// A thread per (column, group of rows_per_group table rows): blockIdx.y is the
+// group. Each element of dtable belongs to one thread, which scans the ids in
+// order and adds the dout rows of those in its group: no atomics, and the
+// terms arrive in the CPU's order. Reads of dout and dtable are coalesced
+// across columns; the id is the same for the whole warp.
+__global__ void backward_kernel(int64_t n, int64_t c, int64_t v0, int64_t vlen, int64_t rows_per_group,
+                                const int32_t* ids, const float* dout, float* dtable) {
+  int64_t first_row = blockIdx.y * rows_per_group;
+  int64_t group_rows = vlen - first_row < rows_per_group ? vlen - first_row : rows_per_group;
+  float* group = dtable + first_row * c;
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < c; j += int64_t(gridDim.x) * blockDim.x)
+    for (int64_t p = 0; p < n; ++p) {
+      int64_t row = embedding::row(ids[p], v0 + first_row, group_rows);
+      if (row >= 0) group[row * c + j] += dout[p * c + j];
+    }
+}
+
+}  // namespace
+
+template <>
+void embedding_forward<Device::Cuda>(int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
+                                     const float* table, bool first, float* out) {
+  forward_kernel<<<cuda::blocks_for_rows(n), cuda::kThreads, 0, cuda::stream()>>>(n, c, v0, vlen, ids, table, first,
+                                                                                  out);
+  cuda::check_launch("embedding_forward");
+}
+
+template <>
+void embedding_backward<Device::Cuda>(int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
+                                      const float* dout, float* dtable) {
+  // Groups of equal size, each starting inside the tile.
+  int64_t rows_per_group = (vlen + kRowGroups - 1) / kRowGroups;
+  int64_t groups = (vlen + rows_per_group - 1) / rows_per_group;
+  dim3 grid(cuda::blocks_for(c), unsigned(groups));
+  backward_kernel<<<grid, cuda::kThreads, 0, cuda::stream()>>>(n, c, v0, vlen, rows_per_group, ids, dout, dtable);
+  cuda::check_launch("embedding_backward");
+}
+
+}  // namespace jnntile

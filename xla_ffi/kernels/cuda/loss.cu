@@ -1,0 +1,107 @@
+#include "kernels/cuda/warp.h"
+#include "kernels/loss.h"
+
+namespace jnntile {
+namespace {
+
+using cuda::kWarp;
+
+// A warp per row, its lanes on every 32nd logit: the max over the warp gives
+// every lane the same new running max m, then the lanes' sums of exp(x - m)
+// add up over the warp and lane 0 updates the row.
+__global__ void stats_kernel(bool first, int64_t rows, int64_t nv, int64_t v0, const float* logits,
+                             const int32_t* targets, double* stats) {
+  for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
+    const float* x = logits + r * nv;
+    cross_entropy::Row row = cross_entropy::load(first, stats + r * kCrossEntropyStats);
+    float tile_max = cuda::warp_reduce(cross_entropy::strided_max(x, cuda::lane(), nv, kWarp),
+                                       [](float a, float b) { return fmaxf(a, b); });
+    double m = cross_entropy::new_max(row, tile_max);
+    double tile_sum = cuda::warp_reduce(cross_entropy::strided_sum_exp(x, cuda::lane(), nv, kWarp, float(m)),
+                                        [](double a, double b) { return a + b; });
+    if (cuda::lane() == 0) {
+      cross_entropy::add_tile(row, m, tile_sum);
+      int64_t t = cross_entropy::target_column(targets[r], v0, nv);
+      if (t >= 0) row.target = x[t];
+      cross_entropy::store(row, stats + r * kCrossEntropyStats);
+    }
+  }
+}
+
+constexpr int kFinishThreads = 256;
+
+// One block: each thread its share of the rows, then a shared-memory tree of
+// fixed shape over the threads' sums and counts.
+__global__ void finish_kernel(int64_t rows, const double* stats, const int32_t* targets, int32_t ignore_index,
+                              float* lse, double* partial) {
+  __shared__ double sums[kFinishThreads], counts[kFinishThreads];
+  double sum = 0.0, count = 0.0;
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
+    cross_entropy::finish_row(r, stats, targets, ignore_index, lse, sum, count);
+  sums[threadIdx.x] = sum;
+  counts[threadIdx.x] = count;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      sums[threadIdx.x] += sums[threadIdx.x + half];
+      counts[threadIdx.x] += counts[threadIdx.x + half];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    partial[0] = sums[0];
+    partial[1] = counts[0];
+  }
+}
+
+__global__ void combine_kernel(int64_t count, const double* const* partials, float* loss, float* inv_count) {
+  cross_entropy::mean(count, partials, loss, inv_count);
+}
+
+// A warp per row, its lanes on every 32nd logit.
+__global__ void backward_kernel(int64_t rows, int64_t nv, int64_t v0, const float* logits, const int32_t* targets,
+                                const float* lse, int32_t ignore_index, const float* inv_count, const float* dloss,
+                                float* dlogits) {
+  float scale = cross_entropy::grad_scale(inv_count, dloss);
+  for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
+    if (targets[r] == ignore_index) continue;
+    int64_t t = cross_entropy::target_column(targets[r], v0, nv);
+    cross_entropy::strided_grad(logits + r * nv, lse[r], scale, t, cuda::lane(), nv, kWarp, dlogits + r * nv);
+  }
+}
+
+}  // namespace
+
+template <>
+void cross_entropy_stats<Device::Cuda>(bool first, int64_t rows, int64_t nv, int64_t v0, const float* logits,
+                                       const int32_t* targets, double* stats) {
+  stats_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(first, rows, nv, v0, logits,
+                                                                                   targets, stats);
+  cuda::check_launch("cross_entropy_stats");
+}
+
+template <>
+void cross_entropy_finish<Device::Cuda>(int64_t rows, const double* stats, const int32_t* targets,
+                                        int32_t ignore_index, float* lse, double* partial) {
+  finish_kernel<<<1, kFinishThreads, 0, cuda::stream()>>>(rows, stats, targets, ignore_index, lse, partial);
+  cuda::check_launch("cross_entropy_finish");
+}
+
+template <>
+void cross_entropy_combine<Device::Cuda>(int64_t count, const double* const* partials, float* loss,
+                                         float* inv_count, void* scratch) {
+  const double* const* device = cuda::device_pointers(partials, count, scratch, "cross_entropy_combine");
+  combine_kernel<<<1, 1, 0, cuda::stream()>>>(count, device, loss, inv_count);
+  cuda::check_launch("cross_entropy_combine");
+}
+
+template <>
+void cross_entropy_backward<Device::Cuda>(int64_t rows, int64_t nv, int64_t v0, const float* logits,
+                                          const int32_t* targets, const float* lse, int32_t ignore_index,
+                                          const float* inv_count, const float* dloss, float* dlogits) {
+  backward_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(
+      rows, nv, v0, logits, targets, lse, ignore_index, inv_count, dloss, dlogits);
+  cuda::check_launch("cross_entropy_backward");
+}
+
+}  // namespace jnntile
