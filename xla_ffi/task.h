@@ -99,7 +99,11 @@ void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const A
   }
   for (size_t i = 0; i < buffers.size(); ++i) {
     handles[i] = buffers[i].handle;
-    modes[i] = buffers[i].mode;
+    // Scratch buffers are temporary_vector handles of one task each: write-only
+    // access gives the task the same fresh buffer on its node. StarPU 1.3's
+    // eviction of STARPU_SCRATCH chunks races with their unregistration and
+    // aborts (memalloc.c: try_to_throw_mem_chunk, "mc->replicate") under a memory limit.
+    modes[i] = buffers[i].mode == STARPU_SCRATCH ? STARPU_W : buffers[i].mode;
   }
   void* arg = malloc(sizeof(Args));
   std::memcpy(arg, &args, sizeof(Args));
