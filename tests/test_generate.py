@@ -1,16 +1,27 @@
-"""Incremental decoding: the key/value cache ops.
+"""Incremental decoding: the key/value cache ops, the Decoder against the pure-JAX reference.
 
 * cache_write / cached_attention against softmax attention over the whole
   sequence, fed in chunks whose tiles do not line up with the cache's.
+* Greedy decoding of several prompts of different lengths, as one batch, equals
+  the reference's greedy decoding of each prompt alone, for tilings that split
+  the sequence, the heads and the embedding; the cache path's logits equal a
+  full forward's; sampling is reproducible and a prompt's continuation does not
+  depend on the other prompts; a memory limit with swap changes nothing.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_err
+from flax import nnx
 
 import jnntile
+from jnntile.models import gpt2, gpt2_decode
+from jnntile.models import gpt2_reference as ref
+from jnntile.models.config import GPT2Config
 from jnntile.ops import attention
 from jnntile.ops import data as data_ops
 
@@ -106,3 +117,156 @@ def test_cache_bad_inputs():
     with pytest.raises(Exception, match="lie outside the cache's 12 positions"):
         jax.block_until_ready(jax.jit(attention.cache_write)(qkv, cache, np.int32(9)).token)
     assert jnntile.runtime.stats()["tasks_submitted"] == submitted
+
+
+# ---- the decoder ----------------------------------------------------------------------------
+
+CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=96, n_positions=32)
+PROMPT_LENGTHS = (7, 12, 5)
+NEW_TOKENS = 8
+MAX_LEN = max(PROMPT_LENGTHS) + NEW_TOKENS - 1
+TILINGS = {
+    "one tile": dict(tile_batch=3, tile_seq=MAX_LEN, tile_embd=32, tile_heads=4, tile_hidden=128, tile_vocab=96),
+    "many tiles": dict(tile_batch=1, tile_seq=4, tile_embd=8, tile_heads=1, tile_hidden=32, tile_vocab=24),
+    "uneven tiles": dict(tile_batch=2, tile_seq=5, tile_embd=12, tile_heads=3, tile_hidden=40, tile_vocab=40),
+}
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """Weights of O(1) scale: GPT-2's own init gives nearly flat logits, whose argmax a rounding could flip."""
+    rng = np.random.default_rng(0)
+    params = {}
+    for name, shape in ref.param_shapes(CONFIG).items():
+        base = 1.0 if name.endswith("weight") and (".ln_" in name or name.startswith("ln_f.")) else 0.0
+        params[name] = (base + 0.3 * rng.standard_normal(shape)).astype(np.float32)
+    return params
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
+
+
+_reference_forward = jax.jit(ref.forward, static_argnums=1)
+
+
+def reference_greedy(params, config, prompt, new_tokens):
+    """Greedy decoding of one prompt by full forwards of the reference; checks that no argmax is a near tie.
+
+    The tokens sit at the start of a window of n_positions (one compilation);
+    causal attention keeps the unused tail from affecting them.
+    """
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        window = np.zeros((1, config.n_positions), np.int32)
+        window[0, :len(tokens)] = tokens
+        logits = np.asarray(_reference_forward(params, config, window))[0, len(tokens) - 1]
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-3, "near tie in the reference: the test would depend on rounding"
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def expected_greedy(weights, prompts):
+    return [reference_greedy(weights, CONFIG, p, NEW_TOKENS) for p in prompts]
+
+
+def _decoder(weights, tiling, batch_size=len(PROMPT_LENGTHS), **kwargs):
+    model = gpt2.GPT2(dataclasses.replace(CONFIG, **tiling), batch_size=batch_size, seq_len=MAX_LEN)
+    model.load_hf_params(weights)
+    return gpt2_decode.Decoder(model, batch_size=batch_size, max_len=MAX_LEN, **kwargs)
+
+
+@pytest.mark.usefixtures("placement")
+@pytest.mark.parametrize("prefill_chunk", [2, 32], ids=["chunks", "no chunk"])
+@pytest.mark.parametrize("tiling", TILINGS.values(), ids=TILINGS.keys())
+def test_greedy_decoding_matches_reference(weights, prompts, expected_greedy, tiling, prefill_chunk):
+    decoder = _decoder(weights, tiling, prefill_chunk=prefill_chunk)
+    assert decoder.prefill_length(PROMPT_LENGTHS) == (4 if prefill_chunk == 2 else 0)
+    for _ in range(2):  # the second run reuses the compiled programs and the (invalidated) caches
+        assert decoder.generate(prompts, NEW_TOKENS, temperature=0) == expected_greedy
+    assert decoder._step._cache_size() == 1
+    assert decoder._prefill._cache_size() == (1 if prefill_chunk == 2 else 0)
+
+
+@pytest.mark.usefixtures("placement")
+def test_cache_path_logits_equal_full_forward(weights):
+    decoder = _decoder(weights, TILINGS["uneven tiles"], prefill_chunk=3)
+    tokens = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (3, MAX_LEN)).astype(np.int32)
+    state, caches = nnx.state(decoder.model), decoder.caches
+    caches = decoder._prefill(state, caches, tokens[:, :3], np.int32(0))
+    logits = []
+    for pos in range(3, MAX_LEN):
+        caches, step_logits = decoder._step(state, caches, tokens[:, pos:pos + 1], np.int32(pos))
+        logits.append(np.asarray(step_logits))
+    full, _ = decoder.model(decoder.model.token_tensor(tokens))
+    assert rel_err(np.stack(logits, axis=1), full.numpy()[:, 3:]) < 1e-5
+
+
+@pytest.mark.usefixtures("placement")
+def test_sampling_is_reproducible_and_independent_of_the_other_prompts(weights, prompts):
+    decoder = _decoder(weights, TILINGS["many tiles"], prefill_chunk=2)
+    sampled = decoder.generate(prompts, NEW_TOKENS, temperature=0.8, top_k=20, seed=5)
+    assert decoder.generate(prompts, NEW_TOKENS, temperature=0.8, top_k=20, seed=5) == sampled
+    assert decoder.generate(prompts, NEW_TOKENS, temperature=0.8, top_k=20, seed=6) != sampled
+    other = [prompts[0], prompts[1][:3], prompts[2]]  # the middle prompt replaced by a shorter one
+    again = decoder.generate(other, NEW_TOKENS, temperature=0.8, top_k=20, seed=5)
+    assert again[0] == sampled[0] and again[2] == sampled[2]
+
+
+def test_sample_respects_temperature_and_top_k():
+    logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0], np.float32)
+    generator = np.random.default_rng(0)
+    assert gpt2_decode.sample(logits, 0.0, None, generator) == 1
+    draws = {gpt2_decode.sample(logits, 1.0, 2, generator) for _ in range(200)}
+    assert draws == {1, 3}
+    draws = [gpt2_decode.sample(logits, 0.05, None, generator) for _ in range(50)]
+    assert set(draws) == {1}
+
+
+def test_decoder_bad_inputs(weights, prompts):
+    decoder = _decoder(weights, TILINGS["many tiles"])
+    with pytest.raises(ValueError, match="2 prompts; this decoder was built for batch_size=3"):
+        decoder.generate(prompts[:2], 4)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        decoder.generate([prompts[0], [], prompts[2]], 4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        decoder.generate([prompts[0], [CONFIG.vocab_size], prompts[2]], 4)
+    with pytest.raises(ValueError, match=f"more than this decoder's max_len={MAX_LEN}: generate at most 8 tokens"):
+        decoder.generate(prompts, 9)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        decoder.generate(prompts, 4, temperature=-1)
+    with pytest.raises(ValueError, match="longer than the model's n_positions=32"):
+        gpt2_decode.Decoder(decoder.model, batch_size=3, max_len=33)
+
+
+def test_generation_under_a_memory_limit_with_swap_matches(tmp_path):
+    """Weights of 11 MB, and every step's tiles, under a limit of 6 MB with swap: the same tokens."""
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=4096, n_positions=32, tile_batch=1,
+                        tile_seq=8, tile_embd=128, tile_heads=2, tile_hidden=256, tile_vocab=1024)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (3, 6)]
+    previous = jnntile.runtime.config()
+
+    def run(**settings):
+        jnntile.runtime.stop()
+        jnntile.release_traced()
+        jnntile.runtime.start(**settings)
+        model = gpt2.GPT2(config, batch_size=2, seq_len=16, seed=3)
+        decoder = gpt2_decode.Decoder(model, batch_size=2, max_len=16, prefill_chunk=2)
+        tokens = decoder.generate(prompts, 8, temperature=0)
+        jnntile.runtime.wait_all()
+        return tokens, jnntile.runtime.stats()
+
+    try:
+        unlimited, _ = run(memory_limit_mb=1024, swap_dir=None)
+        limited, stats = run(memory_limit_mb=6, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    finally:
+        jnntile.runtime.stop()
+        jnntile.release_traced()
+        jnntile.runtime.configure(**dataclasses.asdict(previous))
+    assert limited == unlimited
+    assert stats["bytes_moved"].get("RAM->DISK", 0) > 0
