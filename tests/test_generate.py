@@ -1,4 +1,4 @@
-"""Incremental decoding: the key/value cache ops, the Decoder against the pure-JAX reference.
+"""Incremental decoding: the key/value cache ops, the Decoder against the pure-JAX reference, `jnntile.generate`.
 
 * cache_write / cached_attention against softmax attention over the whole
   sequence, fed in chunks whose tiles do not line up with the cache's.
@@ -7,9 +7,14 @@
   the sequence, the heads and the embedding; the cache path's logits equal a
   full forward's; sampling is reproducible and a prompt's continuation does not
   depend on the other prompts; a memory limit with swap changes nothing.
+* `python -m jnntile.generate` end to end from a training checkpoint and from
+  the Hugging Face fixture; bad input gives a clear error.
 """
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +24,18 @@ from conftest import rel_err
 from flax import nnx
 
 import jnntile
+from jnntile import data as data_mod
+from jnntile import generate as generate_mod
+from jnntile import train as train_mod
 from jnntile.models import gpt2, gpt2_decode
 from jnntile.models import gpt2_reference as ref
 from jnntile.models.config import GPT2Config
+from jnntile.models.hf_checkpoint import load_hf
 from jnntile.ops import attention
 from jnntile.ops import data as data_ops
+
+FIXTURE = Path(__file__).parent / "data" / "hf_tiny_gpt2"
+ROOT = Path(__file__).resolve().parent.parent
 
 # ---- the cache ops ------------------------------------------------------------------------
 
@@ -270,3 +282,74 @@ def test_generation_under_a_memory_limit_with_swap_matches(tmp_path):
         jnntile.runtime.configure(**dataclasses.asdict(previous))
     assert limited == unlimited
     assert stats["bytes_moved"].get("RAM->DISK", 0) > 0
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "jnntile.generate", *args, "--quiet"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+
+
+def _char_tokenizer(path: Path) -> Path:
+    """A tokenizer of one token per character for the fixture's 96-token vocabulary (printable ASCII, newline)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=" "))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(path))
+    return path
+
+
+def test_cli_from_the_hugging_face_fixture(tmp_path):
+    tokenizer = _char_tokenizer(tmp_path / "chars.json")
+    prompts = ["Tiles", "StarPU runs tasks"]
+    result = _run_cli("--hf", str(FIXTURE), "--tokenizer", str(tokenizer), "--prompt", prompts[0], "--prompt",
+                      prompts[1], "--max-new-tokens", "6", "--temperature", "0", "--tile-embd", "8",
+                      "--tile-seq", "4")
+    assert result.returncode == 0, result.stderr
+    config, params = load_hf(FIXTURE)
+    to_ids = {c: i for i, c in enumerate([chr(i) for i in range(32, 127)] + ["\n"])}
+    chars = {i: c for c, i in to_ids.items()}
+    texts = [p + "".join(chars[t] for t in reference_greedy(params, config, [to_ids[c] for c in p], 6))
+             for p in prompts]
+    assert result.stdout == f"--- sample 0 ---\n{texts[0]}\n--- sample 1 ---\n{texts[1]}\n"
+    assert "tokens/s" in result.stderr
+
+
+def test_cli_from_a_training_checkpoint(tmp_path):
+    text = tmp_path / "text.txt"
+    words = ["alpha", "beta", "gamma", "delta", "tiles", "tasks", "memory", "disk"]
+    rng = np.random.default_rng(0)
+    text.write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(300)))
+    data_mod.prepare_dataset(text, tmp_path / "data", vocab_size=300, progress=False)
+    assert train_mod.main(["--data", str(tmp_path / "data" / "train.bin"), "--out", str(tmp_path / "run"),
+                           "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "2", "--seq-len",
+                           "16", "--steps", "3", "--eval-interval", "0", "--samples", "0", "--quiet"]) == 0
+    result = _run_cli("--checkpoint", str(tmp_path / "run"), "--prompt", "alpha beta", "--max-new-tokens", "5",
+                      "--seed", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("alpha beta") and result.stdout.count("\n") >= 1
+    assert "ckpt-0000003" in result.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hf", str(FIXTURE)], "the following arguments are required: --prompt"),
+    (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "40"],
+     "need 41 positions, beyond the model's n_positions=32: use --max-new-tokens 31 or less"),
+    (["--hf", str(FIXTURE), "--prompt", "", "--max-new-tokens", "4"], "gives no tokens"),
+    (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0 must be positive"),
+    (["--checkpoint", str(FIXTURE), "--prompt", "hi"], "is not a jnntile checkpoint"),
+    (["--hf", str(FIXTURE), "--prompt", "hi"], "no tokenizer in"),
+])
+def test_cli_bad_input(argv, message, capsys, tmp_path):
+    if "--max-new-tokens" in argv:
+        argv = [*argv, "--tokenizer", str(_char_tokenizer(tmp_path / "chars.json"))]
+    try:
+        code = generate_mod.main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
