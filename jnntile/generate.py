@@ -140,6 +140,9 @@ def _check_lengths(prompts: list[list[int]], args, config) -> int:
     for text, ids in zip(args.prompt, prompts):
         if not ids:
             raise ValueError(f"--prompt {text!r} gives no tokens: every prompt needs at least one")
+        if max(ids) >= config.vocab_size:
+            raise ValueError(f"--prompt {text!r} gives token id {max(ids)}, outside the model's vocabulary of "
+                             f"{config.vocab_size}: is the tokenizer the model's? (--tokenizer)")
     longest = max(len(p) for p in prompts)
     needed = longest + args.max_new_tokens - 1
     if needed > config.n_positions:
@@ -187,6 +190,7 @@ def generate(args) -> list[str]:
 
     started = time.perf_counter()
     tiles = {k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")}
+    tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (gpt2_decode.Decoder)
     model = gpt2.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
     decoder = gpt2_decode.Decoder(model, batch_size=len(prompts), max_len=length)
     log = sys.stderr

@@ -11,9 +11,9 @@ an attention that writes the layer's keys and values into its cache and attends
 over the cache (`cache_write`, `cached_attention`), so a new token costs one
 pass over the weights and O(pos) attention, not a forward over the sequence.
 Two programs are compiled once per decoder and reused, with the position as a
-per-step value: `prefill` over `prefill_chunk` positions (no logits; the last
-layer only fills its cache) and `step` over one position, whose logits are read
-to the host. Every activation is invalidated after its last use in the program
+per-step value: the prefill over `prefill_chunk` positions (no logits; the last
+layer only fills its cache) and the step over one position, whose logits are
+read to the host. The activations of a block are invalidated once it is done
 (DESIGN invariant 7), so nothing dead is evicted to disk between tokens.
 
 Prompts of different lengths share one batch without padding or masks: all
@@ -67,8 +67,10 @@ class Decoder:
         self.model = model
         self.batch_size, self.max_len = batch_size, max_len
         self.prefill_chunk = min(prefill_chunk, max_len)
-        # The model's tiles, within this batch and cache.
-        self.tile_batch = min(model.tiles.batch, batch_size)
+        # The batch in one tile unless the config sets one: a step's activations are a
+        # row per sequence, and more batch tiles would only add tasks (2.6x slower
+        # steps with four one-row tiles of the tiny preset). Sequence tiles are the model's.
+        self.tile_batch = min(config.tile_batch or batch_size, batch_size)
         self.tile_seq = min(model.tiles.seq, max_len)
         H, D = config.n_head, config.head_dim
         self.caches = [attention_ops.kv_cache(batch_size, max_len, H, D,

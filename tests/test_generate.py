@@ -343,9 +343,18 @@ def test_cli_from_a_training_checkpoint(tmp_path):
     (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0 must be positive"),
     (["--checkpoint", str(FIXTURE), "--prompt", "hi"], "is not a jnntile checkpoint"),
     (["--hf", str(FIXTURE), "--prompt", "hi"], "no tokenizer in"),
+    (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "4", "--tokenizer", "TOKENIZER_300"],
+     "outside the model's vocabulary of 96"),
 ])
 def test_cli_bad_input(argv, message, capsys, tmp_path):
-    if "--max-new-tokens" in argv:
+    if "TOKENIZER_300" in argv:  # byte-level BPE: ids up to 300 for a model of 96
+        from tokenizers import ByteLevelBPETokenizer
+
+        tokenizer = ByteLevelBPETokenizer()
+        tokenizer.train_from_iterator(["hi there"] * 10, vocab_size=300, show_progress=False)
+        tokenizer.save(str(tmp_path / "bpe.json"))
+        argv = [str(tmp_path / "bpe.json") if a == "TOKENIZER_300" else a for a in argv]
+    elif "--max-new-tokens" in argv:
         argv = [*argv, "--tokenizer", str(_char_tokenizer(tmp_path / "chars.json"))]
     try:
         code = generate_mod.main(argv)
@@ -353,3 +362,10 @@ def test_cli_bad_input(argv, message, capsys, tmp_path):
         code = e.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_weights_and_cache_beyond_limit_and_swap():
+    config = GPT2Config(n_layer=48, n_head=25, n_embd=1600)  # gpt2-xl
+    with pytest.raises(ValueError, match=r"exceed the memory limit of 4000 MB plus 1000 MB of swap: raise"):
+        generate_mod._check_memory(config, 4, 1024, 4000, 1000)
+    generate_mod._check_memory(config, 4, 1024, 4000, 8000)  # 5.8 GB of weights, 2.3 GB of cache
