@@ -124,6 +124,8 @@ def test_cache_bad_inputs():
     with pytest.raises(TypeError, match="integer scalar"):
         attention.cached_attention(qkv, cache, 1.5)
     submitted = jnntile.runtime.stats()["tasks_submitted"]
+    with pytest.raises(Exception, match=r"the cache holds nothing at some of the positions 0 \.\. 3"):
+        jax.block_until_ready(attention.cached_attention(qkv, cache, 0).token)
     with pytest.raises(Exception, match="position 2 continues a cache tile whose earlier positions hold nothing"):
         jax.block_until_ready(attention.cache_write(qkv, cache, 2).token)
     with pytest.raises(Exception, match="lie outside the cache's 12 positions"):

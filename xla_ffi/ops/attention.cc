@@ -273,6 +273,17 @@ void cached_attention_submit(const OpCall& call) {
       out.tile_shape != Index{ts[0], ts[1], ts[3], ts[4]})
     throw std::invalid_argument("cached attention: out must be float32 (B, T, H, D) tiled (tb, tt, th, D): qkv " +
                                 qkv.describe() + ", out " + out.describe());
+  // Before anything is submitted: the cache tiles up to the last position hold keys and values.
+  for (int64_t ib = 0; ib < l.gb; ++ib)
+    for (int64_t ih = 0; ih < l.gh; ++ih)
+      for (int64_t j = 0; j * l.tc < l.pos + l.t; ++j)
+        for (int64_t kv = 0; kv < 2; ++kv) try {
+            check_readable(cache.tile({ib, j, kv, ih, 0}));
+          } catch (const std::invalid_argument&) {
+            throw std::invalid_argument("cached attention: the cache holds nothing at some of the positions 0 .. " +
+                                        std::to_string(l.pos + l.t - 1) + ": write them with the cache write "
+                                        "first; cache " + cache.describe());
+          }
   static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
   static starpu_codelet* finish_cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
   for (int64_t ib = 0; ib < l.gb; ++ib)
