@@ -30,7 +30,7 @@ import jnntile
 from jnntile import checkpoint, memory, optim
 from jnntile import data as data_mod
 from jnntile.models import gpt2
-from jnntile.models import gpt2_reference
+from jnntile.models import gpt2_decode
 from jnntile.models.config import PRESETS, GPT2Config
 
 DEFAULTS = dict(model="tiny", batch_size=8, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50, weight_decay=0.1,
@@ -217,34 +217,20 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
 def generate_samples(model: gpt2.GPT2, dataset, args) -> list[str]:
     """Continues a few prompts from the validation data with the trained weights (top-40, temperature 0.8).
 
-    Sampling runs on the pure-JAX reference with the exported weights: generation
-    needs a growing sequence, and the tiled model is built for one batch shape.
-    The context sits at the start of a fixed window (one compilation); causal
-    attention keeps the unused tail from affecting it.
+    Decoding runs on the tiled model with a key/value cache (jnntile.models.gpt2_decode),
+    under this run's memory limit and swap. Prompt and sample stay within the
+    trained context (seq_len positions): a prompt of up to 16 tokens, shorter if
+    --sample-tokens needs the room.
     """
-    config = model.config
-    params = {k: jnp.asarray(v) for k, v in model.to_hf_params().items()}
-    window = min(args.seq_len, config.n_positions)
-
-    @jax.jit
-    def next_token(params, context, length, key):
-        logits = gpt2_reference.forward(params, config, context)[0, length - 1] / 0.8
-        values, indices = jax.lax.top_k(logits, min(40, config.vocab_size))
-        return indices[jax.random.categorical(key, values)]
-
-    key = jax.random.PRNGKey(args.seed)
-    samples = []
-    for i in range(args.samples):
-        prompt, _ = dataset.batch(i, 1, min(16, window - 1), "random", seed=args.seed + 2)
-        tokens = [int(t) for t in prompt[0]]
-        for _ in range(args.sample_tokens):
-            recent = tokens[-window:]
-            context = np.zeros((1, window), np.int32)
-            context[0, :len(recent)] = recent
-            key, sub = jax.random.split(key)
-            tokens.append(int(next_token(params, context, len(recent), sub)))
-        samples.append(dataset.decode(tokens))
-    return samples
+    window = min(args.seq_len, model.config.n_positions)
+    new_tokens = min(args.sample_tokens, window - 1)
+    if new_tokens < args.sample_tokens:
+        print(f"samples of {new_tokens} tokens: the model was trained on {window} positions")
+    prompt_len = min(16, window + 1 - new_tokens)
+    prompts = [dataset.batch(i, 1, prompt_len, "random", seed=args.seed + 2)[0][0] for i in range(args.samples)]
+    decoder = gpt2_decode.Decoder(model, batch_size=args.samples, max_len=prompt_len + new_tokens - 1)
+    continuations = decoder.generate(prompts, new_tokens, temperature=0.8, top_k=40, seed=args.seed)
+    return [dataset.decode(list(p) + c) for p, c in zip(prompts, continuations)]
 
 
 # ---- main ----------------------------------------------------------------------------

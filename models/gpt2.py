@@ -83,9 +83,10 @@ class CausalSelfAttention(nnx.Module):
         self.c_proj = nn.Linear((H, D), (C,), in_tiles=(tiles.heads, D), out_tiles=(tiles.embd,), seed=seed,
                                 name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer))
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, attention=attention_ops.causal_attention) -> Tensor:
+        """`attention` maps qkv to the heads' outputs; incremental decoding passes one over a key/value cache."""
         qkv = self.c_attn(x)                            # (B, T, 3, H, D)
-        y = attention_ops.causal_attention(qkv)         # (B, T, H, D)
+        y = attention(qkv)                              # (B, T, H, D)
         return self.c_proj(y)                           # (B, T, C)
 
 
@@ -112,8 +113,8 @@ class Block(nnx.Module):
         self.attn_dropout = nn.Dropout(config.dropout, site=2 * index + 1)
         self.mlp_dropout = nn.Dropout(config.dropout, site=2 * index + 2)
 
-    def __call__(self, x: Tensor, dropout_seed) -> Tensor:
-        x = ew.add(x, self.attn_dropout(self.attn(self.ln_1(x)), dropout_seed))
+    def __call__(self, x: Tensor, dropout_seed, attention=attention_ops.causal_attention) -> Tensor:
+        x = ew.add(x, self.attn_dropout(self.attn(self.ln_1(x), attention), dropout_seed))
         return ew.add(x, self.mlp_dropout(self.mlp(self.ln_2(x)), dropout_seed))
 
 
@@ -163,14 +164,20 @@ class GPT2(nnx.Module):
         """idx, targets: int32 (B, T) Tensors. Returns (logits (B, T, V) Tensor, loss scalar Tensor or None)."""
         B, T = idx.shape
         positions = embedding_ops.position_ids(B, T, (self.tiles.batch, self.tiles.seq))
-        x = ew.add(self.wte(idx), self.wpe(positions))               # (B, T, C)
-        x = self.embd_dropout(x, dropout_seed)
+        x = self.embd_dropout(self.embed(idx, positions), dropout_seed)
         for block in self.h:
             x = block(x, dropout_seed)
-        x = self.ln_f(x)
-        logits = gemm.matmul(x, self.wte.weight.get_value(), trans_b=True)  # tied head: (B, T, V)
+        logits = self.head(x)
         loss = None if targets is None else loss_ops.cross_entropy(logits, targets, ignore_index)
         return logits, loss
+
+    def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
+        """Token plus position embeddings (B, T, C) of int32 (B, T) ids and positions."""
+        return ew.add(self.wte(idx), self.wpe(positions))
+
+    def head(self, x: Tensor) -> Tensor:
+        """Logits (B, T, V) of the last block's output: final layer norm, then the head tied to wte."""
+        return gemm.matmul(self.ln_f(x), self.wte.weight.get_value(), trans_b=True)
 
     # ---- Hugging Face layout
 

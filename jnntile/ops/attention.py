@@ -8,30 +8,42 @@ separate tiles and the head dimension is whole; the output is tiled
 (tb, tt, th, D). Queries and keys share the sequence tile tt, and only one
 (tt, tt) block of scores exists per task, so memory does not grow with T^2
 (see xla_ffi/ops/attention.cc for the tasks).
+
+Incremental decoding (forward only) keeps the keys and values of past
+positions in a cache (B, T_max, 2, H, D) tiled (tb, tc, 1, th, D) (`kv_cache`):
+`cache_write(qkv, cache, pos)` stores the k and v of qkv, whose rows are the
+positions pos .. pos + T - 1, and `cached_attention(qkv, cache, pos)` attends
+from its queries to the cached positions 0 .. pos + T - 1. `pos` is a per-step
+value (an int32 scalar, a JAX array under jit), not an attribute, so one
+compiled step serves every position (DESIGN invariant 4); the tasks touch only
+the cache tiles up to pos + T, so a step costs O(pos).
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, on_host, release
 from jnntile.tensor import Tensor
 
 
-def _check(qkv: Tensor) -> None:
+def _check(qkv: Tensor, op: str = "causal_attention") -> None:
     if not isinstance(qkv, Tensor):
-        raise TypeError(f"causal_attention: qkv must be a jnntile Tensor, got {type(qkv).__name__}")
+        raise TypeError(f"{op}: qkv must be a jnntile Tensor, got {type(qkv).__name__}")
     if qkv.dtype != "float32":
-        raise TypeError(f"causal_attention: qkv must be float32, got {qkv!r}")
+        raise TypeError(f"{op}: qkv must be float32, got {qkv!r}")
     if qkv.ndim != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"causal_attention: qkv must have shape (B, T, 3, H, D), got {qkv.shape}; view the "
+        raise ValueError(f"{op}: qkv must have shape (B, T, 3, H, D), got {qkv.shape}; view the "
                          "c_attn output (B, T, 3 * H * D) as (B, T, 3, H, D)")
     B, T, _, H, D = qkv.shape
     tb, tt, t3, th, td = qkv.tile_shape
     if t3 != 1:
-        raise ValueError(f"causal_attention: qkv tile_shape {qkv.tile_shape} must be 1 on axis 2 so that q, k "
+        raise ValueError(f"{op}: qkv tile_shape {qkv.tile_shape} must be 1 on axis 2 so that q, k "
                          f"and v are separate tiles; use tile_shape ({tb}, {tt}, 1, {th}, {D})")
     if td != D:
-        raise ValueError(f"causal_attention: qkv tile_shape {qkv.tile_shape} must keep the head dimension D={D} "
+        raise ValueError(f"{op}: qkv tile_shape {qkv.tile_shape} must keep the head dimension D={D} "
                          f"whole; use tile_shape ({tb}, {tt}, 1, {th}, {D})")
 
 
@@ -65,3 +77,75 @@ def causal_attention(qkv: Tensor) -> Tensor:
     """
     _check(qkv)
     return _causal_attention(qkv)
+
+
+# ---- incremental decoding -------------------------------------------------------------
+
+def kv_cache(batch: int, length: int, heads: int, head_dim: int, tile_shape) -> Tensor:
+    """An empty key/value cache (batch, length, 2, heads, head_dim) tiled `tile_shape` (tb, tc, 1, th, head_dim).
+
+    Its tiles take no memory until `cache_write` writes them.
+    """
+    shape = (batch, length, 2, heads, head_dim)
+    tile_shape = tuple(tile_shape)
+    if len(tile_shape) != 5 or tile_shape[2] != 1 or tile_shape[4] != head_dim:
+        raise ValueError(f"kv_cache: tile_shape {tile_shape} must be (tb, tc, 1, th, {head_dim}): keys and values in "
+                         "separate tiles, the head dimension whole")
+    handle = tensor_mod.new_handle(shape, "float32", tile_shape)
+    return Tensor(on_host(jnp.zeros, (), jnp.float32), handle)
+
+
+def _check_cache(qkv: Tensor, cache: Tensor, pos, op: str):
+    _check(qkv, op)
+    if not isinstance(cache, Tensor) or cache.dtype != "float32":
+        raise TypeError(f"{op}: cache must be a float32 jnntile Tensor from kv_cache, got {cache!r}")
+    B, T, _, H, D = qkv.shape
+    tb, _, _, th, _ = qkv.tile_shape
+    if cache.ndim != 5 or cache.shape[2] != 2 or (cache.shape[0], cache.shape[3], cache.shape[4]) != (B, H, D):
+        raise ValueError(f"{op}: cache of shape {cache.shape} does not fit qkv {qkv.shape}: it must be "
+                         f"(B, T_max, 2, H, D) = ({B}, T_max, 2, {H}, {D})")
+    ctb, ctc, _, cth, _ = cache.tile_shape
+    if (ctb, cth) != (tb, th):
+        raise ValueError(f"{op}: cache tile_shape {cache.tile_shape} must share qkv's batch and head tiles "
+                         f"(qkv tile_shape {qkv.tile_shape}): use ({tb}, {ctc}, 1, {th}, {D})")
+    if T > cache.shape[1]:
+        raise ValueError(f"{op}: qkv holds {T} positions, more than the cache's {cache.shape[1]}")
+    if jnp.ndim(pos) != 0 or not jnp.issubdtype(jnp.result_type(pos), jnp.integer):
+        raise TypeError(f"{op}: pos must be an integer scalar (a per-step jnp.int32 value), got "
+                        f"{jnp.result_type(pos)} with shape {jnp.shape(pos)}")
+    # A traced position is checked by the native code when the step runs.
+    if not isinstance(pos, jax.core.Tracer) and not 0 <= int(pos) <= cache.shape[1] - T:
+        raise ValueError(f"{op}: positions {int(pos)} .. {int(pos) + T - 1} lie outside the cache's "
+                         f"{cache.shape[1]} positions")
+    return jnp.asarray(pos, jnp.int32)
+
+
+def cache_write(qkv: Tensor, cache: Tensor, pos) -> Tensor:
+    """Writes the keys and values of qkv (B, T, 3, H, D) into cache at positions pos .. pos + T - 1.
+
+    Returns the cache after the write (a new token). Positions must be written in
+    order from 0: a cache tile whose first row is written here starts afresh (its
+    later rows zeroed), while writing into the middle of a tile nothing wrote
+    before raises. Positions beyond the cache raise when the step runs.
+    """
+    pos = _check_cache(qkv, cache, pos, "cache_write")
+    # The cache is listed as written: a tile whose first row this call writes
+    # starts afresh (also after `data.invalidate`); the native side checks that
+    # the tiles it only adds rows to hold data.
+    token = call("attention_cache_write", [qkv.handle, cache.handle], [qkv.token, cache.token], inputs=[pos],
+                 writes=[cache.handle])
+    return cache.with_token(token)
+
+
+def cached_attention(qkv: Tensor, cache: Tensor, pos) -> Tensor:
+    """Causal attention of the queries of qkv (positions pos .. pos + T - 1) over the cache: (B, T, H, D).
+
+    The cache must hold positions 0 .. pos + T - 1 (`cache_write` of this qkv
+    first). Tiled like `causal_attention`'s output; not differentiable.
+    """
+    pos = _check_cache(qkv, cache, pos, "cached_attention")
+    B, T, _, H, D = qkv.shape
+    tb, tt, _, th, _ = qkv.tile_shape
+    out = tensor_mod.new_handle((B, T, H, D), "float32", (tb, tt, th, D))
+    token = call("attention_cached", [qkv.handle, cache.handle, out], [qkv.token, cache.token], inputs=[pos])
+    return Tensor(token, out)

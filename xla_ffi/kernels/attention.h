@@ -26,8 +26,11 @@ namespace jnntile {
 
 struct AttentionPair {
   int64_t nb, nh, nq, nk, d;  // tile extents
-  // Sequence positions of the first query and key. k0 <= q0 (the op pairs a
-  // query tile with key tiles up to its own), so every query row sees key k0.
+  // Sequence positions of the first query and key. The first key tile of a
+  // query tile starts at or before its first query (k0 <= q0; with a key/value
+  // cache k0 = 0), so every query row sees a key of the first step. In a later
+  // step a row may see no key of the pair (a cache tile that starts inside the
+  // query tile): the step then leaves its output and (m, l) as they were.
   int64_t q0, k0;
   float scale;  // softmax scale, 1 / sqrt(d)
 };
@@ -137,6 +140,16 @@ struct BackwardRow {
   }
 };
 
+// Incremental decoding keeps the keys and values of past positions in a cache
+// (B, T_max, 2, H, D) whose tiles (nb, rows, 1, nh, d) have the layout of the key
+// and value tiles of qkv, so the steps above read them as they are. A copy moves
+// rows [src_row, src_row + n) of each of the nb batch rows of a qkv key or value
+// tile (nb, src_rows, width) into rows [dst_row, dst_row + n) of a cache tile
+// (nb, dst_rows, width), width = nh * d.
+struct CacheCopy {
+  int64_t nb, width, src_rows, src_row, dst_rows, dst_row, n;
+};
+
 }  // namespace attention
 
 // Online softmax step of the pair: updates o and the (m, l) stats (nb, nq, nh, 2)
@@ -157,5 +170,12 @@ void attention_backward_delta(int64_t rows, int64_t d, const float* o, const flo
 template <Device D>
 void attention_backward_step(const AttentionPair& p, const float* q, const float* k, const float* v, const float* d_o,
                              const float* lse, const float* delta, float* dq, float* dk, float* dv, float* scratch);
+
+// Copies keys or values into the cache (attention::CacheCopy). `first`: the copy
+// starts at the cache tile's first row (dst_row == 0) and the tile is write-only:
+// its rows after the copy are zeroed, so that the rows a step reads beyond the
+// current length (masked, but multiplied by P = 0) hold finite values.
+template <Device D>
+void attention_cache_copy(bool first, const attention::CacheCopy& c, const float* src, float* dst);
 
 }  // namespace jnntile

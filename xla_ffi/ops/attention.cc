@@ -17,6 +17,17 @@
 // The scores of a pair exist only in its task's STARPU_SCRATCH buffer, which
 // StarPU allocates on the node that runs the task (kernels/attention.h: th
 // (tt, tt) blocks, twice in the backward), so memory does not grow with T^2.
+//
+// Incremental decoding (no backward): a key/value cache (B, T_max, 2, H, D)
+// tiled (tb, tc, 1, th, D) holds the keys (axis 2 index 0) and values (1) of the
+// positions so far. `attention_cache_write` copies the k and v of qkv, whose
+// rows are the positions pos .. pos + T - 1, into it; `attention_cached` runs the
+// forward steps above for each query tile of qkv against the cache tiles up to
+// its last position, then the finish. Both read `pos` from an extra int32 input
+// when they submit (DESIGN invariant 4: as an attribute, every step would
+// compile its own program) and touch only the cache tiles up to pos + T, so a
+// decoding step costs O(pos), not a forward over the whole cache.
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/attention.h"
@@ -165,6 +176,145 @@ void attention_backward_submit(const OpCall& call) {
       }
 }
 JNNTILE_OP(attention_backward, attention_backward_submit);
+
+// ---- key/value cache ----------------------------------------------------------
+
+struct CacheCopyArgs {
+  bool first;
+  attention::CacheCopy copy;
+};
+
+// buffers: a key or value tile of qkv, the matching cache tile
+template <Device D>
+void cache_copy_kernel(void** buffers, const CacheCopyArgs& a) {
+  attention_cache_copy<D>(a.first, a.copy, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+}
+
+// The grids of qkv and the cache and the positions of this call, checked once.
+struct CacheLayout {
+  int64_t gb, gh, gt;  // qkv tiles on B, H, T
+  int64_t tq, tc, d;   // sequence tiles of qkv and of the cache
+  int64_t pos, t;      // qkv's rows are the positions pos .. pos + t - 1
+  float scale;
+};
+
+CacheLayout check_cache(const OpCall& call, const TiledTensor& qkv, const TiledTensor& cache, const char* op) {
+  auto fail = [&](const std::string& why) {
+    throw std::invalid_argument(std::string(op) + ": " + why + ": qkv " + qkv.describe() + ", cache " +
+                                cache.describe());
+  };
+  if (qkv.dtype != DType::F32 || qkv.ndim() != 5 || qkv.shape[2] != 3) fail("qkv must be float32 (B, T, 3, H, D)");
+  if (qkv.tile_shape[2] != 1 || qkv.tile_shape[4] != qkv.shape[4]) fail("qkv tiles must be (tb, tt, 1, th, D)");
+  const Index &s = qkv.shape, &ts = qkv.tile_shape;
+  if (cache.dtype != DType::F32 || cache.ndim() != 5 || cache.shape[0] != s[0] || cache.shape[2] != 2 ||
+      cache.shape[3] != s[3] || cache.shape[4] != s[4])
+    fail("the cache must be float32 (B, T_max, 2, H, D) with the B, H and D of qkv");
+  if (cache.tile_shape[0] != ts[0] || cache.tile_shape[2] != 1 || cache.tile_shape[3] != ts[3] ||
+      cache.tile_shape[4] != s[4])
+    fail("the cache must be tiled (tb, tc, 1, th, D) with the tb and th of qkv");
+  const int64_t pos = int64_t(call.input_scalar(0));
+  if (pos < 0 || pos + s[1] > cache.shape[1])
+    fail("positions " + std::to_string(pos) + " .. " + std::to_string(pos + s[1] - 1) + " lie outside the cache's " +
+         std::to_string(cache.shape[1]) + " positions");
+  return {qkv.grid[0], qkv.grid[3], qkv.grid[1], ts[1], cache.tile_shape[1], s[4], pos, s[1],
+          float(1.0 / std::sqrt(double(s[4])))};
+}
+
+// ids [qkv, cache], inputs [pos]: cache[:, pos + r, 0|1] = qkv[:, r, 1|2] for every row r of qkv.
+void cache_write_submit(const OpCall& call) {
+  const TiledTensor &qkv = call.tensor(0), &cache = call.tensor(1);
+  const CacheLayout l = check_cache(call, qkv, cache, "attention cache write");
+  static starpu_codelet* cl = JNNTILE_CODELET(CacheCopyArgs, cache_copy_kernel, "attention_cache_copy");
+  // Before anything is submitted: the cache tile holding pos is continued
+  // unless pos is its first row (the later tiles start afresh), so its
+  // earlier positions must hold keys and values.
+  if (l.pos % l.tc != 0)
+    for (int64_t ib = 0; ib < l.gb; ++ib)
+      for (int64_t ih = 0; ih < l.gh; ++ih)
+        for (int64_t kv = 0; kv < 2; ++kv) try {
+            check_readable(cache.tile({ib, l.pos / l.tc, kv, ih, 0}));
+          } catch (const std::invalid_argument&) {
+            throw std::invalid_argument("attention cache write: position " + std::to_string(l.pos) +
+                                        " continues a cache tile whose earlier positions hold nothing (never "
+                                        "written, or invalidated): write the positions in order from 0; cache " +
+                                        cache.describe());
+          }
+  const int64_t end = l.pos + l.t;
+  for (int64_t ib = 0; ib < l.gb; ++ib)
+    for (int64_t ih = 0; ih < l.gh; ++ih)
+      for (int64_t j = l.pos / l.tc; j * l.tc < end; ++j) {  // the cache tiles the positions fall in
+        const int64_t c0 = j * l.tc;
+        const Index c_ext = cache.tile_extent({ib, j, 0, ih, 0});
+        const int64_t c_end = std::min(c0 + c_ext[1], end);
+        // qkv tiles in increasing order: the copy that starts at the cache tile's
+        // first row, write-only, is submitted before those that fill it further.
+        for (int64_t i = std::max(c0 - l.pos, int64_t(0)) / l.tq; i < l.gt && l.pos + i * l.tq < c_end; ++i) {
+          const Index q_ext = qkv.tile_extent({ib, i, 0, ih, 0});
+          const int64_t q0 = l.pos + i * l.tq;
+          const int64_t start = std::max(q0, c0), stop = std::min(q0 + q_ext[1], c_end);
+          const CacheCopyArgs a{start == c0, {q_ext[0], q_ext[3] * l.d, q_ext[1], start - q0, c_ext[1], start - c0,
+                                              stop - start}};
+          for (int64_t kv = 0; kv < 2; ++kv)
+            submit_task(cl, {{qkv.tile({ib, i, 1 + kv, ih, 0}), STARPU_R},
+                             {cache.tile({ib, j, kv, ih, 0}), a.first ? STARPU_W : STARPU_RW}},
+                        a);
+        }
+      }
+}
+JNNTILE_OP(attention_cache_write, cache_write_submit);
+
+// ids [qkv, cache, out], inputs [pos]: out (B, T, H, D) tiled (tb, tt, th, D) = softmax attention of the queries
+// of qkv (positions pos ..) over the keys and values of the cache at positions 0 .. pos + T - 1, causally.
+void cached_attention_submit(const OpCall& call) {
+  const TiledTensor &qkv = call.tensor(0), &cache = call.tensor(1), &out = call.tensor(2);
+  const CacheLayout l = check_cache(call, qkv, cache, "cached attention");
+  const Index &s = qkv.shape, &ts = qkv.tile_shape;
+  if (out.dtype != DType::F32 || out.shape != Index{s[0], s[1], s[3], s[4]} ||
+      out.tile_shape != Index{ts[0], ts[1], ts[3], ts[4]})
+    throw std::invalid_argument("cached attention: out must be float32 (B, T, H, D) tiled (tb, tt, th, D): qkv " +
+                                qkv.describe() + ", out " + out.describe());
+  // Before anything is submitted: the cache tiles up to the last position hold keys and values.
+  for (int64_t ib = 0; ib < l.gb; ++ib)
+    for (int64_t ih = 0; ih < l.gh; ++ih)
+      for (int64_t j = 0; j * l.tc < l.pos + l.t; ++j)
+        for (int64_t kv = 0; kv < 2; ++kv) try {
+            check_readable(cache.tile({ib, j, kv, ih, 0}));
+          } catch (const std::invalid_argument&) {
+            throw std::invalid_argument("cached attention: the cache holds nothing at some of the positions 0 .. " +
+                                        std::to_string(l.pos + l.t - 1) + ": write them with the cache write "
+                                        "first; cache " + cache.describe());
+          }
+  static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
+  static starpu_codelet* finish_cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
+  for (int64_t ib = 0; ib < l.gb; ++ib)
+    for (int64_t ih = 0; ih < l.gh; ++ih)
+      for (int64_t i = 0; i < l.gt; ++i) {
+        const Index q_ext = qkv.tile_extent({ib, i, 0, ih, 0});
+        const int64_t q0 = l.pos + i * l.tq, last = q0 + q_ext[1] - 1;
+        const int64_t rows = q_ext[0] * q_ext[1] * q_ext[3];
+        starpu_data_handle_t out_i = out.tile({ib, i, ih, 0}), q_i = qkv.tile({ib, i, 0, ih, 0});
+        // stats: (tb, tt, th, 2) running max and sum; lse: the finish writes it, nobody reads it
+        starpu_data_handle_t stats = temporary_vector(rows * 2, sizeof(float));
+        starpu_data_handle_t lse = temporary_vector(rows, sizeof(float));
+        for (int64_t j = 0; j * l.tc <= last; ++j) {
+          const Index k_ext = cache.tile_extent({ib, j, 0, ih, 0});
+          const AttentionPair p{q_ext[0], q_ext[3], q_ext[1], k_ext[1], l.d, q0, j * l.tc, l.scale};
+          starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
+          starpu_data_handle_t scratch = temporary_vector(attention::forward_scratch_size(p), sizeof(float));
+          submit_task(step_cl,
+                      {{q_i, STARPU_R}, {cache.tile({ib, j, 0, ih, 0}), STARPU_R},
+                       {cache.tile({ib, j, 1, ih, 0}), STARPU_R}, {out_i, mode}, {stats, mode},
+                       {scratch, STARPU_SCRATCH}},
+                      StepArgs{j == 0, p}, 4.0 * pair_flops(p));
+          starpu_data_unregister_submit(scratch);
+        }
+        submit_task(finish_cl, {{stats, STARPU_R}, {out_i, STARPU_RW}, {lse, STARPU_W}}, RowsArgs{rows, l.d},
+                    double(rows * l.d));
+        starpu_data_unregister_submit(stats);
+        starpu_data_unregister_submit(lse);
+      }
+}
+JNNTILE_OP(attention_cached, cached_attention_submit);
 
 }  // namespace
 }  // namespace jnntile

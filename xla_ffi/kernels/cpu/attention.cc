@@ -2,6 +2,9 @@
 
 #include <cblas.h>
 
+#include <algorithm>
+#include <cstring>
+
 namespace jnntile {
 
 using namespace attention;
@@ -85,6 +88,15 @@ void attention_backward_step<Device::Cpu>(const AttentionPair& p, const float* q
     key_gemm(p, 1.0f, s, d_o + qb, dv + kb);
     query_gemm(p, p.scale, dp, k + kb, 1.0f, dq + qb);
     key_gemm(p, p.scale, dp, q + qb, dk + kb);
+  }
+}
+
+template <>
+void attention_cache_copy<Device::Cpu>(bool first, const CacheCopy& c, const float* src, float* dst) {
+  for (int64_t b = 0; b < c.nb; ++b) {
+    float* out = dst + (b * c.dst_rows + c.dst_row) * c.width;
+    std::memcpy(out, src + (b * c.src_rows + c.src_row) * c.width, size_t(c.n * c.width) * sizeof(float));
+    if (first) std::fill(out + c.n * c.width, dst + (b + 1) * c.dst_rows * c.width, 0.0f);
   }
 }
 

@@ -117,4 +117,17 @@ void attention_backward_step<Device::Cuda>(const AttentionPair& p, const float* 
   }
 }
 
+// The nb batch rows of the tiles as the rows of pitched 2D copies.
+template <>
+void attention_cache_copy<Device::Cuda>(bool first, const CacheCopy& c, const float* src, float* dst) {
+  const size_t row = size_t(c.width) * sizeof(float);
+  cuda::check(cudaMemcpy2DAsync(dst + c.dst_row * c.width, c.dst_rows * row, src + c.src_row * c.width,
+                                c.src_rows * row, c.n * row, c.nb, cudaMemcpyDeviceToDevice, cuda::stream()),
+              "attention cache copy");
+  if (first && c.n < c.dst_rows)
+    cuda::check(cudaMemset2DAsync(dst + c.n * c.width, c.dst_rows * row, 0, (c.dst_rows - c.n) * row, c.nb,
+                                  cuda::stream()),
+                "attention cache zeroing");
+}
+
 }  // namespace jnntile

@@ -1,0 +1,240 @@
+"""Continue prompts with a GPT-2 on tiled tensors: `python -m jnntile.generate`.
+
+    python -m jnntile.generate --checkpoint out --prompt "def main(" --max-new-tokens 100
+    python -m jnntile.generate --hf gpt2_dir --prompt "Hello" --prompt "Tiles are" --temperature 0
+
+Weights come from a checkpoint of `python -m jnntile.train` (a ckpt-* directory,
+or a training --out directory for its latest checkpoint) or from a Hugging Face
+GPT-2 directory, and stay StarPU tiles under the memory limit and swap given
+here, as in training: the model may be larger than RAM. The prompts are decoded
+together with a key/value cache (jnntile.models.gpt2_decode). The texts
+(prompt and continuation) go to stdout; progress and speed go to stderr.
+
+The tokenizer is the training data's for a checkpoint, the directory's own
+(tokenizer.json, or vocab.json and merges.txt) for --hf, or --tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+DEFAULTS = dict(max_new_tokens=50, temperature=0.8, top_k=40, seed=0)
+TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jnntile.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR",
+                        help="a checkpoint of python -m jnntile.train (ckpt-* directory, or its --out directory)")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face GPT-2 directory (config.json, model.safetensors)")
+    p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                   help="text to continue; repeat for several prompts, decoded as one batch")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer.json, or a directory with tokenizer.json or vocab.json and merges.txt")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"], help="tokens per prompt")
+    p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], help="0: greedy")
+    p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="sample among the k likeliest; 0: all")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--memory-limit-mb", type=int, help="RAM for tiles; the rest goes to --swap-dir")
+    p.add_argument("--swap-dir", help="directory for tiles evicted from RAM")
+    p.add_argument("--swap-size-mb", type=int, default=16384)
+    p.add_argument("--gpu-memory-limit-mb", type=int,
+                   help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the whole GPU)")
+    p.add_argument("--workers", type=int, help="StarPU CPU workers (default: all cores, at most 4)")
+    for axis in TILE_AXES:
+        p.add_argument(f"--tile-{axis}", type=int, help=f"tile size on the {axis} axis (default: automatic)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+# ---- where the weights and the tokenizer are -------------------------------------------
+
+def _weights_dir(args) -> Path:
+    """The directory holding config.json and model.safetensors."""
+    if args.hf:
+        path = Path(args.hf)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--hf {path}: no such directory")
+        return path
+    from jnntile import checkpoint
+
+    path = Path(args.checkpoint)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
+    if (path / "state.json").is_file():
+        return path
+    latest = checkpoint.latest(path)
+    if latest is None:
+        raise ValueError(f"--checkpoint {path} is not a jnntile checkpoint: it has neither state.json (a ckpt-* "
+                         f"directory) nor a '{checkpoint.LATEST}' file (a training --out directory); pass one of "
+                         "those, or --hf DIR for a Hugging Face GPT-2 directory")
+    return latest
+
+
+def _read_config(weights: Path, args):
+    from jnntile.models.config import GPT2Config
+    from jnntile.models.hf_checkpoint import CONFIG_FILE
+
+    path = weights / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {weights} is not a GPT-2 checkpoint")
+    tiles = {f"tile_{a}": getattr(args, f"tile_{a}") for a in TILE_AXES if getattr(args, f"tile_{a}") is not None}
+    return GPT2Config.from_hf_dict(json.loads(path.read_text()), **tiles)
+
+
+def _tokenizer_candidates(args, weights: Path) -> list[Path]:
+    if args.tokenizer:
+        return [Path(args.tokenizer)]
+    if args.hf:
+        return [weights]
+    from jnntile import checkpoint
+    from jnntile import data as data_mod
+
+    # The training data's tokenizer lies beside its token file (or in its dataset directory).
+    data = checkpoint.read_state(weights).get("args", {}).get("data")
+    if data is None:
+        return [data_mod.default_dataset_dir()]
+    data = Path(data)
+    return [data if data.is_dir() else data.parent]
+
+
+def load_tokenizer(args, weights: Path):
+    """A `tokenizers` tokenizer (encode(text).ids, decode(ids)); raises naming where it looked."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+    looked = []
+    for path in _tokenizer_candidates(args, weights):
+        if path.is_file():
+            return Tokenizer.from_file(str(path))
+        if (path / "tokenizer.json").is_file():
+            return Tokenizer.from_file(str(path / "tokenizer.json"))
+        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            return ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+        looked.append(str(path))
+    raise FileNotFoundError(f"no tokenizer in {', '.join(looked)} (tokenizer.json, or vocab.json and merges.txt): "
+                            "pass --tokenizer PATH")
+
+
+# ---- checks before anything is loaded ---------------------------------------------------
+
+def _check_args(args) -> None:
+    if args.max_new_tokens <= 0:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be positive")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature={args.temperature} must be 0 (greedy) or positive")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k={args.top_k} must be positive, or 0 for the whole vocabulary")
+
+
+def _check_lengths(prompts: list[list[int]], args, config) -> int:
+    """The cache length the prompts need (positions read by the model); raises when beyond n_positions."""
+    for text, ids in zip(args.prompt, prompts):
+        if not ids:
+            raise ValueError(f"--prompt {text!r} gives no tokens: every prompt needs at least one")
+        if max(ids) >= config.vocab_size:
+            raise ValueError(f"--prompt {text!r} gives token id {max(ids)}, outside the model's vocabulary of "
+                             f"{config.vocab_size}: is the tokenizer the model's? (--tokenizer)")
+    longest = max(len(p) for p in prompts)
+    needed = longest + args.max_new_tokens - 1
+    if needed > config.n_positions:
+        most = config.n_positions - longest + 1
+        raise ValueError(f"the longest prompt ({longest} tokens) and --max-new-tokens={args.max_new_tokens} need "
+                         f"{needed} positions, beyond the model's n_positions={config.n_positions}: use "
+                         + (f"--max-new-tokens {most} or less" if most > 0 else "a shorter prompt"))
+    return needed
+
+
+def _check_memory(config, batch: int, length: int, limit_mb: int, swap_mb: int) -> None:
+    """Refuses a model whose weights and cache exceed the memory limit plus swap (they live in tiles)."""
+    weights = 4 * config.n_params()
+    cache = 4 * config.n_layer * batch * length * 2 * config.n_embd
+    if weights + cache > (limit_mb + swap_mb) * 2**20:
+        raise ValueError(f"the weights ({weights / 2**20:.0f} MB) and the key/value cache ({cache / 2**20:.0f} MB) "
+                         f"exceed the memory limit of {limit_mb} MB" + (f" plus {swap_mb} MB of swap" if swap_mb else "")
+                         + ": raise --memory-limit-mb, or add --swap-dir (and --swap-size-mb)")
+
+
+# ---- main -------------------------------------------------------------------------------
+
+def generate(args) -> list[str]:
+    """Runs generation as configured by `args`; returns the texts. Raises ValueError on bad input."""
+    _check_args(args)
+    weights = _weights_dir(args)
+    config = _read_config(weights, args)
+    tokenizer = load_tokenizer(args, weights)
+    prompts = [tokenizer.encode(text).ids for text in args.prompt]
+    length = _check_lengths(prompts, args, config)
+
+    import jnntile
+    from jnntile import memory
+    from jnntile.models import gpt2, gpt2_decode
+
+    settings = memory.runtime_settings(args)
+    runtime_config = dataclasses.replace(jnntile.runtime.config(), **settings)
+    runtime_config.validate()
+    _check_memory(config, len(prompts), length, runtime_config.memory_limit_mb,
+                  runtime_config.swap_size_mb if runtime_config.swap_dir else 0)
+    if runtime_config != jnntile.runtime.config():
+        jnntile.runtime.stop()
+        jnntile.runtime.configure(**settings)
+    jnntile.runtime.start()
+
+    started = time.perf_counter()
+    tiles = {k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")}
+    tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (gpt2_decode.Decoder)
+    model = gpt2.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
+    decoder = gpt2_decode.Decoder(model, batch_size=len(prompts), max_len=length)
+    log = sys.stderr
+    print(f"GPT-2 from {weights}: {config.n_params() / 1e6:.2f}M parameters, n_layer={config.n_layer} "
+          f"n_head={config.n_head} n_embd={config.n_embd} vocab={config.vocab_size}, loaded in "
+          f"{time.perf_counter() - started:.1f} s; tiles {model.tiles}; StarPU: {jnntile.runtime.describe()}",
+          file=log, flush=True)
+
+    started = time.perf_counter()
+    done_at = {}  # positions done -> time
+
+    def progress(done):
+        done_at[done] = time.perf_counter()
+        bar.update(done - bar.n)
+
+    with tqdm(total=length, disable=args.quiet, unit="pos", file=log, dynamic_ncols=True) as bar:
+        continuations = decoder.generate(prompts, args.max_new_tokens, temperature=args.temperature,
+                                         top_k=args.top_k or None, seed=args.seed, progress=progress)
+    seconds = time.perf_counter() - started
+    B = len(prompts)
+    print(f"{B} x {args.max_new_tokens} new tokens in {seconds:.2f} s with compilation", file=log, end="")
+    # Steady decoding: the steps after the first, which compiled the step program.
+    first = decoder.prefill_length([len(p) for p in prompts]) + 1
+    if length > first:
+        steps_per_s = (length - first) / (done_at[length] - done_at[first])
+        print(f"; decoding {steps_per_s:.1f} steps/s x {B} sequences = {steps_per_s * B:.1f} tokens/s",
+              file=log, end="")
+    print(file=log, flush=True)
+    return [tokenizer.decode(p + c) for p, c in zip(prompts, continuations)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        texts = generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i} ---")
+        print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

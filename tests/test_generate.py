@@ -1,0 +1,373 @@
+"""Incremental decoding: the key/value cache ops, the Decoder against the pure-JAX reference, `jnntile.generate`.
+
+* cache_write / cached_attention against softmax attention over the whole
+  sequence, fed in chunks whose tiles do not line up with the cache's.
+* Greedy decoding of several prompts of different lengths, as one batch, equals
+  the reference's greedy decoding of each prompt alone, for tilings that split
+  the sequence, the heads and the embedding; the cache path's logits equal a
+  full forward's; sampling is reproducible and a prompt's continuation does not
+  depend on the other prompts; a memory limit with swap changes nothing.
+* `python -m jnntile.generate` end to end from a training checkpoint and from
+  the Hugging Face fixture; bad input gives a clear error.
+"""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+from flax import nnx
+
+import jnntile
+from jnntile import data as data_mod
+from jnntile import generate as generate_mod
+from jnntile import train as train_mod
+from jnntile.models import gpt2, gpt2_decode
+from jnntile.models import gpt2_reference as ref
+from jnntile.models.config import GPT2Config
+from jnntile.models.hf_checkpoint import load_hf
+from jnntile.ops import attention
+from jnntile.ops import data as data_ops
+
+FIXTURE = Path(__file__).parent / "data" / "hf_tiny_gpt2"
+ROOT = Path(__file__).resolve().parent.parent
+
+# ---- the cache ops ------------------------------------------------------------------------
+
+B, T, H, D = 2, 12, 3, 8
+# (qkv tiles (tb, tq, 1, th, D), cache tile on the sequence, the chunks fed in turn)
+CACHE_TILINGS = {
+    "one_chunk": ((B, T, 1, H, D), T, [T]),
+    "token_by_token": ((B, 1, 1, H, D), 4, [1] * T),
+    "unaligned": ((1, 2, 1, 2, D), 5, [5, 1, 1, 3, 2]),  # H = 2 + 1, chunks across cache tiles
+    "batch_heads": ((B, 3, 1, 2, D), 4, [3, 3, 3, 3]),
+}
+
+
+def reference_attention(qkv):
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    t = qkv.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(qkv.shape[-1])
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _feed(qkv, tiles, cache_tile, chunks, jit):
+    """Writes qkv chunk by chunk into a fresh cache and attends; returns the outputs and the cache."""
+    b, t, _, h, d = qkv.shape
+    cache = attention.kv_cache(b, t, h, d, (tiles[0], cache_tile, 1, tiles[3], d))
+
+    def chunk_step(x, cache, pos):
+        cache = attention.cache_write(x, cache, pos)
+        return cache, jnntile.to_array(attention.cached_attention(x, cache, pos))
+
+    step = jax.jit(chunk_step) if jit else chunk_step
+    outs, pos = [], 0
+    for n in chunks:
+        cache, out = step(jnntile.from_array(qkv[:, pos:pos + n], tiles), cache, np.int32(pos))
+        outs.append(np.asarray(out))
+        pos += n
+    return np.concatenate(outs, axis=1), cache
+
+
+@pytest.mark.usefixtures("placement")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiling", CACHE_TILINGS)
+def test_cached_attention_matches_attention_over_the_sequence(tiling, jit):
+    qkv = (2.0 * np.random.default_rng(0).standard_normal((B, T, 3, H, D))).astype(np.float32)
+    out, cache = _feed(qkv, *CACHE_TILINGS[tiling], jit=jit)
+    assert rel_err(out, reference_attention(qkv)) <= 1e-5
+    values = cache.numpy()
+    np.testing.assert_array_equal(values[:, :, 0], qkv[:, :, 1])
+    np.testing.assert_array_equal(values[:, :, 1], qkv[:, :, 2])
+
+
+@pytest.mark.usefixtures("placement")
+def test_cached_attention_with_rows_longer_than_a_warp():
+    qkv = np.random.default_rng(3).standard_normal((2, 70, 3, 3, 40)).astype(np.float32)
+    out, _ = _feed(qkv, (2, 36, 1, 2, 40), 40, [33, 1, 36], jit=True)
+    assert rel_err(out, reference_attention(qkv)) <= 1e-5
+
+
+@pytest.mark.usefixtures("placement")
+def test_invalidated_cache_is_written_again_from_position_zero():
+    rng = np.random.default_rng(1)
+    first, second = ((2.0 * rng.standard_normal((B, T, 3, H, D))).astype(np.float32) for _ in range(2))
+    tiles, cache_tile, chunks = CACHE_TILINGS["unaligned"]
+    _, cache = _feed(first, tiles, cache_tile, chunks, jit=False)
+    cache = data_ops.invalidate(cache)
+    pos = 0
+    for n in chunks:
+        x = jnntile.from_array(second[:, pos:pos + n], tiles)
+        cache = attention.cache_write(x, cache, pos)
+        out = attention.cached_attention(x, cache, pos)
+        pos += n
+    assert rel_err(out.numpy(), reference_attention(second)[:, T - chunks[-1]:]) <= 1e-5
+
+
+def test_cache_bad_inputs():
+    qkv = jnntile.from_array(np.zeros((B, 4, 3, H, D), np.float32), (1, 2, 1, H, D))
+    with pytest.raises(ValueError, match=r"must be \(tb, tc, 1, th, 8\)"):
+        attention.kv_cache(B, T, H, D, (1, 4, 2, H, D))
+    with pytest.raises(ValueError, match=r"\(B, T_max, 2, H, D\) = \(2, T_max, 2, 3, 8\)"):
+        attention.cache_write(qkv, attention.kv_cache(B, T, 2, D, (1, 4, 1, 2, D)), 0)
+    with pytest.raises(ValueError, match=r"share qkv's batch and head tiles .* use \(1, 4, 1, 3, 8\)"):
+        attention.cache_write(qkv, attention.kv_cache(B, T, H, D, (2, 4, 1, H, D)), 0)
+    cache = attention.kv_cache(B, T, H, D, (1, 4, 1, H, D))
+    with pytest.raises(ValueError, match=r"positions 10 .. 13 lie outside the cache's 12 positions"):
+        attention.cache_write(qkv, cache, 10)
+    with pytest.raises(TypeError, match="integer scalar"):
+        attention.cached_attention(qkv, cache, 1.5)
+    submitted = jnntile.runtime.stats()["tasks_submitted"]
+    with pytest.raises(Exception, match=r"the cache holds nothing at some of the positions 0 \.\. 3"):
+        jax.block_until_ready(attention.cached_attention(qkv, cache, 0).token)
+    with pytest.raises(Exception, match="position 2 continues a cache tile whose earlier positions hold nothing"):
+        jax.block_until_ready(attention.cache_write(qkv, cache, 2).token)
+    with pytest.raises(Exception, match="lie outside the cache's 12 positions"):
+        jax.block_until_ready(jax.jit(attention.cache_write)(qkv, cache, np.int32(9)).token)
+    assert jnntile.runtime.stats()["tasks_submitted"] == submitted
+
+
+# ---- the decoder ----------------------------------------------------------------------------
+
+CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=96, n_positions=32)
+PROMPT_LENGTHS = (7, 12, 5)
+NEW_TOKENS = 8
+MAX_LEN = max(PROMPT_LENGTHS) + NEW_TOKENS - 1
+TILINGS = {
+    "one tile": dict(tile_batch=3, tile_seq=MAX_LEN, tile_embd=32, tile_heads=4, tile_hidden=128, tile_vocab=96),
+    "many tiles": dict(tile_batch=1, tile_seq=4, tile_embd=8, tile_heads=1, tile_hidden=32, tile_vocab=24),
+    "uneven tiles": dict(tile_batch=2, tile_seq=5, tile_embd=12, tile_heads=3, tile_hidden=40, tile_vocab=40),
+}
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """Weights of O(1) scale: GPT-2's own init gives nearly flat logits, whose argmax a rounding could flip."""
+    rng = np.random.default_rng(0)
+    params = {}
+    for name, shape in ref.param_shapes(CONFIG).items():
+        base = 1.0 if name.endswith("weight") and (".ln_" in name or name.startswith("ln_f.")) else 0.0
+        params[name] = (base + 0.3 * rng.standard_normal(shape)).astype(np.float32)
+    return params
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
+
+
+_reference_forward = jax.jit(ref.forward, static_argnums=1)
+
+
+def reference_greedy(params, config, prompt, new_tokens):
+    """Greedy decoding of one prompt by full forwards of the reference; checks that no argmax is a near tie.
+
+    The tokens sit at the start of a window of n_positions (one compilation);
+    causal attention keeps the unused tail from affecting them.
+    """
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        window = np.zeros((1, config.n_positions), np.int32)
+        window[0, :len(tokens)] = tokens
+        logits = np.asarray(_reference_forward(params, config, window))[0, len(tokens) - 1]
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-3, "near tie in the reference: the test would depend on rounding"
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def expected_greedy(weights, prompts):
+    return [reference_greedy(weights, CONFIG, p, NEW_TOKENS) for p in prompts]
+
+
+def _decoder(weights, tiling, batch_size=len(PROMPT_LENGTHS), **kwargs):
+    model = gpt2.GPT2(dataclasses.replace(CONFIG, **tiling), batch_size=batch_size, seq_len=MAX_LEN)
+    model.load_hf_params(weights)
+    return gpt2_decode.Decoder(model, batch_size=batch_size, max_len=MAX_LEN, **kwargs)
+
+
+@pytest.mark.usefixtures("placement")
+@pytest.mark.parametrize("prefill_chunk", [2, 32], ids=["chunks", "no chunk"])
+@pytest.mark.parametrize("tiling", TILINGS.values(), ids=TILINGS.keys())
+def test_greedy_decoding_matches_reference(weights, prompts, expected_greedy, tiling, prefill_chunk):
+    decoder = _decoder(weights, tiling, prefill_chunk=prefill_chunk)
+    assert decoder.prefill_length(PROMPT_LENGTHS) == (4 if prefill_chunk == 2 else 0)
+    for _ in range(2):  # the second run reuses the compiled programs and the (invalidated) caches
+        assert decoder.generate(prompts, NEW_TOKENS, temperature=0) == expected_greedy
+    assert decoder._step._cache_size() == 1
+    assert decoder._prefill._cache_size() == (1 if prefill_chunk == 2 else 0)
+
+
+@pytest.mark.usefixtures("placement")
+def test_cache_path_logits_equal_full_forward(weights):
+    decoder = _decoder(weights, TILINGS["uneven tiles"], prefill_chunk=3)
+    tokens = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (3, MAX_LEN)).astype(np.int32)
+    state, caches = nnx.state(decoder.model), decoder.caches
+    caches = decoder._prefill(state, caches, tokens[:, :3], np.int32(0))
+    logits = []
+    for pos in range(3, MAX_LEN):
+        caches, step_logits = decoder._step(state, caches, tokens[:, pos:pos + 1], np.int32(pos))
+        logits.append(np.asarray(step_logits))
+    full, _ = decoder.model(decoder.model.token_tensor(tokens))
+    assert rel_err(np.stack(logits, axis=1), full.numpy()[:, 3:]) < 1e-5
+
+
+@pytest.mark.usefixtures("placement")
+def test_sampling_is_reproducible_and_independent_of_the_other_prompts(weights, prompts):
+    decoder = _decoder(weights, TILINGS["many tiles"], prefill_chunk=2)
+    sampled = decoder.generate(prompts, NEW_TOKENS, temperature=0.8, top_k=20, seed=5)
+    assert decoder.generate(prompts, NEW_TOKENS, temperature=0.8, top_k=20, seed=5) == sampled
+    assert decoder.generate(prompts, NEW_TOKENS, temperature=0.8, top_k=20, seed=6) != sampled
+    other = [prompts[0], prompts[1][:3], prompts[2]]  # the middle prompt replaced by a shorter one
+    again = decoder.generate(other, NEW_TOKENS, temperature=0.8, top_k=20, seed=5)
+    assert again[0] == sampled[0] and again[2] == sampled[2]
+
+
+def test_sample_respects_temperature_and_top_k():
+    logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0], np.float32)
+    generator = np.random.default_rng(0)
+    assert gpt2_decode.sample(logits, 0.0, None, generator) == 1
+    draws = {gpt2_decode.sample(logits, 1.0, 2, generator) for _ in range(200)}
+    assert draws == {1, 3}
+    draws = [gpt2_decode.sample(logits, 0.05, None, generator) for _ in range(50)]
+    assert set(draws) == {1}
+
+
+def test_decoder_bad_inputs(weights, prompts):
+    decoder = _decoder(weights, TILINGS["many tiles"])
+    with pytest.raises(ValueError, match="2 prompts; this decoder was built for batch_size=3"):
+        decoder.generate(prompts[:2], 4)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        decoder.generate([prompts[0], [], prompts[2]], 4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        decoder.generate([prompts[0], [CONFIG.vocab_size], prompts[2]], 4)
+    with pytest.raises(ValueError, match=f"more than this decoder's max_len={MAX_LEN}: generate at most 8 tokens"):
+        decoder.generate(prompts, 9)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        decoder.generate(prompts, 4, temperature=-1)
+    with pytest.raises(ValueError, match="longer than the model's n_positions=32"):
+        gpt2_decode.Decoder(decoder.model, batch_size=3, max_len=33)
+
+
+def test_generation_under_a_memory_limit_with_swap_matches(tmp_path):
+    """Weights of 11 MB, and every step's tiles, under a limit of 6 MB with swap: the same tokens."""
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=4096, n_positions=32, tile_batch=1,
+                        tile_seq=8, tile_embd=128, tile_heads=2, tile_hidden=256, tile_vocab=1024)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (3, 6)]
+    previous = jnntile.runtime.config()
+
+    def run(**settings):
+        jnntile.runtime.stop()
+        jnntile.release_traced()
+        jnntile.runtime.start(**settings)
+        model = gpt2.GPT2(config, batch_size=2, seq_len=16, seed=3)
+        decoder = gpt2_decode.Decoder(model, batch_size=2, max_len=16, prefill_chunk=2)
+        tokens = decoder.generate(prompts, 8, temperature=0)
+        jnntile.runtime.wait_all()
+        return tokens, jnntile.runtime.stats()
+
+    try:
+        unlimited, _ = run(memory_limit_mb=1024, swap_dir=None)
+        limited, stats = run(memory_limit_mb=6, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    finally:
+        jnntile.runtime.stop()
+        jnntile.release_traced()
+        jnntile.runtime.configure(**dataclasses.asdict(previous))
+    assert limited == unlimited
+    assert stats["bytes_moved"].get("RAM->DISK", 0) > 0
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "jnntile.generate", *args, "--quiet"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+
+
+def _char_tokenizer(path: Path) -> Path:
+    """A tokenizer of one token per character for the fixture's 96-token vocabulary (printable ASCII, newline)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=" "))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(path))
+    return path
+
+
+def test_cli_from_the_hugging_face_fixture(tmp_path):
+    tokenizer = _char_tokenizer(tmp_path / "chars.json")
+    prompts = ["Tiles", "StarPU runs tasks"]
+    result = _run_cli("--hf", str(FIXTURE), "--tokenizer", str(tokenizer), "--prompt", prompts[0], "--prompt",
+                      prompts[1], "--max-new-tokens", "6", "--temperature", "0", "--tile-embd", "8",
+                      "--tile-seq", "4")
+    assert result.returncode == 0, result.stderr
+    config, params = load_hf(FIXTURE)
+    to_ids = {c: i for i, c in enumerate([chr(i) for i in range(32, 127)] + ["\n"])}
+    chars = {i: c for c, i in to_ids.items()}
+    texts = [p + "".join(chars[t] for t in reference_greedy(params, config, [to_ids[c] for c in p], 6))
+             for p in prompts]
+    assert result.stdout == f"--- sample 0 ---\n{texts[0]}\n--- sample 1 ---\n{texts[1]}\n"
+    assert "tokens/s" in result.stderr
+
+
+def test_cli_from_a_training_checkpoint(tmp_path):
+    text = tmp_path / "text.txt"
+    words = ["alpha", "beta", "gamma", "delta", "tiles", "tasks", "memory", "disk"]
+    rng = np.random.default_rng(0)
+    text.write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(300)))
+    data_mod.prepare_dataset(text, tmp_path / "data", vocab_size=300, progress=False)
+    assert train_mod.main(["--data", str(tmp_path / "data" / "train.bin"), "--out", str(tmp_path / "run"),
+                           "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "2", "--seq-len",
+                           "16", "--steps", "3", "--eval-interval", "0", "--samples", "0", "--quiet"]) == 0
+    result = _run_cli("--checkpoint", str(tmp_path / "run"), "--prompt", "alpha beta", "--max-new-tokens", "5",
+                      "--seed", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("alpha beta") and result.stdout.count("\n") >= 1
+    assert "ckpt-0000003" in result.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hf", str(FIXTURE)], "the following arguments are required: --prompt"),
+    (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "40"],
+     "need 41 positions, beyond the model's n_positions=32: use --max-new-tokens 31 or less"),
+    (["--hf", str(FIXTURE), "--prompt", "", "--max-new-tokens", "4"], "gives no tokens"),
+    (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0 must be positive"),
+    (["--checkpoint", str(FIXTURE), "--prompt", "hi"], "is not a jnntile checkpoint"),
+    (["--hf", str(FIXTURE), "--prompt", "hi"], "no tokenizer in"),
+    (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "4", "--tokenizer", "TOKENIZER_300"],
+     "outside the model's vocabulary of 96"),
+])
+def test_cli_bad_input(argv, message, capsys, tmp_path):
+    if "TOKENIZER_300" in argv:  # byte-level BPE: ids up to 300 for a model of 96
+        from tokenizers import ByteLevelBPETokenizer
+
+        tokenizer = ByteLevelBPETokenizer()
+        tokenizer.train_from_iterator(["hi there"] * 10, vocab_size=300, show_progress=False)
+        tokenizer.save(str(tmp_path / "bpe.json"))
+        argv = [str(tmp_path / "bpe.json") if a == "TOKENIZER_300" else a for a in argv]
+    elif "--max-new-tokens" in argv:
+        argv = [*argv, "--tokenizer", str(_char_tokenizer(tmp_path / "chars.json"))]
+    try:
+        code = generate_mod.main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_weights_and_cache_beyond_limit_and_swap():
+    config = GPT2Config(n_layer=48, n_head=25, n_embd=1600)  # gpt2-xl
+    with pytest.raises(ValueError, match=r"exceed the memory limit of 4000 MB plus 1000 MB of swap: raise"):
+        generate_mod._check_memory(config, 4, 1024, 4000, 1000)
+    generate_mod._check_memory(config, 4, 1024, 4000, 8000)  # 5.8 GB of weights, 2.3 GB of cache
