@@ -104,6 +104,14 @@ def test_bin_without_tokenizer_trains_and_samples_ids(dataset, tmp_path, capsys)
     assert sample.strip().startswith("[")
 
 
+def test_text_file_as_data_says_to_tokenize_it(dataset, tmp_path, capsys):
+    text = Path(dataset).parents[1] / "text.txt"
+    assert train_mod.main(["--data", str(text), "--out", str(tmp_path), *SMALL, "--steps", "1"]) == 2
+    error = capsys.readouterr().err
+    assert "text.txt looks like text" in error and f"python -m jnntile.data {text} --out DIR" in error
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_unknown_preset_is_refused(capsys):
     with pytest.raises(SystemExit):
         train_mod.parse_args(["--model", "gpt5"])
