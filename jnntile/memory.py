@@ -19,7 +19,9 @@ StarPU keeps disk copies of the tiles it reads back (RAM caches the swap). Indep
 task needs all its tiles in RAM while it runs, and each worker runs one task
 at a time, so `workers x` the largest task must fit under the limit whatever
 the swap (a measured fact: two 7.3 MB tasks under a 10 MB limit hang, and the
-watchdog reports it).
+watchdog reports it). `fit_tiles` shrinks the automatic tile sizes until
+that holds (and, with a GPU, until a CUDA worker's tasks fit its memory);
+`python -m jnntile.train` and this module's command line use it.
 
 `python -m jnntile.memory --model gpt2 --batch-size 8 --seq-len 1024
 --memory-limit-mb 4096` prints the table and the verdict.
@@ -235,6 +237,7 @@ class MemoryPlan:
     largest_task: int
     largest_task_name: str
     config: object = None
+    tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
 
     @property
     def state(self) -> int:
@@ -267,28 +270,41 @@ class MemoryPlan:
 
         return max(MIN_SWAP_MB, math.ceil(1.1 * host / MB))
 
-    def _task_problem(self, memory_limit_mb: float) -> str | None:
+    def _task_reason(self, memory_limit_mb: float) -> str | None:
+        """Why the tasks running at once do not fit in RAM, or None when they do."""
         if self.concurrent_tasks <= memory_limit_mb * MB:
             return None
-        task_mb = self.largest_task / MB
         running = (f" and {self.workers} workers run {self.workers} such tasks at once "
                    f"({self.concurrent_tasks / MB:.1f} MB)" if self.workers > 1 else "")
-        hint = self.suggest_tiles(memory_limit_mb)
-        fewer = " or fewer workers" if self.workers > 1 and self.largest_task <= memory_limit_mb * MB else ""
-        return (f"cannot run: a single task ({self.largest_task_name}) needs {task_mb:.1f} MB{running}, more than "
-                f"the memory limit of {memory_limit_mb:g} MB; use smaller tiles{', e.g. ' + hint if hint else ''}"
-                f"{fewer}")
+        return (f"a single task ({self.largest_task_name}) needs {self.largest_task / MB:.1f} MB{running}, more than "
+                f"the memory limit of {memory_limit_mb:g} MB")
 
-    def _gpu_task_problem(self, gpu_mb: float) -> str | None:
+    def _gpu_task_reason(self, gpu_mb: float) -> str | None:
+        """Why one CUDA worker's tasks do not fit in GPU memory, or None when they do (or there is no GPU)."""
         # A CUDA worker keeps GPU_TASKS_IN_FLIGHT tasks' tiles on the GPU at once (StarPU's pipeline).
         need = GPU_TASKS_IN_FLIGHT * self.largest_task
         if not gpu_mb or need <= gpu_mb * MB:
             return None
-        hint = self.suggest_tiles(gpu_mb / GPU_TASKS_IN_FLIGHT * self.workers)
-        return (f"cannot run: a single task ({self.largest_task_name}) needs {self.largest_task / MB:.1f} MB and a "
-                f"CUDA worker holds {GPU_TASKS_IN_FLIGHT} tasks' tiles at once ({need / MB:.1f} MB), more than the "
-                f"GPU memory limit of {gpu_mb:g} MB; use smaller tiles{', e.g. ' + hint if hint else ''} or raise "
-                "--gpu-memory-limit-mb")
+        return (f"a single task ({self.largest_task_name}) needs {self.largest_task / MB:.1f} MB and a CUDA worker "
+                f"holds {GPU_TASKS_IN_FLIGHT} tasks' tiles at once ({need / MB:.1f} MB), more than the GPU memory "
+                f"limit of {gpu_mb:g} MB")
+
+    def task_fit_problem(self, memory_limit_mb: float, gpu_mb: float = 0) -> str | None:
+        """Why the largest tasks do not fit under the RAM or GPU limit (None when they do): smaller tiles help."""
+        return self._task_reason(memory_limit_mb) or self._gpu_task_reason(gpu_mb)
+
+    def _task_problem(self, memory_limit_mb: float, gpu_mb: float) -> str | None:
+        reason = self._task_reason(memory_limit_mb)
+        if reason:
+            hint = self.suggest_tiles(memory_limit_mb, gpu_mb)
+            fewer = " or fewer workers" if self.workers > 1 and self.largest_task <= memory_limit_mb * MB else ""
+            return f"cannot run: {reason}; use smaller tiles{', e.g. ' + hint if hint else ''}{fewer}"
+        reason = self._gpu_task_reason(gpu_mb)
+        if reason:
+            hint = self.suggest_tiles(memory_limit_mb, gpu_mb)
+            return (f"cannot run: {reason}; use smaller tiles{', e.g. ' + hint if hint else ''} or raise "
+                    "--gpu-memory-limit-mb")
+        return None
 
     def verdict(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0) -> str:
         """A short sentence: "fits in RAM", "needs N MB of swap" or "cannot run: ...".
@@ -297,7 +313,7 @@ class MemoryPlan:
         GPU", "fits on the GPU and N MB of host RAM", or the host verdicts for
         what the GPU cannot hold.
         """
-        problem = self._task_problem(memory_limit_mb) or self._gpu_task_problem(gpu_mb)
+        problem = self._task_problem(memory_limit_mb, gpu_mb)
         if problem:
             return problem
         host_mb = math.ceil(self.host_bytes(gpu_mb) / MB)
@@ -325,19 +341,28 @@ class MemoryPlan:
                                   "--memory-limit-mb")
         return text
 
-    def suggest_tiles(self, memory_limit_mb: float) -> str:
-        """Flags with smaller tiles under which every worker's task fits, e.g. "--tile-vocab 2048"."""
-        if self.config is None:
-            return ""
-        current = dataclasses.asdict(self.tiles)
-        tiles = dict(current)
+    def task_bytes_target(self, memory_limit_mb: float, gpu_mb: float = 0) -> float:
+        """The most bytes one task may need: every worker runs one task at once in RAM, and a CUDA worker
+        holds GPU_TASKS_IN_FLIGHT tasks on the GPU."""
         target = memory_limit_mb * MB / self.workers
-        for _ in range(64):
+        return min(target, gpu_mb * MB / GPU_TASKS_IN_FLIGHT) if gpu_mb else target
+
+    def smaller_tiles(self, memory_limit_mb: float, gpu_mb: float = 0, axes=_TILE_AXES) -> dict | None:
+        """Tile sizes (axis -> size, all axes) under which every task fits the limits, shrinking only `axes`.
+
+        Halves, one at a time, the axis whose halving shrinks the largest task the
+        most, down to _MIN_TILE. None when that cannot make it fit.
+        """
+        if self.config is None:
+            return None
+        target = self.task_bytes_target(memory_limit_mb, gpu_mb)
+        tiles = dataclasses.asdict(self.tiles)
+        while True:
             size = _largest_task(self.config, self.batch_size, self.seq_len, tiles, self.optimizer)[0]
             if size <= target:
-                break
+                return tiles
             best = None
-            for axis in _TILE_AXES:
+            for axis in axes:
                 if tiles[axis] // 2 < _MIN_TILE[axis]:
                     continue
                 trial = dict(tiles, **{axis: tiles[axis] // 2})
@@ -345,12 +370,16 @@ class MemoryPlan:
                 if trial_size < size and (best is None or trial_size < best[1]):
                     best = (axis, trial_size)
             if best is None:
-                return ""
+                return None
             tiles[best[0]] //= 2
-        else:
+
+    def suggest_tiles(self, memory_limit_mb: float, gpu_mb: float = 0) -> str:
+        """Flags with smaller tiles under which every task fits the limits, e.g. "--tile-vocab 2048"."""
+        tiles = self.smaller_tiles(memory_limit_mb, gpu_mb)
+        if tiles is None:
             return ""
-        changed = [f"--tile-{axis} {tiles[axis]}" for axis in _TILE_AXES if tiles[axis] != current[axis]]
-        return " ".join(changed)
+        current = dataclasses.asdict(self.tiles)
+        return " ".join(f"--tile-{axis} {tiles[axis]}" for axis in _TILE_AXES if tiles[axis] != current[axis])
 
     def rows(self) -> list[tuple[str, float, str]]:
         """(what, MB, note) rows of the table."""
@@ -463,6 +492,31 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
         largest_task=largest, largest_task_name=largest_name, config=config)
 
 
+def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,
+              optimizer: str = "adamw", workers: int | None = None):
+    """`config` with its automatic tile sizes shrunk where the largest tasks would not fit the limits.
+
+    Returns (config, note). The note says which tiles were chosen and why, and
+    is "" when the automatic tiles fit. Tile sizes the config sets (--tile-*
+    flags) never change: when shrinking the automatic ones cannot make every
+    task fit, the config comes back as it was and `plan(...).check` refuses it
+    with a suggestion.
+    """
+    memory_plan = plan(config, batch_size, seq_len, optimizer, workers)
+    problem = memory_plan.task_fit_problem(memory_limit_mb, gpu_mb)
+    if problem is None:
+        return config, ""
+    automatic = tuple(axis for axis in _TILE_AXES if getattr(config, f"tile_{axis}") is None)
+    tiles = memory_plan.smaller_tiles(memory_limit_mb, gpu_mb, automatic)
+    if tiles is None:
+        return config, ""
+    before = dataclasses.asdict(memory_plan.tiles)
+    changed = {axis: tiles[axis] for axis in automatic if tiles[axis] != before[axis]}
+    fitted = dataclasses.replace(config, **{f"tile_{axis}": size for axis, size in changed.items()})
+    shrunk = ", ".join(f"{axis} {before[axis]} -> {size}" for axis, size in changed.items())
+    return fitted, f"automatic tiles shrunk ({shrunk}): with the default ones {problem}"
+
+
 # ---- command line -------------------------------------------------------------------------
 
 MODELS = ("tiny", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -509,9 +563,15 @@ def config_from_args(args):
 
 
 def plan_from_args(args) -> MemoryPlan:
+    """The plan of the step the flags describe, automatic tiles fitted to the limits (see `fit_tiles`)."""
     config = config_from_args(args)
     seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.n_positions
-    return plan(config, args.batch_size, seq_len, getattr(args, "optimizer", "adamw"), getattr(args, "workers", None))
+    optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
+    limit, _, gpu = limits_from_args(args)
+    config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers)
+    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers)
+    memory_plan.tiles_note = note
+    return memory_plan
 
 
 def runtime_settings(args) -> dict:
@@ -571,6 +631,8 @@ def main(argv=None) -> int:
     config = memory_plan.config
     print(f"GPT-2 {args.model}: n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} "
           f"vocab_size={config.vocab_size}, {args.optimizer}")
+    if memory_plan.tiles_note:
+        print(memory_plan.tiles_note)
     print(memory_plan.table())
     gpu = f"GPU memory {gpu_mb} MB, " if gpu_mb else ""
     swap = f" and {swap_mb} MB of swap" if swap_mb else ""

@@ -260,10 +260,13 @@ def train(args) -> dict:
     runtime_settings = memory.runtime_settings(args)
     runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
     runtime_config.validate()
+    gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
+    config, tiles_note = memory.fit_tiles(config, args.batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
+                                          args.optimizer, runtime_config.workers)
     plan = memory.plan(config, args.batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers)
     # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
     verdict = plan.check(runtime_config.memory_limit_mb, runtime_config.swap_size_mb if runtime_config.swap_dir else 0,
-                         jnntile.runtime.gpu_memory_mb(runtime_config))
+                         gpu_mb)
     if runtime_settings and runtime_config != jnntile.runtime.config():
         jnntile.runtime.stop()
         jnntile.runtime.configure(**runtime_settings)
@@ -292,6 +295,8 @@ def train(args) -> dict:
 
     train_step, eval_step = make_steps(graphdef, tx)
     n_params = config.n_params()
+    if tiles_note:
+        print(tiles_note, flush=True)
     print(f"GPT-2 {args.model}: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
           f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; StarPU: "
           f"{jnntile.runtime.describe()} (planned peak {plan.peak / 2**20:.0f} MB: {verdict})", flush=True)

@@ -3,6 +3,8 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -173,3 +175,39 @@ def test_memory_limit_with_disk_swap_gives_the_same_losses(dataset, tmp_path):
     jnntile.runtime.stop()
     assert not any(swap.iterdir()), "the swap directory is cleaned when the runtime stops"
     jnntile.runtime.configure(memory_limit_mb=jnntile.runtime.RuntimeConfig().memory_limit_mb, swap_dir=None)
+
+
+# ---- the command line in a fresh process ---------------------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "jnntile.train", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ids_4096(tmp_path_factory):
+    """A bare token file with a vocabulary of 4096, as the built-in corpus has."""
+    path = tmp_path_factory.mktemp("ids") / "ids.bin"
+    ids = np.random.default_rng(0).integers(0, 4096, 50_000).astype(np.uint16)
+    ids[0] = 4095
+    ids.tofile(path)
+    return path
+
+
+def test_automatic_tiles_shrink_to_fit_the_memory_limit(ids_4096, tmp_path):
+    # The default vocabulary tile (4096 x 128) makes one AdamW task need 8 MB per worker.
+    common = ["--data", str(ids_4096), "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--steps", "6",
+              "--workers", "2", "--eval-interval", "0", "--samples", "0", "--quiet"]
+    limit = ["--memory-limit-mb", "8", "--swap-dir", str(tmp_path / "swap")]
+    limited = _cli(*common, *limit, "--out", str(tmp_path / "limited"))
+    assert limited.returncode == 0, limited.stderr
+    assert ("automatic tiles shrunk (vocab 4096 -> 2048): with the default ones a single task (adamw update of a "
+            "wte.weight tile (4096, 128)) needs 8.0 MB" in limited.stdout), limited.stdout
+    unlimited = _cli(*common, "--out", str(tmp_path / "unlimited"))
+    assert unlimited.returncode == 0, unlimited.stderr
+    assert "shrunk" not in unlimited.stdout
+    assert _losses(tmp_path / "limited") == _losses(tmp_path / "unlimited")
+    # Tiles given on the command line are not changed: the step is refused, with tiles that would fit.
+    explicit = _cli(*common, *limit, "--tile-vocab", "4096", "--tile-embd", "128", "--out", str(tmp_path / "explicit"))
+    assert explicit.returncode == 2
+    assert "cannot run: a single task" in explicit.stderr and "e.g. --tile-vocab 2048" in explicit.stderr
+    assert not (tmp_path / "explicit" / "metrics.jsonl").exists()
