@@ -359,7 +359,7 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
         parser = argparse.ArgumentParser()
         memory.add_arguments(parser)
         args = parser.parse_args("--model tiny --n-layer 1 --n-embd 128 --n-head 2 --vocab-size 2048 --n-positions 32 "
-                                 "--batch-size 1 --seq-len 32 --tile-vocab 2048 --memory-limit-mb 2 --workers 2"
+                                 "--batch-size 1 --seq-len 32 --tile-vocab 2048 --tile-embd 128 --memory-limit-mb 2 --workers 2"
                                  .split() + ({swap!r} and ["--swap-dir", {str(tmp_path)!r}] or []))
         try:
             memory.check_before_training(args)
