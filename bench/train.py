@@ -54,7 +54,9 @@ def main():
     train_step, _ = make_steps(graphdef, tx)
 
     def jnntile_step(i):
-        state["params"], state["opt"], loss = train_step(state["params"], state["opt"], idx, targets, None)
+        # One micro-batch per step: ids shaped (1, B, T), one dropout seed (none).
+        state["params"], state["opt"], loss = train_step(state["params"], state["opt"], idx[None], targets[None],
+                                                         [None])
         float(loss)
 
     ref_params = gpt2_reference.init_params(config, 0)

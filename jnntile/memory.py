@@ -237,6 +237,7 @@ class MemoryPlan:
     largest_task: int
     largest_task_name: str
     config: object = None
+    grad_accum_steps: int = 1  # micro-batches of (batch_size, seq_len) per step
     tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
 
     @property
@@ -385,7 +386,8 @@ class MemoryPlan:
         """(what, MB, note) rows of the table."""
         return [
             ("parameters", self.parameters / MB, f"{self.n_params:,} float32"),
-            ("gradients", self.gradients / MB, "freed by the optimizer update"),
+            ("gradients", self.gradients / MB, "freed by the optimizer update" + (
+                ", kept between micro-batches" if self.grad_accum_steps > 1 else "")),
             ("optimizer state", self.optimizer_state / MB, self.optimizer),
             ("token ids", self.inputs / MB, "idx, targets, positions"),
             ("activations kept for backward", self.activations / MB, "incl. layer-norm/attention/loss residuals"),
@@ -397,8 +399,10 @@ class MemoryPlan:
 
     def table(self) -> str:
         t = self.tiles
-        lines = [f"batch {self.batch_size} x seq {self.seq_len}; tiles batch={t.batch} seq={t.seq} embd={t.embd} "
-                 f"heads={t.heads} hidden={t.hidden} vocab={t.vocab}"]
+        micro = (f" per micro-batch, {self.grad_accum_steps} micro-batches per step adding to the same gradients"
+                 if self.grad_accum_steps > 1 else "")
+        lines = [f"batch {self.batch_size} x seq {self.seq_len}{micro}; tiles batch={t.batch} seq={t.seq} "
+                 f"embd={t.embd} heads={t.heads} hidden={t.hidden} vocab={t.vocab}"]
         for what, mb, note in self.rows():
             lines.append(f"  {what:<32} {mb:>12,.1f} MB   {note}")
         return "\n".join(lines)
@@ -427,10 +431,16 @@ def _tile_str(t: _T) -> str:
     return "(" + ", ".join(str(min(a, n)) for a, n in zip(t.tile, t.shape)) + ")"
 
 
-def _simulate(step: _Step, optimizer: str):
-    """Walks the step's timeline; returns (activations, activation-gradient peak, peak, phase)."""
+def _simulate(step: _Step, optimizer: str, accumulating: bool = False):
+    """Walks the step's timeline; returns (activations, activation-gradient peak, peak, phase).
+
+    `accumulating`: a micro-batch after the first of a step, whose parameter
+    gradients hold the earlier micro-batches' sum from the start (the first
+    starts them lazily, as a step without accumulation does).
+    """
     n_state = OPTIMIZER_STATES[optimizer]
-    base = sum(p.nbytes for p in step.params) * (1 + n_state) + sum(t.nbytes for t in step.inputs)
+    params = sum(p.nbytes for p in step.params)
+    base = params * (1 + n_state + accumulating) + sum(t.nbytes for t in step.inputs)
     live = 0  # activations, residuals, and gradients allocated so far
     peak, phase = base, "start"
     for op in step.ops:  # forward
@@ -438,7 +448,7 @@ def _simulate(step: _Step, optimizer: str):
         if base + live > peak:
             peak, phase = base + live, "end of forward"
     activations = live
-    grads: set = set()
+    grads = {p.name for p in step.params} if accumulating else set()
     act_grad_live = act_grad_peak = 0
     for op in reversed(step.ops):  # backward: the op's tasks need its inputs' and outputs' gradients
         for t in op.inputs + op.outputs:
@@ -463,11 +473,15 @@ def _simulate(step: _Step, optimizer: str):
     return activations, act_grad_peak, peak, phase
 
 
-def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None) -> MemoryPlan:
+def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None,
+         grad_accum_steps: int = 1) -> MemoryPlan:
     """The memory plan of one training step of `models.gpt2.GPT2(config)` on (batch_size, seq_len) tokens.
 
     Tile sizes are the config's (or the automatic ones), as `resolve_tiles`
-    gives them; `workers` defaults to the runtime's.
+    gives them; `workers` defaults to the runtime's. With `grad_accum_steps`
+    > 1 a step is that many micro-batches of (batch_size, seq_len): the plan is
+    the one of a micro-batch that adds to gradients already there (the state
+    is the same, activations are one micro-batch's).
     """
     from jnntile.models.gpt2 import resolve_tiles
 
@@ -482,14 +496,16 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
     tiles = resolve_tiles(config, batch_size, seq_len)
     step = _step_for(config, batch_size, seq_len, tiles)
     params = sum(p.nbytes for p in step.params)
-    activations, act_grads, peak, phase = _simulate(step, optimizer)
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps} must be at least 1")
+    activations, act_grads, peak, phase = _simulate(step, optimizer, accumulating=grad_accum_steps > 1)
     largest, largest_name = _largest_of(step, optimizer)
     return MemoryPlan(
         batch_size=batch_size, seq_len=seq_len, tiles=tiles, optimizer=optimizer, workers=workers,
         n_params=params // F32, parameters=params, gradients=params,
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
-        largest_task=largest, largest_task_name=largest_name, config=config)
+        largest_task=largest, largest_task_name=largest_name, config=config, grad_accum_steps=grad_accum_steps)
 
 
 def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,
@@ -530,6 +546,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=None, help="override the preset")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's n_positions")
+    parser.add_argument("--grad-accum-steps", type=int, default=1,
+                        help="micro-batches of --batch-size per step (gradient accumulation)")
     for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab"):
         parser.add_argument(f"--tile-{axis}", type=int, default=None, help="tile size (default: automatic)")
     parser.add_argument("--memory-limit-mb", type=int, default=None,
@@ -569,7 +587,7 @@ def plan_from_args(args) -> MemoryPlan:
     optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
     limit, _, gpu = limits_from_args(args)
     config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers)
-    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers)
+    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, getattr(args, "grad_accum_steps", 1))
     memory_plan.tiles_note = note
     return memory_plan
 

@@ -231,6 +231,31 @@ def test_planner_peak_against_the_measured_peak(restore_runtime):
     assert planned <= measured <= 1.3 * planned, (planned, measured)
 
 
+def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runtime):
+    """Gradients held between micro-batches are in the plan of a micro-batch (activations are one micro-batch's)."""
+    from flax import nnx
+
+    from jnntile import train as train_mod
+
+    _restart(memory_limit_mb=1024, swap_dir=None)
+    model = gpt2.GPT2(SWAP_CONFIG, batch_size=B, seq_len=T)
+    tx = optim.adamw(1e-2)
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = tx.init(params)
+    train_step, _ = train_mod.make_steps(graphdef, tx, grad_accum_steps=2)
+    jnntile.runtime.wait_all()
+    jnntile.runtime.reset_peaks()
+    ids = np.random.default_rng(0).integers(0, SWAP_CONFIG.vocab_size, (2, B, T)).astype(np.int32)
+    for _ in range(2):
+        params, opt_state, loss = train_step(params, opt_state, ids, ids, [None, None])
+    float(loss)
+    jnntile.runtime.wait_all()
+    measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
+    planned = memory.plan(SWAP_CONFIG, B, T, grad_accum_steps=2)
+    assert planned.peak > memory.plan(SWAP_CONFIG, B, T).peak
+    assert planned.peak <= measured <= 1.3 * planned.peak, (planned.peak, measured)
+
+
 def test_planner_verdicts():
     plan = memory.plan(TINY, 2, 64, workers=2)
     peak_mb = plan.peak / 2**20
@@ -291,6 +316,13 @@ def test_memory_cli_says_which_tiles_it_chose(capsys):
     out = capsys.readouterr().out
     assert "automatic tiles shrunk (vocab 4096 -> 2048)" in out and "tiles batch=1 seq=64 embd=128" in out
     assert "vocab=2048" in out and "needs 32 MB of swap" in out
+
+
+def test_memory_cli_plans_one_micro_batch(capsys):
+    assert memory.main(["--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--memory-limit-mb", "1024",
+                        "--grad-accum-steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 2 x seq 64 per micro-batch, 4 micro-batches per step" in out and "kept between micro-batches" in out
 
 
 def test_planner_gpu_verdicts():

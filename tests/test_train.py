@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import rel_err
 
 from jnntile import data as data_mod
 from jnntile import memory
@@ -62,8 +63,8 @@ def test_resume_after_ctrl_c_is_bit_identical(dataset, tmp_path, monkeypatch, ca
 
     make_steps = train_mod.make_steps
 
-    def interrupting_make_steps(graphdef, tx):
-        train_step, eval_step = make_steps(graphdef, tx)
+    def interrupting_make_steps(graphdef, tx, grad_accum_steps):
+        train_step, eval_step = make_steps(graphdef, tx, grad_accum_steps)
         calls = {"n": 0}
 
         def step(*a):
@@ -88,6 +89,30 @@ def test_sgd_without_clipping_and_sequential_data(dataset, tmp_path):
     summary = _run(dataset, tmp_path, "--steps", "3", "--optimizer", "sgd", "--grad-clip", "0", "--eval-interval", "0",
                    "--data-order", "sequential", "--lr", "0.1")
     assert summary["step"] == 3
+
+
+@pytest.mark.parametrize("order", data_mod.BATCH_ORDERS)
+def test_micro_batches_see_the_rows_of_the_whole_batch(dataset, tmp_path, order):
+    common = ["--steps", "3", "--eval-interval", "0", "--samples", "0", "--data-order", order]
+    _run(dataset, tmp_path / "whole", *common, "--batch-size", "4")
+    _run(dataset, tmp_path / "micro", *common, "--batch-size", "2", "--grad-accum-steps", "2")
+    assert rel_err(_losses(tmp_path / "micro"), _losses(tmp_path / "whole")) < 1e-6
+    state = json.loads((tmp_path / "micro" / "ckpt-0000003" / "state.json").read_text())
+    assert state["data_position"] == 3 * 4 * 16
+    args = train_mod.parse_args(["--batch-size", "2", "--grad-accum-steps", "3", "--seq-len", "16",
+                                 "--data-order", order])
+    idx, targets = train_mod.step_batch(data_mod.TokenDataset(dataset), 5, args)
+    whole = data_mod.TokenDataset(dataset).batch(5, 6, 16, order, seed=0)
+    np.testing.assert_array_equal(idx.reshape(6, 16), whole[0])
+    np.testing.assert_array_equal(targets.reshape(6, 16), whole[1])
+
+
+def test_resume_with_micro_batches_is_bit_identical(dataset, tmp_path):
+    common = ["--eval-interval", "0", "--samples", "0", "--grad-accum-steps", "2", "--dropout", "0.1"]
+    _run(dataset, tmp_path / "straight", *common, "--steps", "4")
+    _run(dataset, tmp_path / "resumed", *common, "--steps", "2")
+    _run(dataset, tmp_path / "resumed", *common, "--steps", "4", "--resume")
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
 
 
 def test_export_and_init_from_hugging_face(dataset, tmp_path):
@@ -122,6 +147,7 @@ def test_unknown_preset_is_refused(capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--steps", "0"], "--steps=0 must be positive"),
+    (["--grad-accum-steps", "0"], "--grad-accum-steps=0 must be positive"),
     (["--n-head", "3"], "does not divide"),
     (["--batch-size", "1000", "--seq-len", "512", "--data-order", "sequential"], "fewer than one batch"),
     (["--resume"], "no checkpoint"),
