@@ -556,12 +556,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for disk swap; a subdirectory is created in it and removed at exit")
     parser.add_argument("--swap-size-mb", type=int, default=None,
                         help="disk swap size (default: the runtime's when --swap-dir is given, else no swap)")
+    add_swap_backend_argument(parser)
     parser.add_argument("--gpu-memory-limit-mb", type=int, default=None,
                         help="GPU memory StarPU may use for tiles, per GPU; beyond it tiles go to RAM (default: the "
                              "whole GPU where there is one; `python -m jnntile.memory` plans for this much GPU "
                              "memory even on a machine without one)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--workers", type=int, default=None, help="StarPU CPU workers (default: the runtime's)")
+
+
+def add_swap_backend_argument(parser: argparse.ArgumentParser) -> None:
+    from jnntile.runtime import SWAP_BACKENDS, RuntimeConfig
+
+    parser.add_argument("--swap-backend", choices=sorted(SWAP_BACKENDS), default=None,
+                        help="how tiles go to --swap-dir: unistd_o_direct bypasses the page cache, unistd goes "
+                             f"through it (default: the runtime's, {RuntimeConfig.swap_backend})")
 
 
 def config_from_args(args):
@@ -601,6 +610,8 @@ def runtime_settings(args) -> dict:
         settings["swap_dir"] = args.swap_dir
         if getattr(args, "swap_size_mb", None) is not None:
             settings["swap_size_mb"] = args.swap_size_mb
+        if getattr(args, "swap_backend", None) is not None:
+            settings["swap_backend"] = args.swap_backend
     if getattr(args, "workers", None) is not None:
         settings["workers"] = args.workers
     for name in ("gpu_memory_limit_mb", "cuda_workers", "matmul_precision"):

@@ -33,6 +33,9 @@ MIN_SWAP_MB = 16  # StarPU's disk nodes must be at least this large (it aborts o
 SCHEDULERS = ("eager", "prio", "random", "lws", "ws", "dm", "dmda", "dmdap", "dmdar", "dmdas", "dmdasd",
               "pheft", "peager", "heteroprio")
 PLACEMENTS = {"auto": 0, "cpu": 1, "cuda": 2}
+# StarPU's disk backends for swap: "unistd" goes through the kernel's page cache (which then holds a
+# second copy of the swap, outside RSS); "unistd_o_direct" bypasses it (direct I/O).
+SWAP_BACKENDS = {"unistd": 0, "unistd_o_direct": 1}
 MATMUL_PRECISIONS = ("default", "highest", "tf32")
 
 
@@ -94,6 +97,7 @@ class RuntimeConfig:
     gpu_memory_limit_mb: int = 0  # per GPU; 0: StarPU's default (nearly all of it); beyond it tiles go to RAM
     swap_dir: str | None = None  # where tiles go when RAM is over the limit; None: no swap
     swap_size_mb: int = 16384
+    swap_backend: str = "unistd"
     watchdog_s: float = 120.0  # a wait with no task completing for this long is an error
     # Where tasks of kernels that have a CPU and a CUDA version may run: "auto"
     # (the scheduler decides), "cpu" or "cuda" (tests compare one with the other).
@@ -123,6 +127,8 @@ class RuntimeConfig:
         if self.swap_dir is not None and self.swap_size_mb < MIN_SWAP_MB:
             raise ValueError(f"swap_size_mb={self.swap_size_mb} must be at least {MIN_SWAP_MB} when swap_dir is set "
                              "(StarPU's smallest disk)")
+        if self.swap_backend not in SWAP_BACKENDS:
+            raise ValueError(f"swap_backend={self.swap_backend!r}: use one of {sorted(SWAP_BACKENDS)}")
         if self.watchdog_s <= 0:
             raise ValueError(f"watchdog_s={self.watchdog_s} must be positive")
         if self.placement not in PLACEMENTS:
@@ -187,6 +193,7 @@ def start(**settings) -> None:
         gpu_memory_limit_mb=gpu_limit_mb,
         swap_dir=_config.swap_dir or "",
         swap_size_mb=_config.swap_size_mb if _config.swap_dir else 0,
+        swap_backend=SWAP_BACKENDS[_config.swap_backend],
         watchdog_s=_config.watchdog_s,
         placement=PLACEMENTS[_config.placement],
         tf32=_config.tf32,

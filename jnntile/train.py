@@ -75,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-limit-mb", type=int, help="RAM for tiles; the rest goes to --swap-dir")
     p.add_argument("--swap-dir", help="directory for tiles evicted from RAM")
     p.add_argument("--swap-size-mb", type=int, default=16384)
+    memory.add_swap_backend_argument(p)
     p.add_argument("--gpu-memory-limit-mb", type=int,
                    help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the whole GPU)")
     p.add_argument("--cuda-workers", type=int, help="GPUs to use (default: all; 0: CPU only)")

@@ -224,14 +224,17 @@ def test_automatic_tiles_shrink_to_fit_the_memory_limit(ids_4096, tmp_path):
     common = ["--data", str(ids_4096), "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--steps", "6",
               "--workers", "2", "--eval-interval", "0", "--samples", "0", "--quiet"]
     limit = ["--memory-limit-mb", "8", "--swap-dir", str(tmp_path / "swap")]
-    limited = _cli(*common, *limit, "--out", str(tmp_path / "limited"))
-    assert limited.returncode == 0, limited.stderr
-    assert ("automatic tiles shrunk (vocab 4096 -> 2048): with the default ones a single task (adamw update of a "
-            "wte.weight tile (4096, 128)) needs 8.0 MB" in limited.stdout), limited.stdout
     unlimited = _cli(*common, "--out", str(tmp_path / "unlimited"))
     assert unlimited.returncode == 0, unlimited.stderr
     assert "shrunk" not in unlimited.stdout
-    assert _losses(tmp_path / "limited") == _losses(tmp_path / "unlimited")
+    # With direct I/O too, which moves whole pages only: tiles are padded to pages, and the
+    # kernels' scratch buffers of other sizes stay in RAM (StarPU aborts writing them to disk).
+    for backend in ("unistd", "unistd_o_direct"):
+        limited = _cli(*common, *limit, "--swap-backend", backend, "--out", str(tmp_path / backend))
+        assert limited.returncode == 0, limited.stderr[-3000:]
+        assert ("automatic tiles shrunk (vocab 4096 -> 2048): with the default ones a single task (adamw update of "
+                "a wte.weight tile (4096, 128)) needs 8.0 MB" in limited.stdout), limited.stdout
+        assert _losses(tmp_path / backend) == _losses(tmp_path / "unlimited"), backend
     # Tiles given on the command line are not changed: the step is refused, with tiles that would fit.
     explicit = _cli(*common, *limit, "--tile-vocab", "4096", "--tile-embd", "128", "--out", str(tmp_path / "explicit"))
     assert explicit.returncode == 2
