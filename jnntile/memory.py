@@ -656,6 +656,8 @@ def main(argv=None) -> int:
         memory_plan = plan_from_args(args)
     except ValueError as error:
         parser.error(str(error))
+    from jnntile import runtime
+
     limit, swap_mb, gpu_mb = limits_from_args(args)
     config = memory_plan.config
     print(f"GPT-2 {args.model}: n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} "
@@ -667,6 +669,10 @@ def main(argv=None) -> int:
     swap = f" and {swap_mb} MB of swap" if swap_mb else ""
     verdict = memory_plan.verdict(limit, swap_mb, gpu_mb)
     print(f"{gpu}memory limit {limit} MB{swap}: {verdict}")
+    backend = args.swap_backend or runtime.config().swap_backend
+    if verdict.startswith("needs") and backend == "unistd":
+        print(f"swap backend unistd: the kernel's page cache may also hold up to "
+              f"{memory_plan.swap_needed_mb(limit, gpu_mb)} MB of the swap in RAM (unistd_o_direct bypasses it)")
     return 1 if verdict.startswith("cannot run") else 0
 
 

@@ -180,7 +180,7 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1):
                                       accumulate=grads, scale=scale)(params)
 
     # The micro-batches before the last: compiled twice, without earlier gradients and with them.
-    accumulate = jax.jit(gradients)
+    add_gradients = jax.jit(gradients)
 
     # The last micro-batch and the update in one program: a step without accumulation stays the one
     # program it was, and the update's tasks are submitted right after the last backward's.
@@ -193,7 +193,7 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1):
     def train_step(params, opt_state, idx, targets, dropout_seeds):
         grads, losses = None, []
         for k in range(grad_accum_steps - 1):
-            loss, grads = accumulate(params, grads, idx[k], targets[k], dropout_seeds[k])
+            loss, grads = add_gradients(params, grads, idx[k], targets[k], dropout_seeds[k])
             losses.append(loss)
         params, opt_state, loss = last_and_update(params, opt_state, grads, idx[-1], targets[-1], dropout_seeds[-1])
         losses.append(loss)

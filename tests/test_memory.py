@@ -318,7 +318,10 @@ def test_memory_cli_says_which_tiles_it_chose(capsys):
                         "--memory-limit-mb", "8", "--swap-size-mb", "64", "--workers", "2"]) == 0
     out = capsys.readouterr().out
     assert "automatic tiles shrunk (vocab 4096 -> 2048)" in out and "tiles batch=1 seq=64 embd=128" in out
-    assert "vocab=2048" in out and "needs 32 MB of swap" in out
+    assert "vocab=2048" in out and "needs 32 MB of swap" in out and "page cache" not in out
+    assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
+                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--swap-backend", "unistd"]) == 0
+    assert "swap backend unistd: the kernel's page cache may also hold up to 32 MB" in capsys.readouterr().out
 
 
 def test_memory_cli_plans_one_micro_batch(capsys):
