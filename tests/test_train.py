@@ -99,6 +99,8 @@ def test_micro_batches_see_the_rows_of_the_whole_batch(dataset, tmp_path, order)
     assert rel_err(_losses(tmp_path / "micro"), _losses(tmp_path / "whole")) < 1e-6
     state = json.loads((tmp_path / "micro" / "ckpt-0000003" / "state.json").read_text())
     assert state["data_position"] == 3 * 4 * 16
+    for row in map(json.loads, (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines()):
+        assert row["tokens_per_s"] * row["seconds"] == pytest.approx(4 * 16), "a step's tokens: every micro-batch"
     args = train_mod.parse_args(["--batch-size", "2", "--grad-accum-steps", "3", "--seq-len", "16",
                                  "--data-order", order])
     idx, targets = train_mod.step_batch(data_mod.TokenDataset(dataset), 5, args)
