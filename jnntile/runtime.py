@@ -99,7 +99,7 @@ class RuntimeConfig:
     swap_size_mb: int = 16384
     # Direct I/O by default, so that a run under memory_limit_mb uses about that much RAM. Through the
     # page cache (bench/memory.py, 51M-parameter GPT-2 under a 256 MB limit on a machine with RAM to
-    # spare) steps ran 1.7x faster, but the cache held 1.3 GB of swap: 1.8 GB of RAM in use against
+    # spare) steps ran 1.6-1.7x faster, but the cache held 1.3 GB of swap: 1.8 GB of RAM in use against
     # 0.6 GB, more than the same run without a limit (1.6 GB). Choose "unistd" where RAM is to spare.
     swap_backend: str = "unistd_o_direct"
     watchdog_s: float = 120.0  # a wait with no task completing for this long is an error
