@@ -248,8 +248,10 @@ def describe() -> str:
         gpus = f"{cuda} CUDA worker(s) ({'; '.join(names)}), matmul precision {precision}, "
     elif HAS_CUDA:
         gpus = "no GPU found (StarPU has CUDA), "
+    swap = (f", swap {_config.swap_size_mb} MB in {_config.swap_dir} ({_config.swap_backend})"
+            if _config.swap_dir else "")
     return (f"{gpus}{_config.workers} CPU workers, scheduler {_config.scheduler}, memory limit "
-            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_started_gpu_limit_mb} MB" if cuda else ""))
+            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_started_gpu_limit_mb} MB" if cuda else "") + swap)
 
 
 def blas_core() -> str:

@@ -236,6 +236,7 @@ def test_automatic_tiles_shrink_to_fit_the_memory_limit(ids_4096, tmp_path):
         assert limited.returncode == 0, limited.stderr[-3000:]
         assert ("automatic tiles shrunk (vocab 4096 -> 2048): with the default ones a single task (adamw update of "
                 "a wte.weight tile (4096, 128)) needs 8.0 MB" in limited.stdout), limited.stdout
+        assert f"swap 16384 MB in {tmp_path / 'swap'} ({backend})" in limited.stdout
         assert _losses(tmp_path / backend) == _losses(tmp_path / "unlimited"), backend
     # Tiles given on the command line are not changed: the step is refused, with tiles that would fit.
     explicit = _cli(*common, *limit, "--tile-vocab", "4096", "--tile-embd", "128", "--out", str(tmp_path / "explicit"))
