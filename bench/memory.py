@@ -11,23 +11,30 @@ Every configuration runs in its own subprocess, so its peak RSS (VmHWM from
 (b) tokens/s with the limit and without it, and bytes written to / read from
     swap per step, with and without the invalidation of dead tiles (DESIGN
     invariant 7: backward rules release activations, optimizers consume
-    gradients, gradients start at zero lazily);
+    gradients, gradients start at zero lazily), with each swap backend:
+    unistd (through the page cache) and unistd_o_direct (direct I/O); the
+    page cache the swap files hold at the end (RAM the process uses beyond its
+    RSS), and the I/O floor of a step (its swap bytes at the disk's sequential
+    bandwidth, measured in the same run with direct I/O) next to its time;
 (c) capacity under one RSS budget: the largest GPT-2 the pure-JAX reference
     (models/gpt2_reference.py + optax.adamw, jitted, state donated) trains
     within it, from its measured peak RSS at a few sizes, next to a GPT-2 that
     jnntile trains within the same budget with disk swap (its memory limit is
     the budget minus 640 MB for its fixed overhead).
 
-Swap files go through the page cache, which RSS does not count: the disk
-traffic is real (bytes counted by StarPU's bus counters, equal to the bytes
-the unistd backend writes), but on a machine with free RAM much of it is
-served by the kernel's cache rather than the device.
+With the unistd backend, swap files go through the page cache, which RSS does
+not count: the disk traffic is real (bytes counted by StarPU's bus counters,
+equal to the bytes the backend writes), but on a machine with free RAM much of
+it is served by the kernel's cache rather than the device, and the cache holds
+a second copy of the swap in RAM. unistd_o_direct reads and writes the device.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -36,6 +43,7 @@ import time
 
 MB = 2 ** 20
 CAPACITY_OVERHEAD_MB = 640  # RSS beyond the memory limit allowed for the big model of (c)
+BACKEND_REPEATS = 2  # runs per swap backend in (b)
 
 
 def vmhwm_mb() -> float:
@@ -44,6 +52,65 @@ def vmhwm_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def page_cache_mb(directory) -> float:
+    """MB of the files under `directory` resident in the page cache (mincore on each file)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    page, resident = mmap.PAGESIZE, 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:  # removed meanwhile
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    continue
+                address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if address in (None, ctypes.c_void_p(-1).value):
+                    continue
+                pages = (size + page - 1) // page
+                vector = ctypes.create_string_buffer(pages)
+                if libc.mincore(address, size, vector) == 0:
+                    resident += sum(byte & 1 for byte in vector.raw)
+                libc.munmap(address, size)
+            finally:
+                os.close(fd)
+    return resident * page / MB
+
+
+def disk_bandwidth(directory, size_mb: int, block_mb: int = 8) -> tuple[float, float]:
+    """Sequential (write, read) bandwidth in MB/s of the disk under `directory`, with direct I/O.
+
+    Direct I/O, so that the page cache neither absorbs the writes nor serves
+    the reads; fsync before the write clock stops.
+    """
+    path = os.path.join(directory, "bandwidth-test")
+    block = mmap.mmap(-1, block_mb * MB)  # page-aligned, as O_DIRECT wants
+    block.write(os.urandom(MB) * block_mb)
+    blocks = max(1, size_mb // block_mb)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        started = time.perf_counter()
+        for _ in range(blocks):
+            os.write(fd, block)
+        os.fsync(fd)
+        write_s = time.perf_counter() - started
+        os.lseek(fd, 0, os.SEEK_SET)
+        started = time.perf_counter()
+        for _ in range(blocks):
+            os.readv(fd, [block])
+        read_s = time.perf_counter() - started
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return blocks * block_mb / write_s, blocks * block_mb / read_s
 
 
 def _config(spec):
@@ -76,7 +143,8 @@ def worker_jnntile(spec) -> dict:
     B, T, steps = spec["batch"], spec["seq"], spec["steps"]
     settings = dict(memory_limit_mb=spec["limit_mb"], watchdog_s=300)
     if spec.get("swap_mb"):
-        settings.update(swap_dir=spec["swap_dir"], swap_size_mb=spec["swap_mb"])
+        settings.update(swap_dir=spec["swap_dir"], swap_size_mb=spec["swap_mb"],
+                        swap_backend=spec.get("swap_backend", jnntile.runtime.config().swap_backend))
     jnntile.runtime.start(**settings)
     plan = memory.plan(config, B, T)
     verdict = plan.check(spec["limit_mb"], spec.get("swap_mb", 0))
@@ -112,6 +180,9 @@ def worker_jnntile(spec) -> dict:
         written.append(after.get("RAM->DISK", 0) - before.get("RAM->DISK", 0))
         read.append(after.get("DISK->RAM", 0) - before.get("DISK->RAM", 0))
     nodes = {n["kind"]: n for n in jnntile.runtime.stats()["nodes"]}
+    own_swap = [os.path.join(spec["swap_dir"], d) for d in os.listdir(spec["swap_dir"])
+                if d.startswith(f"jnntile-swap-{os.getpid()}-")] if spec.get("swap_mb") else []
+    cached_mb = sum(page_cache_mb(d) for d in own_swap)
     steady = slice(1, None) if steps > 1 else slice(None)  # the first step compiles
     return dict(losses=losses, step_s=times, init_s=init_s,
                 tokens_per_s=B * T * len(times[steady]) / sum(times[steady]),
@@ -120,7 +191,8 @@ def worker_jnntile(spec) -> dict:
                 starpu_peak_mb=nodes["RAM"]["peak_used_bytes"] / MB,
                 disk_peak_mb=nodes["DISK"]["peak_used_bytes"] / MB if "DISK" in nodes else 0.0,
                 plan_peak_mb=plan.peak / MB, plan_state_mb=plan.state / MB, verdict=verdict,
-                n_params=plan.n_params, vmhwm_mb=vmhwm_mb())
+                n_params=plan.n_params, vmhwm_mb=vmhwm_mb(), page_cache_mb=cached_mb,
+                swap_backend=jnntile.runtime.config().swap_backend if spec.get("swap_mb") else None)
 
 
 def worker_reference(spec) -> dict:
@@ -185,6 +257,8 @@ def main():
     parser.add_argument("--capacity-limit-mb", type=int, default=None,
                         help=f"jnntile's memory limit in (c) (default: the budget - {CAPACITY_OVERHEAD_MB})")
     parser.add_argument("--skip-capacity", action="store_true")
+    parser.add_argument("--disk-test-mb", type=int, default=1024,
+                        help="size of the file that measures the disk's sequential bandwidth")
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.worker)
@@ -203,7 +277,10 @@ def main():
     else:
         B, T, limit, steps = 4, 128, args.limit_mb or 256, 5
         model = gpt2_config(8, 512, 8)  # 51M parameters: 0.8 GB of parameters, gradients and AdamW state
-    overhead = table_ab(model, B, T, limit, steps, swap_dir)
+    bandwidth = disk_bandwidth(swap_dir, args.disk_test_mb)
+    _log(f"disk under {args.swap_dir}: sequential write {bandwidth[0]:.0f} MB/s, read {bandwidth[1]:.0f} MB/s "
+         f"(direct I/O, {args.disk_test_mb} MB in 8 MB blocks)\n")
+    overhead = table_ab(model, B, T, limit, steps, swap_dir, bandwidth)
     if not args.skip_capacity:
         capacity(args, overhead, swap_dir)
     _log(f"\nbench wall time {time.perf_counter() - bench_started:.0f} s")
@@ -213,10 +290,14 @@ def main():
         pass
 
 
-def table_ab(model, B, T, limit, steps, swap_dir) -> float:
-    """(a) and (b): one model with and without a limit; returns the fixed RSS overhead seen."""
+def table_ab(model, B, T, limit, steps, swap_dir, bandwidth) -> float:
+    """(a) and (b): one model with and without a limit; returns the fixed RSS overhead seen.
+
+    `bandwidth`: the disk's sequential (write, read) MB/s, for the I/O floor of a step.
+    """
     from jnntile import memory
     from jnntile.models.config import GPT2Config
+    from jnntile.runtime import SWAP_BACKENDS, RuntimeConfig
 
     plan = memory.plan(GPT2Config(**model), B, T, workers=2)
     swap_mb = plan.swap_needed_mb(limit) + 256
@@ -225,25 +306,31 @@ def table_ab(model, B, T, limit, steps, swap_dir) -> float:
          f"= {plan.state / MB / limit:.1f}x the {limit} MB limit; activations {plan.activations / MB:.0f} MB; "
          f"batch {B} x {T} tokens, {steps} steps (the first compiles and is left out of tokens/s and MB/step)")
     base = dict(kind="jnntile", config=model, batch=B, seq=T, steps=steps, swap_dir=swap_dir)
-    runs = {"no limit": dict(base, limit_mb=16384),
-            f"{limit} MB + swap": dict(base, limit_mb=limit, swap_mb=swap_mb),
-            f"{limit} MB + swap, no invalidation": dict(base, limit_mb=limit, swap_mb=swap_mb, release=False)}
+    default = RuntimeConfig.swap_backend
+    runs = {"no limit": dict(base, limit_mb=16384)}
+    for repeat in range(1, BACKEND_REPEATS + 1):  # alternating, so that a slow phase of the machine hits both
+        for backend in sorted(SWAP_BACKENDS):
+            runs[f"{limit} MB + swap, {backend} #{repeat}"] = dict(base, limit_mb=limit, swap_mb=swap_mb,
+                                                                    swap_backend=backend)
+    runs[f"{limit} MB + swap, {default}, no invalidation"] = dict(base, limit_mb=limit, swap_mb=swap_mb,
+                                                                  release=False)
     if not plan.verdict(limit // 2, swap_mb).startswith("cannot"):
-        runs[f"{limit // 2} MB + swap"] = dict(base, limit_mb=limit // 2, swap_mb=swap_mb)
+        runs[f"{limit // 2} MB + swap, {default}"] = dict(base, limit_mb=limit // 2, swap_mb=swap_mb)
     results = {}
     for name, spec in runs.items():
         results[name] = run(spec)
         _log(f"  ran {name!r} in {results[name]['wall_s']:.0f} s" +
              (f": {results[name]['error']}" if "error" in results[name] else ""))
     reference = results["no limit"]
-    _log(f"\n{'run':<34} {'peak RSS':>8} {'limit':>6} {'RSS-limit':>9} {'StarPU':>7} {'planner':>8} "
+    width = max(len(name) for name in runs)
+    _log(f"\n{'run':<{width}} {'peak RSS':>8} {'limit':>6} {'RSS-limit':>9} {'StarPU':>7} {'planner':>8} "
          f"{'tokens/s':>8} {'x':>5} {'to swap':>8} {'from swap':>9}  losses")
-    _log(f"{'':<34} {'MB':>8} {'MB':>6} {'MB':>9} {'peak MB':>7} {'peak MB':>8} {'':>8} {'':>5} {'MB/step':>8} "
+    _log(f"{'':<{width}} {'MB':>8} {'MB':>6} {'MB':>9} {'peak MB':>7} {'peak MB':>8} {'':>8} {'':>5} {'MB/step':>8} "
          f"{'MB/step':>9}")
     overheads = []
     for name, r in results.items():
         if "error" in r:
-            _log(f"{name:<34} failed: {r['error']}")
+            _log(f"{name:<{width}} failed: {r['error']}")
             continue
         spec = runs[name]
         limited = spec["limit_mb"] < 16384
@@ -257,7 +344,7 @@ def table_ab(model, B, T, limit, steps, swap_dir) -> float:
         if limited:
             overheads.append(r["vmhwm_mb"] - spec["limit_mb"])
         speed = r["tokens_per_s"] / reference["tokens_per_s"] if "tokens_per_s" in reference else float("nan")
-        _log(f"{name:<34} {r['vmhwm_mb']:8.0f} {spec['limit_mb'] if limited else '-':>6} "
+        _log(f"{name:<{width}} {r['vmhwm_mb']:8.0f} {spec['limit_mb'] if limited else '-':>6} "
              f"{r['vmhwm_mb'] - spec['limit_mb'] if limited else float('nan'):9.0f} {r['starpu_peak_mb']:7.0f} "
              f"{r['plan_peak_mb']:8.0f} {r['tokens_per_s']:8.0f} {speed:5.2f} {r['written_mb']:8.1f} "
              f"{r['read_mb']:9.1f}  {same}")
@@ -267,7 +354,54 @@ def table_ab(model, B, T, limit, steps, swap_dir) -> float:
         _log(f"losses: {', '.join(f'{x:.6f}' for x in reference['losses'])}")
     overhead = max(overheads) if overheads else float("nan")
     _log(f"fixed overhead (peak RSS - limit, the most over the limited runs): {overhead:.0f} MB")
+    io_table(results, runs, width, bandwidth)
+    backend_summary(results, runs)
     return overhead
+
+
+def backend_summary(results, runs):
+    """Tokens/s, swap MB per step, peak RSS and page cache of each swap backend (median over its runs)."""
+    import statistics
+
+    by_backend = {}
+    for name, r in results.items():
+        if "error" not in r and runs[name].get("swap_backend"):
+            by_backend.setdefault(runs[name]["swap_backend"], []).append(r)
+    if len(by_backend) < 2:
+        return
+    _log(f"\nswap backends, median of {BACKEND_REPEATS} alternating runs each (this machine is shared: compare "
+         "within this run):")
+    medians = {}
+    for backend, rs in sorted(by_backend.items()):
+        median = {key: statistics.median(r[key] for r in rs)
+                  for key in ("tokens_per_s", "written_mb", "read_mb", "vmhwm_mb", "page_cache_mb")}
+        medians[backend] = median
+        each = ", ".join(f"{r['tokens_per_s']:.0f}" for r in rs)
+        _log(f"  {backend:<16} {median['tokens_per_s']:7.0f} tokens/s ({each}), "
+             f"{median['written_mb']:.0f} MB to and {median['read_mb']:.0f} MB from swap per step, peak RSS "
+             f"{median['vmhwm_mb']:.0f} MB, page cache of the swap {median['page_cache_mb']:.0f} MB")
+    unistd, direct = medians.get("unistd"), medians.get("unistd_o_direct")
+    if unistd and direct:
+        _log(f"  unistd_o_direct / unistd tokens/s: {direct['tokens_per_s'] / unistd['tokens_per_s']:.2f}; RAM in "
+             f"use (peak RSS + page cache): {direct['vmhwm_mb'] + direct['page_cache_mb']:.0f} vs "
+             f"{unistd['vmhwm_mb'] + unistd['page_cache_mb']:.0f} MB")
+
+
+def io_table(results, runs, width, bandwidth):
+    """Per limited run: step time against the I/O floor, and the page cache the swap files hold."""
+    write_bw, read_bw = bandwidth
+    _log(f"\n{'run':<{width}} {'s/step':>7} {'I/O floor':>9} {'step /':>6} {'to+from':>8} {'page cache':>10}")
+    _log(f"{'':<{width}} {'':>7} {'s/step':>9} {'floor':>6} {'MB/s':>8} {'MB':>10}")
+    for name, r in results.items():
+        if "error" in r or not runs[name].get("swap_mb"):
+            continue
+        step_s = sum(r["step_s"][1:]) / max(1, len(r["step_s"]) - 1)  # the first step compiles
+        floor_s = r["written_mb"] / write_bw + r["read_mb"] / read_bw
+        _log(f"{name:<{width}} {step_s:7.2f} {floor_s:9.2f} {step_s / floor_s if floor_s else float('nan'):6.1f} "
+             f"{(r['written_mb'] + r['read_mb']) / step_s:8.0f} {r['page_cache_mb']:10.0f}")
+    _log("I/O floor: a step's swap bytes at the disk's sequential bandwidth (StarPU moves one tile at a time, so "
+         "this is a lower bound); page cache: the swap files' pages resident in RAM after the last step (RAM used "
+         "beyond the process's RSS; none with direct I/O)")
 
 
 def capacity(args, overhead, swap_dir):

@@ -40,7 +40,9 @@ def jnntile_step(config: GPT2Config, batch_size: int, seq_len: int):
     train_step, _ = make_steps(graphdef, tx)
 
     def step() -> float:
-        state["params"], state["opt"], loss = train_step(state["params"], state["opt"], idx, targets, None)
+        # One micro-batch per step: ids shaped (1, B, T), one dropout seed (none).
+        state["params"], state["opt"], loss = train_step(state["params"], state["opt"], idx[None], targets[None],
+                                                         [None])
         return float(loss)
 
     step.model = model

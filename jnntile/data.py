@@ -368,6 +368,23 @@ def ensure_default_dataset(
 # --------------------------------------------------------------------------
 
 
+# How much of a file `_looks_like_text` reads.
+_TEXT_SNIFF_BYTES = 1 << 16
+
+
+def _looks_like_text(path: Path) -> bool:
+    """Whether the start of `path` is text: no NUL and hardly any other control bytes.
+
+    Read as uint16 token ids, text would train on garbage without any error. A
+    token file is full of such bytes: every id below 8192 (the most frequent
+    tokens of any BPE vocabulary) has a high byte of 0..31.
+    """
+    with open(path, "rb") as f:
+        head = f.read(_TEXT_SNIFF_BYTES)
+    controls = sum(1 for byte in head if byte < 32 and byte not in b"\t\n\r\f")
+    return b"\x00" not in head and controls <= len(head) // 100
+
+
 class TokenDataset:
     """A uint16 token file (memory-mapped) and, if one is beside it, its tokenizer.
 
@@ -389,6 +406,11 @@ class TokenDataset:
         size = path.stat().st_size
         if size == 0:
             raise ValueError(f"token file {path} is empty (0 bytes); prepare it again with `python -m jnntile.data`")
+        if _looks_like_text(path):
+            raise ValueError(
+                f"{path} looks like text, not a token file (raw uint16 token ids): tokenize it first with "
+                f"`python -m jnntile.data {path} --out DIR`, then pass the directory DIR (or DIR/{TRAIN_FILE})"
+            )
         if size % itemsize:
             raise ValueError(
                 f"token file {path} has {size} bytes, not a multiple of {itemsize}: it is not a raw uint16 "

@@ -56,8 +56,40 @@ def _fill_untouched(g):
     return g.with_token(call("fill", [grad], [g.token], value=0.0, writes=[grad]))
 
 
+def _continue_from(tree, previous):
+    """`tree` (arguments) ready to add to their gradients `previous`, from an earlier differentiation.
+
+    Checks that every Tensor's gradient still holds values; orders each first
+    backward use of a gradient after `previous`'s token (DESIGN invariant 2)
+    and each Tensor's use after it too, so that the next micro-batch starts
+    when the last one's gradients are done and one micro-batch of activations
+    is alive at a time.
+    """
+    def link(x, g):
+        if not _is_tensor(x):
+            return x
+        if not _is_tensor(g) or g.id != x.id:
+            raise ValueError(f"accumulate: expected the gradient of {x!r} from an earlier jnntile.value_and_grad "
+                             f"of the same arguments, got {g!r}")
+        grad = x.handle.grad
+        if grad is None or not x.handle.grad_zeroed or grad.invalidated:
+            raise ValueError(f"accumulate: the gradient of {x!r} holds nothing (never computed, or consumed by a "
+                             "jnntile.optim update, which invalidates gradients): accumulate before the update, "
+                             "starting from the gradients of a call without accumulate")
+        _ffi.record(g.token, grad)
+        return x.with_token(_ffi.join(x.token, g.token))
+
+    try:
+        return jax.tree.map(link, tree, previous, is_leaf=_is_tensor)
+    except ValueError as error:
+        if str(error).startswith("accumulate:"):
+            raise
+        raise ValueError(f"accumulate: the gradients given do not match the differentiated arguments ({error})") \
+            from error
+
+
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
-                   keep_activations: bool = False):
+                   keep_activations: bool = False, accumulate=None, scale=1.0):
     """Like `jax.value_and_grad`; gradients of Tensor arguments come back as Tensors.
 
     Activations (outputs of ops inside `fun`), their gradients and the ops'
@@ -66,36 +98,57 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     swap. Reading one afterwards (an output returned as aux, or `grad_of` an
     activation) raises an error; read it inside `fun` (e.g. `jnntile.to_array`
     in the aux output), or pass `keep_activations=True` to keep them all.
+
+    Gradient accumulation: `accumulate` takes the gradients an earlier call
+    returned for the same arguments (before any optimizer update consumed
+    them); this call adds its gradients into the same tiles instead of
+    starting them at zero, and returns the sums. `scale` multiplies the
+    cotangent of `fun`'s value (a float or a JAX scalar): with `scale=1/n` the
+    sum over n micro-batches is the gradient of their mean loss. The value
+    returned is `fun`'s, unscaled.
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
-    def scalar_fun(*args, **kwargs):
-        # A scalar Tensor result is read back so JAX sees a scalar array.
+    def scaled_fun(*args, **kwargs):
+        # A scalar Tensor result is read back so JAX sees a scalar array; the
+        # differentiated output is value * scale, the value itself rides as aux.
         out = fun(*args, **kwargs)
         value = out[0] if has_aux else out
         if _is_tensor(value):
             value = tensor_mod.to_array(value)
-        return (value, out[1]) if has_aux else value
+        return value * scale, (value, out[1] if has_aux else None)
 
-    differentiated = jax.value_and_grad(scalar_fun, argnums=argnums, has_aux=has_aux)
+    differentiated = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
 
     def wrapped(*args, **kwargs):
         with _ffi.step_scope(keep_activations):
             args = list(args)
-            for i in nums:
-                args[i] = zero_grads(args[i])
-            value, grads = differentiated(*args, **kwargs)
+            if accumulate is None:
+                for i in nums:
+                    args[i] = zero_grads(args[i])
+            else:
+                previous = (accumulate,) if isinstance(argnums, int) else tuple(accumulate)
+                if len(previous) != len(nums):
+                    raise ValueError(f"accumulate: {len(previous)} gradient trees for {len(nums)} arguments")
+                for i, g in zip(nums, previous):
+                    args[i] = _continue_from(args[i], g)
+            (_, (value, aux)), grads = differentiated(*args, **kwargs)
             grads = jax.tree.map(_fill_untouched, grads, is_leaf=_is_tensor)
-        return value, jax.tree.map(lambda g: tensor_mod.Gradient(g.token, g.handle) if _is_tensor(g) else g,
-                                   grads, is_leaf=_is_tensor)
+            if accumulate is not None:  # an argument nobody used this time: its gradient is the earlier sum
+                grads = jax.tree.map(lambda g, p: g.with_token(_ffi.join(g.token, p.token)) if _is_tensor(g) else g,
+                                     grads, previous[0] if isinstance(argnums, int) else previous,
+                                     is_leaf=_is_tensor)
+        grads = jax.tree.map(lambda g: tensor_mod.Gradient(g.token, g.handle) if _is_tensor(g) else g,
+                             grads, is_leaf=_is_tensor)
+        return ((value, aux) if has_aux else value), grads
 
     return wrapped
 
 
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
-         keep_activations: bool = False):
+         keep_activations: bool = False, accumulate=None, scale=1.0):
     """Like `jax.grad`; gradients of Tensor arguments come back as Tensors (see `value_and_grad`)."""
-    vg = value_and_grad(fun, argnums, has_aux, keep_activations=keep_activations)
+    vg = value_and_grad(fun, argnums, has_aux, keep_activations=keep_activations, accumulate=accumulate, scale=scale)
 
     def wrapped(*args, **kwargs):
         value, grads = vg(*args, **kwargs)

@@ -19,7 +19,9 @@ StarPU keeps disk copies of the tiles it reads back (RAM caches the swap). Indep
 task needs all its tiles in RAM while it runs, and each worker runs one task
 at a time, so `workers x` the largest task must fit under the limit whatever
 the swap (a measured fact: two 7.3 MB tasks under a 10 MB limit hang, and the
-watchdog reports it).
+watchdog reports it). `fit_tiles` shrinks the automatic tile sizes until
+that holds (and, with a GPU, until a CUDA worker's tasks fit its memory);
+`python -m jnntile.train` and this module's command line use it.
 
 `python -m jnntile.memory --model gpt2 --batch-size 8 --seq-len 1024
 --memory-limit-mb 4096` prints the table and the verdict.
@@ -237,6 +239,8 @@ class MemoryPlan:
     largest_task: int
     largest_task_name: str
     config: object = None
+    grad_accum_steps: int = 1  # micro-batches of (batch_size, seq_len) per step
+    tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
 
     @property
     def state(self) -> int:
@@ -269,28 +273,41 @@ class MemoryPlan:
 
         return max(MIN_SWAP_MB, math.ceil(1.1 * host / MB))
 
-    def _task_problem(self, memory_limit_mb: float) -> str | None:
+    def _task_reason(self, memory_limit_mb: float) -> str | None:
+        """Why the tasks running at once do not fit in RAM, or None when they do."""
         if self.concurrent_tasks <= memory_limit_mb * MB:
             return None
-        task_mb = self.largest_task / MB
         running = (f" and {self.workers} workers run {self.workers} such tasks at once "
                    f"({self.concurrent_tasks / MB:.1f} MB)" if self.workers > 1 else "")
-        hint = self.suggest_tiles(memory_limit_mb)
-        fewer = " or fewer workers" if self.workers > 1 and self.largest_task <= memory_limit_mb * MB else ""
-        return (f"cannot run: a single task ({self.largest_task_name}) needs {task_mb:.1f} MB{running}, more than "
-                f"the memory limit of {memory_limit_mb:g} MB; use smaller tiles{', e.g. ' + hint if hint else ''}"
-                f"{fewer}")
+        return (f"a single task ({self.largest_task_name}) needs {self.largest_task / MB:.1f} MB{running}, more than "
+                f"the memory limit of {memory_limit_mb:g} MB")
 
-    def _gpu_task_problem(self, gpu_mb: float) -> str | None:
+    def _gpu_task_reason(self, gpu_mb: float) -> str | None:
+        """Why one CUDA worker's tasks do not fit in GPU memory, or None when they do (or there is no GPU)."""
         # A CUDA worker keeps GPU_TASKS_IN_FLIGHT tasks' tiles on the GPU at once (StarPU's pipeline).
         need = GPU_TASKS_IN_FLIGHT * self.largest_task
         if not gpu_mb or need <= gpu_mb * MB:
             return None
-        hint = self.suggest_tiles(gpu_mb / GPU_TASKS_IN_FLIGHT * self.workers)
-        return (f"cannot run: a single task ({self.largest_task_name}) needs {self.largest_task / MB:.1f} MB and a "
-                f"CUDA worker holds {GPU_TASKS_IN_FLIGHT} tasks' tiles at once ({need / MB:.1f} MB), more than the "
-                f"GPU memory limit of {gpu_mb:g} MB; use smaller tiles{', e.g. ' + hint if hint else ''} or raise "
-                "--gpu-memory-limit-mb")
+        return (f"a single task ({self.largest_task_name}) needs {self.largest_task / MB:.1f} MB and a CUDA worker "
+                f"holds {GPU_TASKS_IN_FLIGHT} tasks' tiles at once ({need / MB:.1f} MB), more than the GPU memory "
+                f"limit of {gpu_mb:g} MB")
+
+    def task_fit_problem(self, memory_limit_mb: float, gpu_mb: float = 0) -> str | None:
+        """Why the largest tasks do not fit under the RAM or GPU limit (None when they do): smaller tiles help."""
+        return self._task_reason(memory_limit_mb) or self._gpu_task_reason(gpu_mb)
+
+    def _task_problem(self, memory_limit_mb: float, gpu_mb: float) -> str | None:
+        reason = self._task_reason(memory_limit_mb)
+        if reason:
+            hint = self.suggest_tiles(memory_limit_mb, gpu_mb)
+            fewer = " or fewer workers" if self.workers > 1 and self.largest_task <= memory_limit_mb * MB else ""
+            return f"cannot run: {reason}; use smaller tiles{', e.g. ' + hint if hint else ''}{fewer}"
+        reason = self._gpu_task_reason(gpu_mb)
+        if reason:
+            hint = self.suggest_tiles(memory_limit_mb, gpu_mb)
+            return (f"cannot run: {reason}; use smaller tiles{', e.g. ' + hint if hint else ''} or raise "
+                    "--gpu-memory-limit-mb")
+        return None
 
     def verdict(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0) -> str:
         """A short sentence: "fits in RAM", "needs N MB of swap" or "cannot run: ...".
@@ -299,7 +316,7 @@ class MemoryPlan:
         GPU", "fits on the GPU and N MB of host RAM", or the host verdicts for
         what the GPU cannot hold.
         """
-        problem = self._task_problem(memory_limit_mb) or self._gpu_task_problem(gpu_mb)
+        problem = self._task_problem(memory_limit_mb, gpu_mb)
         if problem:
             return problem
         host_mb = math.ceil(self.host_bytes(gpu_mb) / MB)
@@ -327,19 +344,28 @@ class MemoryPlan:
                                   "--memory-limit-mb")
         return text
 
-    def suggest_tiles(self, memory_limit_mb: float) -> str:
-        """Flags with smaller tiles under which every worker's task fits, e.g. "--tile-vocab 2048"."""
-        if self.config is None:
-            return ""
-        current = dataclasses.asdict(self.tiles)
-        tiles = dict(current)
+    def task_bytes_target(self, memory_limit_mb: float, gpu_mb: float = 0) -> float:
+        """The most bytes one task may need: every worker runs one task at once in RAM, and a CUDA worker
+        holds GPU_TASKS_IN_FLIGHT tasks on the GPU."""
         target = memory_limit_mb * MB / self.workers
-        for _ in range(64):
+        return min(target, gpu_mb * MB / GPU_TASKS_IN_FLIGHT) if gpu_mb else target
+
+    def smaller_tiles(self, memory_limit_mb: float, gpu_mb: float = 0, axes=_TILE_AXES) -> dict | None:
+        """Tile sizes (axis -> size, all axes) under which every task fits the limits, shrinking only `axes`.
+
+        Halves, one at a time, the axis whose halving shrinks the largest task the
+        most, down to _MIN_TILE. None when that cannot make it fit.
+        """
+        if self.config is None:
+            return None
+        target = self.task_bytes_target(memory_limit_mb, gpu_mb)
+        tiles = dataclasses.asdict(self.tiles)
+        while True:
             size = _largest_task(self.config, self.batch_size, self.seq_len, tiles, self.optimizer)[0]
             if size <= target:
-                break
+                return tiles
             best = None
-            for axis in _TILE_AXES:
+            for axis in axes:
                 if tiles[axis] // 2 < _MIN_TILE[axis]:
                     continue
                 trial = dict(tiles, **{axis: tiles[axis] // 2})
@@ -347,18 +373,23 @@ class MemoryPlan:
                 if trial_size < size and (best is None or trial_size < best[1]):
                     best = (axis, trial_size)
             if best is None:
-                return ""
+                return None
             tiles[best[0]] //= 2
-        else:
+
+    def suggest_tiles(self, memory_limit_mb: float, gpu_mb: float = 0) -> str:
+        """Flags with smaller tiles under which every task fits the limits, e.g. "--tile-vocab 2048"."""
+        tiles = self.smaller_tiles(memory_limit_mb, gpu_mb)
+        if tiles is None:
             return ""
-        changed = [f"--tile-{axis} {tiles[axis]}" for axis in _TILE_AXES if tiles[axis] != current[axis]]
-        return " ".join(changed)
+        current = dataclasses.asdict(self.tiles)
+        return " ".join(f"--tile-{axis} {tiles[axis]}" for axis in _TILE_AXES if tiles[axis] != current[axis])
 
     def rows(self) -> list[tuple[str, float, str]]:
         """(what, MB, note) rows of the table."""
         return [
             ("parameters", self.parameters / MB, f"{self.n_params:,} float32"),
-            ("gradients", self.gradients / MB, "freed by the optimizer update"),
+            ("gradients", self.gradients / MB, "freed by the optimizer update" + (
+                ", kept between micro-batches" if self.grad_accum_steps > 1 else "")),
             ("optimizer state", self.optimizer_state / MB, self.optimizer),
             ("token ids", self.inputs / MB, "idx, targets, positions"),
             ("activations kept for backward", self.activations / MB, "incl. layer-norm/attention/loss residuals"),
@@ -370,8 +401,10 @@ class MemoryPlan:
 
     def table(self) -> str:
         t = self.tiles
-        lines = [f"batch {self.batch_size} x seq {self.seq_len}; tiles batch={t.batch} seq={t.seq} embd={t.embd} "
-                 f"heads={t.heads} hidden={t.hidden} vocab={t.vocab}"]
+        micro = (f" per micro-batch, {self.grad_accum_steps} micro-batches per step adding to the same gradients"
+                 if self.grad_accum_steps > 1 else "")
+        lines = [f"batch {self.batch_size} x seq {self.seq_len}{micro}; tiles batch={t.batch} seq={t.seq} "
+                 f"embd={t.embd} heads={t.heads} hidden={t.hidden} vocab={t.vocab}"]
         for what, mb, note in self.rows():
             lines.append(f"  {what:<32} {mb:>12,.1f} MB   {note}")
         return "\n".join(lines)
@@ -400,10 +433,16 @@ def _tile_str(t: _T) -> str:
     return "(" + ", ".join(str(min(a, n)) for a, n in zip(t.tile, t.shape)) + ")"
 
 
-def _simulate(step: _Step, optimizer: str):
-    """Walks the step's timeline; returns (activations, activation-gradient peak, peak, phase)."""
+def _simulate(step: _Step, optimizer: str, accumulating: bool = False):
+    """Walks the step's timeline; returns (activations, activation-gradient peak, peak, phase).
+
+    `accumulating`: a micro-batch after the first of a step, whose parameter
+    gradients hold the earlier micro-batches' sum from the start (the first
+    starts them lazily, as a step without accumulation does).
+    """
     n_state = OPTIMIZER_STATES[optimizer]
-    base = sum(p.nbytes for p in step.params) * (1 + n_state) + sum(t.nbytes for t in step.inputs)
+    params = sum(p.nbytes for p in step.params)
+    base = params * (1 + n_state + accumulating) + sum(t.nbytes for t in step.inputs)
     live = 0  # activations, residuals, and gradients allocated so far
     peak, phase = base, "start"
     for op in step.ops:  # forward
@@ -411,7 +450,7 @@ def _simulate(step: _Step, optimizer: str):
         if base + live > peak:
             peak, phase = base + live, "end of forward"
     activations = live
-    grads: set = set()
+    grads = {p.name for p in step.params} if accumulating else set()
     act_grad_live = act_grad_peak = 0
     for op in reversed(step.ops):  # backward: the op's tasks need its inputs' and outputs' gradients
         for t in op.inputs + op.outputs:
@@ -436,11 +475,15 @@ def _simulate(step: _Step, optimizer: str):
     return activations, act_grad_peak, peak, phase
 
 
-def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None) -> MemoryPlan:
+def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None,
+         grad_accum_steps: int = 1) -> MemoryPlan:
     """The memory plan of one training step of `models.gpt2.GPT2(config)` on (batch_size, seq_len) tokens.
 
     Tile sizes are the config's (or the automatic ones), as `resolve_tiles`
-    gives them; `workers` defaults to the runtime's.
+    gives them; `workers` defaults to the runtime's. With `grad_accum_steps`
+    > 1 a step is that many micro-batches of (batch_size, seq_len): the plan is
+    the one of a micro-batch that adds to gradients already there (the state
+    is the same, activations are one micro-batch's).
     """
     from jnntile.models.gpt2 import resolve_tiles
 
@@ -455,14 +498,41 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
     tiles = resolve_tiles(config, batch_size, seq_len)
     step = _step_for(config, batch_size, seq_len, tiles)
     params = sum(p.nbytes for p in step.params)
-    activations, act_grads, peak, phase = _simulate(step, optimizer)
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps} must be at least 1")
+    activations, act_grads, peak, phase = _simulate(step, optimizer, accumulating=grad_accum_steps > 1)
     largest, largest_name = _largest_of(step, optimizer)
     return MemoryPlan(
         batch_size=batch_size, seq_len=seq_len, tiles=tiles, optimizer=optimizer, workers=workers,
         n_params=params // F32, parameters=params, gradients=params,
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
-        largest_task=largest, largest_task_name=largest_name, config=config)
+        largest_task=largest, largest_task_name=largest_name, config=config, grad_accum_steps=grad_accum_steps)
+
+
+def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,
+              optimizer: str = "adamw", workers: int | None = None):
+    """`config` with its automatic tile sizes shrunk where the largest tasks would not fit the limits.
+
+    Returns (config, note). The note says which tiles were chosen and why, and
+    is "" when the automatic tiles fit. Tile sizes the config sets (--tile-*
+    flags) never change: when shrinking the automatic ones cannot make every
+    task fit, the config comes back as it was and `plan(...).check` refuses it
+    with a suggestion.
+    """
+    memory_plan = plan(config, batch_size, seq_len, optimizer, workers)
+    problem = memory_plan.task_fit_problem(memory_limit_mb, gpu_mb)
+    if problem is None:
+        return config, ""
+    automatic = tuple(axis for axis in _TILE_AXES if getattr(config, f"tile_{axis}") is None)
+    tiles = memory_plan.smaller_tiles(memory_limit_mb, gpu_mb, automatic)
+    if tiles is None:
+        return config, ""
+    before = dataclasses.asdict(memory_plan.tiles)
+    changed = {axis: tiles[axis] for axis in automatic if tiles[axis] != before[axis]}
+    fitted = dataclasses.replace(config, **{f"tile_{axis}": size for axis, size in changed.items()})
+    shrunk = ", ".join(f"{axis} {before[axis]} -> {size}" for axis, size in changed.items())
+    return fitted, f"automatic tiles shrunk ({shrunk}): with the default ones {problem}"
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -478,6 +548,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=None, help="override the preset")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's n_positions")
+    parser.add_argument("--grad-accum-steps", type=int, default=1,
+                        help="micro-batches of --batch-size per step (gradient accumulation)")
     for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab"):
         parser.add_argument(f"--tile-{axis}", type=int, default=None, help="tile size (default: automatic)")
     parser.add_argument("--memory-limit-mb", type=int, default=None,
@@ -486,12 +558,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for disk swap; a subdirectory is created in it and removed at exit")
     parser.add_argument("--swap-size-mb", type=int, default=None,
                         help="disk swap size (default: the runtime's when --swap-dir is given, else no swap)")
+    add_swap_backend_argument(parser)
     parser.add_argument("--gpu-memory-limit-mb", type=int, default=None,
                         help="GPU memory StarPU may use for tiles, per GPU; beyond it tiles go to RAM (default: the "
                              "whole GPU where there is one; `python -m jnntile.memory` plans for this much GPU "
                              "memory even on a machine without one)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--workers", type=int, default=None, help="StarPU CPU workers (default: the runtime's)")
+
+
+def add_swap_backend_argument(parser: argparse.ArgumentParser) -> None:
+    from jnntile.runtime import SWAP_BACKENDS, RuntimeConfig
+
+    parser.add_argument("--swap-backend", choices=sorted(SWAP_BACKENDS), default=None,
+                        help="how tiles go to --swap-dir: unistd_o_direct bypasses the page cache, unistd goes "
+                             f"through it (default: the runtime's, {RuntimeConfig.swap_backend})")
 
 
 def config_from_args(args):
@@ -511,9 +592,15 @@ def config_from_args(args):
 
 
 def plan_from_args(args) -> MemoryPlan:
+    """The plan of the step the flags describe, automatic tiles fitted to the limits (see `fit_tiles`)."""
     config = config_from_args(args)
     seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.n_positions
-    return plan(config, args.batch_size, seq_len, getattr(args, "optimizer", "adamw"), getattr(args, "workers", None))
+    optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
+    limit, _, gpu = limits_from_args(args)
+    config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers)
+    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, getattr(args, "grad_accum_steps", 1))
+    memory_plan.tiles_note = note
+    return memory_plan
 
 
 def runtime_settings(args) -> dict:
@@ -525,6 +612,8 @@ def runtime_settings(args) -> dict:
         settings["swap_dir"] = args.swap_dir
         if getattr(args, "swap_size_mb", None) is not None:
             settings["swap_size_mb"] = args.swap_size_mb
+        if getattr(args, "swap_backend", None) is not None:
+            settings["swap_backend"] = args.swap_backend
     if getattr(args, "workers", None) is not None:
         settings["workers"] = args.workers
     for name in ("gpu_memory_limit_mb", "cuda_workers", "matmul_precision"):
@@ -569,15 +658,23 @@ def main(argv=None) -> int:
         memory_plan = plan_from_args(args)
     except ValueError as error:
         parser.error(str(error))
+    from jnntile import runtime
+
     limit, swap_mb, gpu_mb = limits_from_args(args)
     config = memory_plan.config
     print(f"GPT-2 {args.model}: n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} "
           f"vocab_size={config.vocab_size}, {args.optimizer}")
+    if memory_plan.tiles_note:
+        print(memory_plan.tiles_note)
     print(memory_plan.table())
     gpu = f"GPU memory {gpu_mb} MB, " if gpu_mb else ""
     swap = f" and {swap_mb} MB of swap" if swap_mb else ""
     verdict = memory_plan.verdict(limit, swap_mb, gpu_mb)
     print(f"{gpu}memory limit {limit} MB{swap}: {verdict}")
+    backend = args.swap_backend or runtime.config().swap_backend
+    if verdict.startswith("needs") and backend == "unistd":
+        print(f"swap backend unistd: the kernel's page cache may also hold up to "
+              f"{memory_plan.swap_needed_mb(limit, gpu_mb)} MB of the swap in RAM (unistd_o_direct bypasses it)")
     return 1 if verdict.startswith("cannot run") else 0
 
 

@@ -33,6 +33,9 @@ MIN_SWAP_MB = 16  # StarPU's disk nodes must be at least this large (it aborts o
 SCHEDULERS = ("eager", "prio", "random", "lws", "ws", "dm", "dmda", "dmdap", "dmdar", "dmdas", "dmdasd",
               "pheft", "peager", "heteroprio")
 PLACEMENTS = {"auto": 0, "cpu": 1, "cuda": 2}
+# StarPU's disk backends for swap: "unistd" goes through the kernel's page cache (which then holds a
+# second copy of the swap, outside RSS); "unistd_o_direct" bypasses it (direct I/O).
+SWAP_BACKENDS = {"unistd": 0, "unistd_o_direct": 1}
 MATMUL_PRECISIONS = ("default", "highest", "tf32")
 
 
@@ -94,6 +97,11 @@ class RuntimeConfig:
     gpu_memory_limit_mb: int = 0  # per GPU; 0: StarPU's default (nearly all of it); beyond it tiles go to RAM
     swap_dir: str | None = None  # where tiles go when RAM is over the limit; None: no swap
     swap_size_mb: int = 16384
+    # Direct I/O by default, so that a run under memory_limit_mb uses about that much RAM. Through the
+    # page cache (bench/memory.py, 51M-parameter GPT-2 under a 256 MB limit on a machine with RAM to
+    # spare) steps ran 1.6-1.7x faster, but the cache held 1.3 GB of swap: 1.8 GB of RAM in use against
+    # 0.6 GB, more than the same run without a limit (1.6 GB). Choose "unistd" where RAM is to spare.
+    swap_backend: str = "unistd_o_direct"
     watchdog_s: float = 120.0  # a wait with no task completing for this long is an error
     # Where tasks of kernels that have a CPU and a CUDA version may run: "auto"
     # (the scheduler decides), "cpu" or "cuda" (tests compare one with the other).
@@ -123,6 +131,8 @@ class RuntimeConfig:
         if self.swap_dir is not None and self.swap_size_mb < MIN_SWAP_MB:
             raise ValueError(f"swap_size_mb={self.swap_size_mb} must be at least {MIN_SWAP_MB} when swap_dir is set "
                              "(StarPU's smallest disk)")
+        if self.swap_backend not in SWAP_BACKENDS:
+            raise ValueError(f"swap_backend={self.swap_backend!r}: use one of {sorted(SWAP_BACKENDS)}")
         if self.watchdog_s <= 0:
             raise ValueError(f"watchdog_s={self.watchdog_s} must be positive")
         if self.placement not in PLACEMENTS:
@@ -187,6 +197,7 @@ def start(**settings) -> None:
         gpu_memory_limit_mb=gpu_limit_mb,
         swap_dir=_config.swap_dir or "",
         swap_size_mb=_config.swap_size_mb if _config.swap_dir else 0,
+        swap_backend=SWAP_BACKENDS[_config.swap_backend],
         watchdog_s=_config.watchdog_s,
         placement=PLACEMENTS[_config.placement],
         tf32=_config.tf32,
@@ -237,8 +248,10 @@ def describe() -> str:
         gpus = f"{cuda} CUDA worker(s) ({'; '.join(names)}), matmul precision {precision}, "
     elif HAS_CUDA:
         gpus = "no GPU found (StarPU has CUDA), "
+    swap = (f", swap {_config.swap_size_mb} MB in {_config.swap_dir} ({_config.swap_backend})"
+            if _config.swap_dir else "")
     return (f"{gpus}{_config.workers} CPU workers, scheduler {_config.scheduler}, memory limit "
-            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_started_gpu_limit_mb} MB" if cuda else ""))
+            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_started_gpu_limit_mb} MB" if cuda else "") + swap)
 
 
 def blas_core() -> str:

@@ -33,8 +33,8 @@ from jnntile.models import gpt2
 from jnntile.models import gpt2_decode
 from jnntile.models.config import PRESETS, GPT2Config
 
-DEFAULTS = dict(model="tiny", batch_size=8, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50, weight_decay=0.1,
-                grad_clip=1.0, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
+DEFAULTS = dict(model="tiny", batch_size=8, grad_accum_steps=1, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
+                weight_decay=0.1, grad_clip=1.0, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
                 checkpoint_interval=200, data_order="random", out="out", samples=3, sample_tokens=120)
 
 
@@ -49,7 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab"):
         p.add_argument(f"--tile-{axis}", type=int, help=f"tile size on the {axis} axis (default: automatic)")
     p.add_argument("--data", help="a nanoGPT-style uint16 .bin token file (default: the built-in corpus)")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
+                   help="sequences per micro-batch (the batch of one step, unless --grad-accum-steps)")
+    p.add_argument("--grad-accum-steps", type=int, default=DEFAULTS["grad_accum_steps"],
+                   help="micro-batches per step: their gradients are summed in the tiled gradients, then one update "
+                        "runs; a step sees batch-size x this many sequences, memory is planned for one micro-batch")
     p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="total steps, also when resuming")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
@@ -71,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-limit-mb", type=int, help="RAM for tiles; the rest goes to --swap-dir")
     p.add_argument("--swap-dir", help="directory for tiles evicted from RAM")
     p.add_argument("--swap-size-mb", type=int, default=16384)
+    memory.add_swap_backend_argument(p)
     p.add_argument("--gpu-memory-limit-mb", type=int,
                    help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the whole GPU)")
     p.add_argument("--cuda-workers", type=int, help="GPUs to use (default: all; 0: CPU only)")
@@ -85,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- set-up ------------------------------------------------------------------------
 
 def _check_args(args) -> None:
-    for name in ("batch_size", "seq_len", "steps"):
+    for name in ("batch_size", "grad_accum_steps", "seq_len", "steps"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip", "weight_decay", "samples"):
@@ -108,10 +113,11 @@ def _prepare_out_dir(path: Path) -> None:
 def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | None]:
     path = args.data or data_mod.ensure_default_dataset(progress=not args.quiet) / "train.bin"
     train = data_mod.TokenDataset(path)
-    need = args.batch_size * args.seq_len + 1 if args.data_order == "sequential" else args.seq_len + 1
+    rows = args.batch_size * args.grad_accum_steps
+    need = rows * args.seq_len + 1 if args.data_order == "sequential" else args.seq_len + 1
     if len(train) < need:
         raise ValueError(f"data file {path} holds {len(train)} tokens, fewer than one batch needs ({need}); "
-                         "use more data or a smaller --batch-size/--seq-len")
+                         "use more data or a smaller --batch-size/--grad-accum-steps/--seq-len")
     return train, train.validation()
 
 
@@ -150,26 +156,70 @@ def _make_optimizer(args) -> optax.GradientTransformation:
 
 # ---- the step --------------------------------------------------------------------
 
-def make_steps(graphdef, tx):
-    """The jitted training and evaluation steps over (params, opt_state)."""
+def make_steps(graphdef, tx, grad_accum_steps: int = 1):
+    """The training and evaluation steps over (params, opt_state).
+
+    `train_step(params, opt_state, idx, targets, dropout_seeds)` takes the
+    token ids of a whole step, shaped (grad_accum_steps, B, T), and one dropout
+    seed per micro-batch. Each micro-batch adds its gradients, scaled by
+    1/grad_accum_steps, into the tiled gradients (the first starts them at
+    zero); the last one also applies `tx`, so clipping and the update see the
+    mean gradient of the whole batch. Returns the new (params, opt_state) and
+    the mean loss of the micro-batches; nothing blocks until the caller reads
+    the loss.
+    """
+    scale = 1.0 / grad_accum_steps
 
     def loss_fn(model, idx, targets, dropout_seed):
         _, loss = model(model.token_tensor(idx), model.token_tensor(targets, allow_ignore=True),
                         dropout_seed=dropout_seed)
         return loss
 
+    def gradients(params, grads, idx, targets, dropout_seed):
+        return jnntile.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), idx, targets, dropout_seed),
+                                      accumulate=grads, scale=scale)(params)
+
+    # The micro-batches before the last: compiled twice, without earlier gradients and with them.
+    add_gradients = jax.jit(gradients)
+
+    # The last micro-batch and the update in one program: a step without accumulation stays the one
+    # program it was, and the update's tasks are submitted right after the last backward's.
     @jax.jit
-    def train_step(params, opt_state, idx, targets, dropout_seed):
-        loss, grads = jnntile.value_and_grad(
-            lambda p: loss_fn(nnx.merge(graphdef, p), idx, targets, dropout_seed))(params)
+    def last_and_update(params, opt_state, grads, idx, targets, dropout_seed):
+        loss, grads = gradients(params, grads, idx, targets, dropout_seed)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
+    def train_step(params, opt_state, idx, targets, dropout_seeds):
+        grads, losses = None, []
+        for k in range(grad_accum_steps - 1):
+            loss, grads = add_gradients(params, grads, idx[k], targets[k], dropout_seeds[k])
+            losses.append(loss)
+        params, opt_state, loss = last_and_update(params, opt_state, grads, idx[-1], targets[-1], dropout_seeds[-1])
+        losses.append(loss)
+        return params, opt_state, losses[0] if grad_accum_steps == 1 else jnp.mean(jnp.stack(losses))
 
     @jax.jit
     def eval_step(params, idx, targets):
         return jnntile.to_array(loss_fn(nnx.merge(graphdef, params), idx, targets, None))
 
     return train_step, eval_step
+
+
+def step_batch(dataset, step: int, args):
+    """Token ids and targets of training step `step`, shaped (grad_accum_steps, batch_size, seq_len).
+
+    Micro-batch k holds rows k*batch_size ... of the step's whole batch, so N
+    micro-batches of B sequences see exactly what one batch of N*B would, in
+    both data orders, and a resumed run sees what it would have seen.
+    """
+    n, b = args.grad_accum_steps, args.batch_size
+    idx, targets = dataset.batch(step, n * b, args.seq_len, args.data_order, seed=args.seed)
+    return idx.reshape(n, b, args.seq_len), targets.reshape(n, b, args.seq_len)
+
+
+def _dropout_seeds(seed: int, step: int, micro_batches: int) -> list:
+    return [_dropout_seed(seed, step * micro_batches + k) for k in range(micro_batches)]
 
 
 def _dropout_seed(seed: int, step: int):
@@ -246,10 +296,14 @@ def train(args) -> dict:
     runtime_settings = memory.runtime_settings(args)
     runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
     runtime_config.validate()
-    plan = memory.plan(config, args.batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers)
+    gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
+    config, tiles_note = memory.fit_tiles(config, args.batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
+                                          args.optimizer, runtime_config.workers)
+    plan = memory.plan(config, args.batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
+                       grad_accum_steps=args.grad_accum_steps)
     # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
     verdict = plan.check(runtime_config.memory_limit_mb, runtime_config.swap_size_mb if runtime_config.swap_dir else 0,
-                         jnntile.runtime.gpu_memory_mb(runtime_config))
+                         gpu_mb)
     if runtime_settings and runtime_config != jnntile.runtime.config():
         jnntile.runtime.stop()
         jnntile.runtime.configure(**runtime_settings)
@@ -276,20 +330,26 @@ def train(args) -> dict:
     elif metrics_path.exists():
         metrics_path.unlink()
 
-    train_step, eval_step = make_steps(graphdef, tx)
+    train_step, eval_step = make_steps(graphdef, tx, args.grad_accum_steps)
     n_params = config.n_params()
+    if tiles_note:
+        print(tiles_note, flush=True)
+    batch = f"batch {args.batch_size} x {args.seq_len}" + (
+        f" x {args.grad_accum_steps} micro-batches per step" if args.grad_accum_steps > 1 else "")
     print(f"GPT-2 {args.model}: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
-          f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; StarPU: "
+          f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; {batch}; StarPU: "
           f"{jnntile.runtime.describe()} (planned peak {plan.peak / 2**20:.0f} MB: {verdict})", flush=True)
 
+    tokens_per_step = args.grad_accum_steps * args.batch_size * args.seq_len
+
     def save(step):
-        state = {"data_position": step * args.batch_size * args.seq_len, "data_order": args.data_order,
-                 "rng": {"seed": args.seed, "dropout_seed_of_next_step": int(_dropout_seed(args.seed, step))},
+        state = {"data_position": step * tokens_per_step, "data_order": args.data_order,
+                 "rng": {"seed": args.seed,
+                         "dropout_seed_of_next_step": int(_dropout_seed(args.seed, step * args.grad_accum_steps))},
                  "args": {k: v for k, v in vars(args).items() if k != "quiet"}}
         model_now = nnx.merge(graphdef, params)
         return checkpoint.save(out, model=model_now, opt_state=opt_state, step=step, state=state)
 
-    tokens_per_step = args.batch_size * args.seq_len
     losses = []
     step = start_step
     bar = tqdm(total=args.steps, initial=start_step, disable=args.quiet, unit="step", dynamic_ncols=True)
@@ -306,9 +366,10 @@ def train(args) -> dict:
     try:
         with metrics_path.open("a") as metrics:
             while step < args.steps and not stop_requested:
-                idx, targets = train_data.batch(step, args.batch_size, args.seq_len, args.data_order, seed=args.seed)
+                idx, targets = step_batch(train_data, step, args)
                 started = time.perf_counter()
-                params, opt_state, loss = train_step(params, opt_state, idx, targets, _dropout_seed(args.seed, step))
+                params, opt_state, loss = train_step(params, opt_state, idx, targets,
+                                                     _dropout_seeds(args.seed, step, args.grad_accum_steps))
                 loss = float(loss)  # the one blocking read of the step
                 seconds = time.perf_counter() - started
                 if not math.isfinite(loss):

@@ -245,3 +245,11 @@ def test_cli_prepares_input(text_file, tmp_path, capsys):
 def test_cli_reports_bad_input_without_traceback(tmp_path):
     with pytest.raises(SystemExit, match="error: input path .*nowhere does not exist"):
         data.main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "corpus.bin"])
+def test_text_passed_as_token_file_says_to_tokenize_it(text_file, tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(text_file.read_bytes()[:4000])  # even size: it would read as 2000 token ids
+    with pytest.raises(ValueError, match=rf"{name} looks like text.*python -m jnntile.data {path} --out DIR"):
+        data.TokenDataset(path)

@@ -64,14 +64,15 @@ def restore_runtime():
     jnntile.runtime.configure(**dataclasses.asdict(previous))
 
 
-def test_small_limit_with_swap_matches_unlimited_run(tmp_path, restore_runtime):
+@pytest.mark.parametrize("backend", sorted(jnntile.runtime.SWAP_BACKENDS))
+def test_small_limit_with_swap_matches_unlimited_run(tmp_path, restore_runtime, backend):
     _restart(memory_limit_mb=1024, swap_dir=None)
     losses, params = _train(SWAP_CONFIG, steps=3)
 
     plan = memory.plan(SWAP_CONFIG, B, T)
     assert plan.state > 2.5 * 16 * 2**20
     assert plan.verdict(16, 64).startswith("needs")
-    _restart(memory_limit_mb=16, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    _restart(memory_limit_mb=16, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60, swap_backend=backend)
     io_before = _io()
     limited_losses, limited_params = _train(SWAP_CONFIG, steps=3)
     jnntile.runtime.wait_all()
@@ -85,9 +86,11 @@ def test_small_limit_with_swap_matches_unlimited_run(tmp_path, restore_runtime):
     assert ram["total_bytes"] == 16 * 2**20 and ram["peak_used_bytes"] <= 16 * 2**20
     written, read = stats["bytes_moved"]["RAM->DISK"], stats["bytes_moved"]["DISK->RAM"]
     assert written > 3 * plan.parameters, "the state did not go through the swap"
-    # The bus counters count what the unistd backend really wrote and read.
+    # The bus counters count what the backend really wrote and read.
     assert abs((io_after["wchar"] - io_before["wchar"]) - written) < 0.05 * written
     assert abs((io_after["rchar"] - io_before["rchar"]) - read) < 0.05 * read
+    if backend == "unistd_o_direct":  # no page cache: every byte read back comes from the device
+        assert io_after["read_bytes"] - io_before["read_bytes"] >= read
 
 
 # ---- invalidation ----------------------------------------------------------------------------
@@ -231,6 +234,31 @@ def test_planner_peak_against_the_measured_peak(restore_runtime):
     assert planned <= measured <= 1.3 * planned, (planned, measured)
 
 
+def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runtime):
+    """Gradients held between micro-batches are in the plan of a micro-batch (activations are one micro-batch's)."""
+    from flax import nnx
+
+    from jnntile import train as train_mod
+
+    _restart(memory_limit_mb=1024, swap_dir=None)
+    model = gpt2.GPT2(SWAP_CONFIG, batch_size=B, seq_len=T)
+    tx = optim.adamw(1e-2)
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = tx.init(params)
+    train_step, _ = train_mod.make_steps(graphdef, tx, grad_accum_steps=2)
+    jnntile.runtime.wait_all()
+    jnntile.runtime.reset_peaks()
+    ids = np.random.default_rng(0).integers(0, SWAP_CONFIG.vocab_size, (2, B, T)).astype(np.int32)
+    for _ in range(2):
+        params, opt_state, loss = train_step(params, opt_state, ids, ids, [None, None])
+    float(loss)
+    jnntile.runtime.wait_all()
+    measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
+    planned = memory.plan(SWAP_CONFIG, B, T, grad_accum_steps=2)
+    assert planned.peak > memory.plan(SWAP_CONFIG, B, T).peak
+    assert planned.peak <= measured <= 1.3 * planned.peak, (planned.peak, measured)
+
+
 def test_planner_verdicts():
     plan = memory.plan(TINY, 2, 64, workers=2)
     peak_mb = plan.peak / 2**20
@@ -260,6 +288,47 @@ def test_planner_suggestion_makes_the_task_fit():
     flags = dict(zip(hint.split()[::2], map(int, hint.split()[1::2])))
     smaller = dataclasses.replace(config, **{f.removeprefix("--").replace("-", "_"): v for f, v in flags.items()})
     assert not memory.plan(smaller, 2, 64, workers=2).verdict(limit, 4096).startswith("cannot run")
+
+
+AUTO = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=64)  # automatic tiles
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["RAM", "GPU"])
+def test_automatic_tiles_shrink_until_every_task_fits(gpu):
+    """Only automatic tiles shrink; RAM holds one task per worker, the GPU two per CUDA worker."""
+    task_mb = memory.plan(AUTO, 4, 64, workers=2).largest_task / 2**20  # AdamW on a (4096, 128) wte tile: 8 MB
+    limits = dict(memory_limit_mb=4096, gpu_mb=task_mb) if gpu else dict(memory_limit_mb=task_mb)
+    config, note = memory.fit_tiles(AUTO, 4, 64, workers=2, **limits)
+    assert config.tile_vocab == 2048 and note.startswith("automatic tiles shrunk (vocab 4096 -> 2048)")
+    assert ("GPU memory limit" in note) == gpu
+    fitted = memory.plan(config, 4, 64, workers=2)
+    assert not fitted.verdict(limits["memory_limit_mb"], 4096, limits.get("gpu_mb", 0)).startswith("cannot")
+    assert memory.fit_tiles(config, 4, 64, workers=2, **limits) == (config, "")  # fitted tiles fit as they are
+    # A tile given explicitly stays; another axis shrinks instead, or, with none left, the step is refused.
+    config, note = memory.fit_tiles(dataclasses.replace(AUTO, tile_vocab=4096), 4, 64, workers=2, **limits)
+    assert (config.tile_vocab, config.tile_embd) == (4096, 64) and "embd 128 -> 64" in note
+    explicit = dataclasses.replace(AUTO, tile_vocab=4096, tile_embd=128)
+    assert memory.fit_tiles(explicit, 4, 64, workers=2, **limits) == (explicit, "")
+    with pytest.raises(memory.MemoryPlanError, match="cannot run: a single task.*e.g. --tile-vocab 2048"):
+        memory.plan(explicit, 4, 64, workers=2).check(limits["memory_limit_mb"], 4096, limits.get("gpu_mb", 0))
+
+
+def test_memory_cli_says_which_tiles_it_chose(capsys):
+    assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
+                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "automatic tiles shrunk (vocab 4096 -> 2048)" in out and "tiles batch=1 seq=64 embd=128" in out
+    assert "vocab=2048" in out and "needs 32 MB of swap" in out and "page cache" not in out
+    assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
+                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--swap-backend", "unistd"]) == 0
+    assert "swap backend unistd: the kernel's page cache may also hold up to 32 MB" in capsys.readouterr().out
+
+
+def test_memory_cli_plans_one_micro_batch(capsys):
+    assert memory.main(["--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--memory-limit-mb", "1024",
+                        "--grad-accum-steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 2 x seq 64 per micro-batch, 4 micro-batches per step" in out and "kept between micro-batches" in out
 
 
 def test_planner_gpu_verdicts():
@@ -296,6 +365,8 @@ def test_runtime_settings_from_flags():
     args = parser.parse_args(["--memory-limit-mb", "64", "--swap-size-mb", "100"])
     assert memory.runtime_settings(args) == {"memory_limit_mb": 64}
     assert memory.limits_from_args(args) == (64, 100, jnntile.runtime.gpu_memory_mb())
+    args = parser.parse_args(["--swap-dir", "/tmp/s", "--swap-backend", "unistd_o_direct"])
+    assert memory.runtime_settings(args) == {"swap_dir": "/tmp/s", "swap_backend": "unistd_o_direct"}
 
 
 def test_planner_command_line(capsys):
@@ -328,7 +399,7 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
         parser = argparse.ArgumentParser()
         memory.add_arguments(parser)
         args = parser.parse_args("--model tiny --n-layer 1 --n-embd 128 --n-head 2 --vocab-size 2048 --n-positions 32 "
-                                 "--batch-size 1 --seq-len 32 --tile-vocab 2048 --memory-limit-mb 2 --workers 2"
+                                 "--batch-size 1 --seq-len 32 --tile-vocab 2048 --tile-embd 128 --memory-limit-mb 2 --workers 2"
                                  .split() + ({swap!r} and ["--swap-dir", {str(tmp_path)!r}] or []))
         try:
             memory.check_before_training(args)
@@ -375,6 +446,29 @@ def test_swap_dir_is_removed_at_exit_and_after_an_error(tmp_path, ending):
     if ending == "error":
         assert "boom" in result.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_direct_io_swap_takes_tiles_of_any_size(tmp_path):
+    """O_DIRECT moves whole pages only: tiles of 28,000 bytes and a scalar still go to disk and back."""
+    script = f"""
+        import numpy as np, jnntile
+        from jnntile.ops import elementwise as ew
+        jnntile.runtime.start(memory_limit_mb=2, swap_dir={str(tmp_path)!r}, swap_size_mb=32,
+                              swap_backend="unistd_o_direct", watchdog_s=60)
+        rng = np.random.default_rng(0)
+        arrays = [rng.standard_normal((1500, 700)).astype(np.float32) for _ in range(2)]  # 8.4 MB
+        a, b = (jnntile.from_array(x, (100, 70)) for x in arrays)
+        total = ew.add(a, b)
+        scalar = jnntile.full((), 3.0)
+        np.testing.assert_array_equal(total.numpy(), arrays[0] + arrays[1])
+        np.testing.assert_array_equal(a.numpy(), arrays[0])
+        assert scalar.numpy() == 3.0
+        moved = jnntile.runtime.stats()["bytes_moved"]
+        assert moved["RAM->DISK"] > 4 * 2**20 and moved["DISK->RAM"] > 2**20, moved
+        print("OK")
+    """
+    result = _run(script)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-2000:]
 
 
 def test_swap_dir_of_a_killed_process_is_removed_by_the_next_one(tmp_path):

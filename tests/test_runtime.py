@@ -56,6 +56,7 @@ MAX_WORKERS = jnntile.runtime.MAX_CPU_WORKERS
     ({"memory_limit_mb": 0}, "must be positive"),
     ({"swap_dir": "/tmp/x", "swap_size_mb": 0}, "at least 16"),
     ({"swap_dir": "/tmp/x", "swap_size_mb": 8}, "at least 16"),
+    ({"swap_backend": "hdf5"}, "swap_backend='hdf5': use one of"),
 ])
 def test_bad_configuration(settings, message):
     jnntile.runtime.stop()

@@ -3,10 +3,13 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import rel_err
 
 from jnntile import data as data_mod
 from jnntile import memory
@@ -60,8 +63,8 @@ def test_resume_after_ctrl_c_is_bit_identical(dataset, tmp_path, monkeypatch, ca
 
     make_steps = train_mod.make_steps
 
-    def interrupting_make_steps(graphdef, tx):
-        train_step, eval_step = make_steps(graphdef, tx)
+    def interrupting_make_steps(graphdef, tx, grad_accum_steps):
+        train_step, eval_step = make_steps(graphdef, tx, grad_accum_steps)
         calls = {"n": 0}
 
         def step(*a):
@@ -88,6 +91,32 @@ def test_sgd_without_clipping_and_sequential_data(dataset, tmp_path):
     assert summary["step"] == 3
 
 
+@pytest.mark.parametrize("order", data_mod.BATCH_ORDERS)
+def test_micro_batches_see_the_rows_of_the_whole_batch(dataset, tmp_path, order):
+    common = ["--steps", "3", "--eval-interval", "0", "--samples", "0", "--data-order", order]
+    _run(dataset, tmp_path / "whole", *common, "--batch-size", "4")
+    _run(dataset, tmp_path / "micro", *common, "--batch-size", "2", "--grad-accum-steps", "2")
+    assert rel_err(_losses(tmp_path / "micro"), _losses(tmp_path / "whole")) < 1e-6
+    state = json.loads((tmp_path / "micro" / "ckpt-0000003" / "state.json").read_text())
+    assert state["data_position"] == 3 * 4 * 16
+    for row in map(json.loads, (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines()):
+        assert row["tokens_per_s"] * row["seconds"] == pytest.approx(4 * 16), "a step's tokens: every micro-batch"
+    args = train_mod.parse_args(["--batch-size", "2", "--grad-accum-steps", "3", "--seq-len", "16",
+                                 "--data-order", order])
+    idx, targets = train_mod.step_batch(data_mod.TokenDataset(dataset), 5, args)
+    whole = data_mod.TokenDataset(dataset).batch(5, 6, 16, order, seed=0)
+    np.testing.assert_array_equal(idx.reshape(6, 16), whole[0])
+    np.testing.assert_array_equal(targets.reshape(6, 16), whole[1])
+
+
+def test_resume_with_micro_batches_is_bit_identical(dataset, tmp_path):
+    common = ["--eval-interval", "0", "--samples", "0", "--grad-accum-steps", "2", "--dropout", "0.1"]
+    _run(dataset, tmp_path / "straight", *common, "--steps", "4")
+    _run(dataset, tmp_path / "resumed", *common, "--steps", "2")
+    _run(dataset, tmp_path / "resumed", *common, "--steps", "4", "--resume")
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+
+
 def test_export_and_init_from_hugging_face(dataset, tmp_path):
     _run(dataset, tmp_path / "a", "--steps", "2", "--eval-interval", "0", "--export-hf", str(tmp_path / "hf"))
     config, params = load_hf(tmp_path / "hf")
@@ -104,6 +133,14 @@ def test_bin_without_tokenizer_trains_and_samples_ids(dataset, tmp_path, capsys)
     assert sample.strip().startswith("[")
 
 
+def test_text_file_as_data_says_to_tokenize_it(dataset, tmp_path, capsys):
+    text = Path(dataset).parents[1] / "text.txt"
+    assert train_mod.main(["--data", str(text), "--out", str(tmp_path), *SMALL, "--steps", "1"]) == 2
+    error = capsys.readouterr().err
+    assert "text.txt looks like text" in error and f"python -m jnntile.data {text} --out DIR" in error
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_unknown_preset_is_refused(capsys):
     with pytest.raises(SystemExit):
         train_mod.parse_args(["--model", "gpt5"])
@@ -112,6 +149,7 @@ def test_unknown_preset_is_refused(capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--steps", "0"], "--steps=0 must be positive"),
+    (["--grad-accum-steps", "0"], "--grad-accum-steps=0 must be positive"),
     (["--n-head", "3"], "does not divide"),
     (["--batch-size", "1000", "--seq-len", "512", "--data-order", "sequential"], "fewer than one batch"),
     (["--resume"], "no checkpoint"),
@@ -165,3 +203,43 @@ def test_memory_limit_with_disk_swap_gives_the_same_losses(dataset, tmp_path):
     jnntile.runtime.stop()
     assert not any(swap.iterdir()), "the swap directory is cleaned when the runtime stops"
     jnntile.runtime.configure(memory_limit_mb=jnntile.runtime.RuntimeConfig().memory_limit_mb, swap_dir=None)
+
+
+# ---- the command line in a fresh process ---------------------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "jnntile.train", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ids_4096(tmp_path_factory):
+    """A bare token file with a vocabulary of 4096, as the built-in corpus has."""
+    path = tmp_path_factory.mktemp("ids") / "ids.bin"
+    ids = np.random.default_rng(0).integers(0, 4096, 50_000).astype(np.uint16)
+    ids[0] = 4095
+    ids.tofile(path)
+    return path
+
+
+def test_automatic_tiles_shrink_to_fit_the_memory_limit(ids_4096, tmp_path):
+    # The default vocabulary tile (4096 x 128) makes one AdamW task need 8 MB per worker.
+    common = ["--data", str(ids_4096), "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--steps", "6",
+              "--workers", "2", "--eval-interval", "0", "--samples", "0", "--quiet"]
+    limit = ["--memory-limit-mb", "8", "--swap-dir", str(tmp_path / "swap")]
+    unlimited = _cli(*common, "--out", str(tmp_path / "unlimited"))
+    assert unlimited.returncode == 0, unlimited.stderr
+    assert "shrunk" not in unlimited.stdout
+    # With direct I/O too, which moves whole pages only: tiles are padded to pages, and the
+    # kernels' scratch buffers of other sizes stay in RAM (StarPU aborts writing them to disk).
+    for backend in ("unistd", "unistd_o_direct"):
+        limited = _cli(*common, *limit, "--swap-backend", backend, "--out", str(tmp_path / backend))
+        assert limited.returncode == 0, limited.stderr[-3000:]
+        assert ("automatic tiles shrunk (vocab 4096 -> 2048): with the default ones a single task (adamw update of "
+                "a wte.weight tile (4096, 128)) needs 8.0 MB" in limited.stdout), limited.stdout
+        assert f"swap 16384 MB in {tmp_path / 'swap'} ({backend})" in limited.stdout
+        assert _losses(tmp_path / backend) == _losses(tmp_path / "unlimited"), backend
+    # Tiles given on the command line are not changed: the step is refused, with tiles that would fit.
+    explicit = _cli(*common, *limit, "--tile-vocab", "4096", "--tile-embd", "128", "--out", str(tmp_path / "explicit"))
+    assert explicit.returncode == 2
+    assert "cannot run: a single task" in explicit.stderr and "e.g. --tile-vocab 2048" in explicit.stderr
+    assert not (tmp_path / "explicit" / "metrics.jsonl").exists()

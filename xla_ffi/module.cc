@@ -35,8 +35,8 @@ NB_MODULE(_xla_ffi, m) {
   m.def(
       "runtime_start",
       [](int workers, int cuda_workers, const std::string& scheduler, int64_t memory_limit_mb,
-         int64_t gpu_memory_limit_mb, const std::string& swap_dir, int64_t swap_size_mb, double watchdog_s,
-         int placement, bool tf32, bool pin_host_memory) {
+         int64_t gpu_memory_limit_mb, const std::string& swap_dir, int64_t swap_size_mb, int swap_backend,
+         double watchdog_s, int placement, bool tf32, bool pin_host_memory) {
         RuntimeConfig config;
         config.workers = workers;
         config.cuda_workers = cuda_workers;
@@ -45,6 +45,7 @@ NB_MODULE(_xla_ffi, m) {
         config.gpu_memory_limit_mb = gpu_memory_limit_mb;
         config.swap_dir = swap_dir;
         config.swap_size_mb = swap_size_mb;
+        config.swap_backend = SwapBackend(swap_backend);
         config.watchdog_s = watchdog_s;
         config.placement = Placement(placement);
         config.tf32 = tf32;
@@ -54,7 +55,8 @@ NB_MODULE(_xla_ffi, m) {
         runtime_start(config);
       },
       nb::arg("workers"), nb::arg("cuda_workers"), nb::arg("scheduler"), nb::arg("memory_limit_mb"),
-      nb::arg("gpu_memory_limit_mb"), nb::arg("swap_dir"), nb::arg("swap_size_mb"), nb::arg("watchdog_s"),
+      nb::arg("gpu_memory_limit_mb"), nb::arg("swap_dir"), nb::arg("swap_size_mb"), nb::arg("swap_backend"),
+      nb::arg("watchdog_s"),
       nb::arg("placement"), nb::arg("tf32"), nb::arg("pin_host_memory"));
   m.def("max_cpu_workers", &max_cpu_workers);
   m.def("cuda_device_count", &cuda_device_count);

@@ -176,6 +176,12 @@ constexpr size_t kMmapThreshold = size_t(64) << 10;
 // StarPU's copies to and from the GPU are then asynchronous DMA.
 std::atomic<bool> pin_tiles{false};
 
+// swap_io_alignment(): the page size with the direct-I/O swap backend, whose
+// reads and writes StarPU 1.3 asserts to be page-aligned and page multiples
+// (disk_unistd_o_direct.c); its plug asks starpu_malloc for page alignment,
+// which these hooks must honour themselves.
+std::atomic<size_t> io_alignment{1};
+
 struct MappedRegions {
   std::mutex mutex;
   std::unordered_map<void*, size_t> sizes;
@@ -198,7 +204,7 @@ int tile_malloc(unsigned, void** out, size_t size, int) {
     return 0;
   }
   void* p = nullptr;
-  if (posix_memalign(&p, 64, size > 0 ? size : 1) != 0) return -ENOMEM;
+  if (posix_memalign(&p, std::max<size_t>(64, io_alignment), size > 0 ? size : 1) != 0) return -ENOMEM;
   *out = p;
   return 0;
 }
@@ -273,6 +279,7 @@ void runtime_start(const RuntimeConfig& config) {
   setenv("STARPU_SILENT", "1", 0);
   setenv("STARPU_NOPENCL", "0", 0);
 
+  io_alignment = config.swap_dir.empty() || config.swap_backend == SwapBackend::Unistd ? 1 : size_t(getpagesize());
   starpu_malloc_set_hooks(tile_malloc, tile_free);
   starpu_conf conf;
   starpu_conf_init(&conf);
@@ -325,12 +332,17 @@ void runtime_start(const RuntimeConfig& config) {
     }
     s.swap_subdir = buf.data();
     int64_t bytes = config.swap_size_mb * (int64_t(1) << 20);
-    int node = starpu_disk_register(&starpu_disk_unistd_ops, (void*)s.swap_subdir.c_str(), bytes);
+    bool direct = config.swap_backend == SwapBackend::UnistdODirect;
+    int node = starpu_disk_register(direct ? &starpu_disk_unistd_o_direct_ops : &starpu_disk_unistd_ops,
+                                    (void*)s.swap_subdir.c_str(), bytes);
     if (node < 0) {
       starpu_shutdown();
       remove_tree(s.swap_subdir);
-      throw std::runtime_error("StarPU could not register disk swap in '" + config.swap_dir +
-                               "' of " + std::to_string(config.swap_size_mb) + " MB");
+      throw std::runtime_error("StarPU could not register disk swap in '" + config.swap_dir + "' of " +
+                               std::to_string(config.swap_size_mb) + " MB" +
+                               (direct ? " with direct I/O: its file system may not allow O_DIRECT; use "
+                                         "swap_backend='unistd' or a directory on another file system"
+                                       : ""));
     }
   }
   starpu_pause();  // nothing to do yet: do not spin
@@ -401,6 +413,8 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
 bool runtime_running() { return state().running; }
 
 int max_cpu_workers() { return STARPU_MAXCPUS; }
+
+size_t swap_io_alignment() { return io_alignment; }
 
 int cuda_device_count() {
 #if JNNTILE_CUDA

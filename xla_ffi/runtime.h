@@ -24,6 +24,11 @@ namespace jnntile {
 // Where tasks of kernels that exist for both devices may run.
 enum class Placement { Auto = 0, Cpu = 1, Cuda = 2 };
 
+// StarPU's disk backends for swap: through the page cache, or direct I/O
+// (O_DIRECT: no second copy of the swap in the page cache, but every read and
+// write must be page-aligned and a whole number of pages).
+enum class SwapBackend { Unistd = 0, UnistdODirect = 1 };
+
 struct RuntimeConfig {
   int workers = 2;              // CPU workers
   int cuda_workers = 0;         // -1: one per GPU StarPU finds
@@ -32,6 +37,7 @@ struct RuntimeConfig {
   int64_t gpu_memory_limit_mb = 0;  // per GPU; 0: StarPU's default (nearly all of it)
   std::string swap_dir;         // empty: no disk swap
   int64_t swap_size_mb = 0;
+  SwapBackend swap_backend = SwapBackend::Unistd;
   double watchdog_s = 120.0;
   Placement placement = Placement::Auto;
   bool tf32 = false;            // cuBLAS may use TF32 tensor cores for float32 products
@@ -40,6 +46,10 @@ struct RuntimeConfig {
 
 // The most CPU workers the StarPU in use accepts (its STARPU_MAXCPUS).
 int max_cpu_workers();
+// What the swap backend in use needs of every buffer that may go to disk: its
+// address and size a multiple of this many bytes (the page size with direct
+// I/O, else 1). Tile registration pads tiles to it; RAM allocations are aligned to it.
+size_t swap_io_alignment();
 // GPUs the CUDA runtime sees; 0 when StarPU has no CUDA or there is no driver.
 int cuda_device_count();
 int64_t cuda_device_memory_bytes();

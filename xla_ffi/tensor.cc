@@ -137,8 +137,13 @@ int64_t tensor_create(const Index& shape, const Index& tile_shape, DType dtype) 
   }
   tensor->tiles.resize(ntiles);
   tensor->tile_states.reset(new TileState[ntiles]);
+  // Kernels take tile extents from the tensor, never from StarPU's vector, so
+  // a tile may be registered longer than it is: with direct-I/O swap every
+  // tile is a whole number of pages (StarPU reads and writes it whole).
+  const int64_t elem = int64_t(dtype_size(dtype)), align = int64_t(swap_io_alignment());
   for (int64_t t = 0; t < ntiles; ++t) {
-    starpu_vector_data_register(&tensor->tiles[t], -1, 0, tensor->tile_numel(t), dtype_size(dtype));
+    int64_t bytes = (tensor->tile_numel(t) * elem + align - 1) / align * align;
+    starpu_vector_data_register(&tensor->tiles[t], -1, 0, uint32_t(bytes / elem), size_t(elem));
     tensor->tile_states[t].tensor = tensor.get();
     starpu_data_set_user_data(tensor->tiles[t], &tensor->tile_states[t]);
   }

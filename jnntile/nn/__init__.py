@@ -90,13 +90,15 @@ class Dropout(nnx.Module):
         return dropout_ops.dropout(x, self.rate, seed * 7919 + self.site)
 
 
-def value_and_grad(loss_fn: Callable, has_aux: bool = False, *, keep_activations: bool = False):
+def value_and_grad(loss_fn: Callable, has_aux: bool = False, *, keep_activations: bool = False, accumulate=None,
+                   scale=1.0):
     """`loss_fn(model, *args)` -> (loss, grads): grads is an nnx.State of Tensors like the params.
 
     The model's graph is split off, its parameters differentiated with
     `jnntile.value_and_grad`, and merged back for the call. Activations are
     invalidated after their last use in the backward pass unless
-    `keep_activations=True` (see `jnntile.value_and_grad`).
+    `keep_activations=True`; `accumulate` (the grads of an earlier call) and
+    `scale` accumulate gradients over micro-batches (see `jnntile.value_and_grad`).
     """
 
     def wrapped(model: nnx.Module, *args, **kwargs):
@@ -105,8 +107,8 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False, *, keep_activations
         def pure(params, *args, **kwargs):
             return loss_fn(nnx.merge(graphdef, params, rest), *args, **kwargs)
 
-        return jnntile.value_and_grad(pure, has_aux=has_aux, keep_activations=keep_activations)(
-            params, *args, **kwargs)
+        return jnntile.value_and_grad(pure, has_aux=has_aux, keep_activations=keep_activations,
+                                      accumulate=accumulate, scale=scale)(params, *args, **kwargs)
 
     return wrapped
 
