@@ -7,7 +7,6 @@ Prints the best time of each, GFLOP/s and the ratio of throughputs
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +14,7 @@ import numpy as np
 
 import jnntile
 from jnntile.ops import gemm
-
-
-def best_time(fn, repeats):
-    fn()  # warm-up: compilation, first allocation
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+from steps import best_seconds
 
 
 def main():
@@ -46,7 +36,7 @@ def main():
         a_np = rng.standard_normal((n, n), dtype=np.float32)
         b_np = rng.standard_normal((n, n), dtype=np.float32)
         a_x, b_x = jnp.asarray(a_np), jnp.asarray(b_np)
-        xla_s = best_time(lambda: dot(a_x, b_x).block_until_ready(), args.repeats)
+        xla_s = best_seconds(lambda: dot(a_x, b_x).block_until_ready(), args.repeats)
         flops = 2.0 * n**3
         for tile in sorted({t or n for t in args.tiles if (t or n) <= n}):
             a = jnntile.from_array(a_np, tile)
@@ -57,7 +47,7 @@ def main():
                 jnntile.runtime.wait_all()
                 return c
 
-            tiled_s = best_time(run, args.repeats)
+            tiled_s = best_seconds(run, args.repeats)
             print(f"{n:6d} {tile:6d} {tiled_s * 1e3:11.1f} {flops / tiled_s / 1e9:8.1f} {xla_s * 1e3:8.1f} "
                   f"{flops / xla_s / 1e9:8.1f} {xla_s / tiled_s:6.2f}")
             a.free()

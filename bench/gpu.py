@@ -54,16 +54,6 @@ def sizes(smoke: bool) -> dict:
 
 # ---- measurements (each runs in a child process) ------------------------------------------------
 
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: compilation, first transfers
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def measure_gemm(p: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -71,6 +61,7 @@ def measure_gemm(p: dict) -> dict:
 
     import jnntile
     from jnntile.ops import gemm
+    from steps import best_seconds
 
     rows = []
     for precision, xla_precision in (("highest", jax.lax.Precision.HIGHEST), ("tf32", jax.lax.Precision.DEFAULT)):
@@ -82,7 +73,6 @@ def measure_gemm(p: dict) -> dict:
             a_np, b_np = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
             a_x, b_x = jnp.asarray(a_np), jnp.asarray(b_np)
             xla_s = best_seconds(lambda: dot(a_x, b_x).block_until_ready(), p["repeats"])
-            del a_x, b_x
             for tile in p["tiles"]:
                 a, b = jnntile.from_array(a_np, tile), jnntile.from_array(b_np, tile)
 

@@ -267,8 +267,6 @@ def main():
         return
 
     bench_started = time.perf_counter()
-    from jnntile import memory
-    from jnntile.models.config import GPT2Config
 
     swap_dir = tempfile.mkdtemp(prefix="jnntile-bench-", dir=args.swap_dir)
     if args.quick:

@@ -1,4 +1,4 @@
-"""The training steps the benchmarks time: jnntile's GPT-2 and the pure-JAX reference.
+"""The training steps the benchmarks time, and how they time them: jnntile's GPT-2 and the pure-JAX reference.
 
 Both train the same model on the same batch with AdamW and global-norm
 clipping under `jax.jit`; the reference donates its parameters and optimizer
@@ -68,6 +68,17 @@ def xla_step(config: GPT2Config, batch_size: int, seq_len: int):
         return float(loss)
 
     return step
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls of fn, after one warm-up call (compilation, first transfers)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def step_seconds(step, steps: int, warmup: int = 2) -> list[float]:

@@ -67,6 +67,41 @@ def check_op(op, reference, arrays, tile_shapes, *, jit, tol=1e-5, seed=0):
         assert rel_err(jnntile.grad_of(g).numpy(), ref_g) <= tol, f"gradient of input {i} differs"
 
 
+def mlp_problem(rng, batches: int = 1):
+    """A two-layer MLP's weights (numpy) and `batches` inputs of shape (5, 6)."""
+    arrays = {"w1": rng.standard_normal((6, 8)).astype(np.float32) * 0.5,
+              "w2": rng.standard_normal((8, 3)).astype(np.float32) * 0.5}
+    return arrays, [rng.standard_normal((5, 6)).astype(np.float32) for _ in range(batches)]
+
+
+def mlp_params(arrays):
+    """The MLP's weights as Tensors with uneven tiles."""
+    import jnntile
+
+    return {"w1": jnntile.from_array(arrays["w1"], (4, 3)), "w2": jnntile.from_array(arrays["w2"], (3, 2))}
+
+
+def mlp_loss(params, x):
+    """sum(mlp(x)^2) on jnntile ops (the loss of `mlp_problem`)."""
+    import jax.numpy as jnp
+
+    import jnntile
+    from jnntile.ops import elementwise as ew
+    from jnntile.ops import gemm
+
+    h = ew.gelu_tanh(gemm.matmul(x, params["w1"]))
+    return jnp.sum(jnntile.to_array(gemm.matmul(h, params["w2"])) ** 2)
+
+
+def mlp_reference_loss(params, x):
+    """The same loss in plain JAX."""
+    import jax
+    import jax.numpy as jnp
+
+    h = jax.nn.gelu(x @ params["w1"], approximate=True)
+    return jnp.sum((h @ params["w2"]) ** 2)
+
+
 def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0):
     """Losses and final parameters of `steps` jitted AdamW steps of a jnntile GPT-2 on random tokens."""
     import jax
@@ -114,6 +149,20 @@ def cuda_skip_reason() -> str | None:
     if runtime.gpu_count() == 0:
         return "no GPU: this jnntile has CUDA kernels but the CUDA runtime sees no device"
     return None
+
+
+@pytest.fixture
+def restore_runtime():
+    """Puts the runtime configuration back after a test that changes it."""
+    import dataclasses
+
+    import jnntile
+
+    previous = jnntile.runtime.config()
+    yield
+    jnntile.runtime.stop()
+    jnntile.release_traced()
+    jnntile.runtime.configure(**dataclasses.asdict(previous))
 
 
 def restart_runtime(**settings) -> None:

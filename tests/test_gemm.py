@@ -1,6 +1,5 @@
 """Tiled GEMM: values and gradients against jnp, every transpose, batch axes, tilings."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -18,7 +18,7 @@ import jnntile
 from jnntile.models import gpt2
 from jnntile.models import gpt2_reference as ref
 from jnntile.models.config import GPT2Config
-from jnntile.models.hf_checkpoint import load_hf, save_hf
+from jnntile.models.hf_checkpoint import load_hf
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
 pytestmark = pytest.mark.usefixtures("placement")

@@ -29,15 +29,6 @@ CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=4096, n_position
                     tile_embd=128, tile_heads=2, tile_hidden=256, tile_vocab=1024)
 
 
-@pytest.fixture
-def restore_runtime():
-    previous = jnntile.runtime.config()
-    yield
-    jnntile.runtime.stop()
-    jnntile.release_traced()
-    jnntile.runtime.configure(**dataclasses.asdict(previous))
-
-
 def test_tokens_are_committed_to_the_cpu_device(monkeypatch):
     """Where JAX defaults to a GPU, tokens live on the CPU device, so jitted steps taking Tensors run there."""
     monkeypatch.setattr(_ffi, "COMMIT_TO_HOST", True)

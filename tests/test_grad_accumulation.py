@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import rel_err
+from conftest import mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err
 from flax import nnx
 
 import jnntile
@@ -22,38 +22,19 @@ from jnntile import optim
 from jnntile import train as train_mod
 from jnntile.models import gpt2
 from jnntile.models.config import GPT2Config
-from jnntile.ops import elementwise as ew
-from jnntile.ops import gemm
-
-
-def _loss(params, x):
-    h = ew.gelu_tanh(gemm.matmul(x, params["w1"]))
-    return jnp.sum(jnntile.to_array(gemm.matmul(h, params["w2"])) ** 2)
-
-
-def _reference_loss(params, x):
-    h = jax.nn.gelu(x @ params["w1"], approximate=True)
-    return jnp.sum((h @ params["w2"]) ** 2)
-
-
-def _mlp(rng):
-    arrays = {"w1": rng.standard_normal((6, 8)).astype(np.float32) * 0.5,
-              "w2": rng.standard_normal((8, 3)).astype(np.float32) * 0.5}
-    params = {"w1": jnntile.from_array(arrays["w1"], (4, 3)), "w2": jnntile.from_array(arrays["w2"], (3, 2))}
-    xs = [rng.standard_normal((5, 6)).astype(np.float32) for _ in range(3)]
-    return arrays, params, xs
 
 
 def test_accumulated_gradients_are_the_scaled_sum_under_jit(rng):
-    arrays, params, xs = _mlp(rng)
+    arrays, xs = mlp_problem(rng, batches=3)
+    params = mlp_params(arrays)
 
     @jax.jit
     def first(params, x):
-        return jnntile.value_and_grad(_loss, scale=1 / 3)(params, jnntile.from_array(x, (5, 4)))
+        return jnntile.value_and_grad(mlp_loss, scale=1 / 3)(params, jnntile.from_array(x, (5, 4)))
 
     @jax.jit
     def more(params, grads, x):
-        return jnntile.value_and_grad(_loss, accumulate=grads, scale=1 / 3)(params, jnntile.from_array(x, (5, 4)))
+        return jnntile.value_and_grad(mlp_loss, accumulate=grads, scale=1 / 3)(params, jnntile.from_array(x, (5, 4)))
 
     value, grads = first(params, xs[0])
     values = [value]
@@ -61,8 +42,8 @@ def test_accumulated_gradients_are_the_scaled_sum_under_jit(rng):
         value, grads = more(params, grads, x)
         values.append(value)
     assert more._cache_size() == 1
-    ref_values = [_reference_loss(arrays, x) for x in xs]
-    ref_grads = jax.grad(lambda p: sum(_reference_loss(p, x) for x in xs) / 3)(arrays)
+    ref_values = [mlp_reference_loss(arrays, x) for x in xs]
+    ref_grads = jax.grad(lambda p: sum(mlp_reference_loss(p, x) for x in xs) / 3)(arrays)
     assert rel_err(values, ref_values) < 1e-5, "values come back unscaled"
     for name in arrays:
         assert grads[name].id == params[name].id
@@ -70,11 +51,12 @@ def test_accumulated_gradients_are_the_scaled_sum_under_jit(rng):
 
 
 def test_an_argument_unused_in_a_micro_batch_keeps_its_sum(rng):
-    _, params, xs = _mlp(rng)
+    arrays, xs = mlp_problem(rng, batches=3)
+    params = mlp_params(arrays)
     params["bias"] = jnntile.from_array(np.ones((3,), np.float32))
 
     def loss(params, x, use_bias):
-        value = _loss(params, x)
+        value = mlp_loss(params, x)
         return value + jnp.sum(jnntile.to_array(params["bias"])) if use_bias else value
 
     step = jax.jit(lambda p, x: jnntile.value_and_grad(lambda p: loss(p, x, True))(p))
@@ -85,18 +67,19 @@ def test_an_argument_unused_in_a_micro_batch_keeps_its_sum(rng):
 
 
 def test_accumulating_into_consumed_or_foreign_gradients_is_refused(rng):
-    _, params, xs = _mlp(rng)
+    arrays, xs = mlp_problem(rng, batches=3)
+    params = mlp_params(arrays)
     x = jnntile.from_array(xs[0], (5, 4))
-    _, grads = jnntile.value_and_grad(_loss)(params, x)
+    _, grads = jnntile.value_and_grad(mlp_loss)(params, x)
     with pytest.raises(ValueError, match="accumulate: expected the gradient of"):
-        jnntile.value_and_grad(_loss, accumulate={"w1": grads["w2"], "w2": grads["w1"]})(params, x)
+        jnntile.value_and_grad(mlp_loss, accumulate={"w1": grads["w2"], "w2": grads["w1"]})(params, x)
     with pytest.raises(ValueError, match="do not match"):
-        jnntile.value_and_grad(_loss, accumulate={"w1": grads["w1"]})(params, x)
+        jnntile.value_and_grad(mlp_loss, accumulate={"w1": grads["w1"]})(params, x)
     tx = optim.sgd(0.1)
     updates, _ = tx.update(grads, tx.init(params), params)
     params = optax.apply_updates(params, updates)
     with pytest.raises(ValueError, match="holds nothing.*consumed by a jnntile.optim update.*accumulate before"):
-        jnntile.value_and_grad(_loss, accumulate=grads)(params, x)
+        jnntile.value_and_grad(mlp_loss, accumulate=grads)(params, x)
 
 
 # ---- GPT-2 through jnntile.train.make_steps ------------------------------------------------

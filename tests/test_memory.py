@@ -55,15 +55,6 @@ def _io():
         return {line.split(":")[0]: int(line.split()[1]) for line in f}
 
 
-@pytest.fixture
-def restore_runtime():
-    previous = jnntile.runtime.config()
-    yield
-    jnntile.runtime.stop()
-    jnntile.release_traced()
-    jnntile.runtime.configure(**dataclasses.asdict(previous))
-
-
 @pytest.mark.parametrize("backend", sorted(jnntile.runtime.SWAP_BACKENDS))
 def test_small_limit_with_swap_matches_unlimited_run(tmp_path, restore_runtime, backend):
     _restart(memory_limit_mb=1024, swap_dir=None)

@@ -2,15 +2,12 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from conftest import rel_err
+from conftest import mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err
 
 import jnntile
 from jnntile import optim
-from jnntile.ops import elementwise as ew
-from jnntile.ops import gemm
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
 pytestmark = pytest.mark.usefixtures("placement")
@@ -18,32 +15,15 @@ pytestmark = pytest.mark.usefixtures("placement")
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 0.05, warmup_steps=3, decay_steps=10)
 
 
-def _problem(rng):
-    arrays = {"w1": rng.standard_normal((6, 8)).astype(np.float32) * 0.5,
-              "w2": rng.standard_normal((8, 3)).astype(np.float32) * 0.5}
-    x = rng.standard_normal((5, 6)).astype(np.float32)
-    return arrays, x
-
-
-def _loss(params, x):
-    h = ew.gelu_tanh(gemm.matmul(x, params["w1"]))
-    return jnp.sum(jnntile.to_array(gemm.matmul(h, params["w2"])) ** 2)
-
-
-def _reference_loss(params, x):
-    h = jax.nn.gelu(x @ params["w1"], approximate=True)
-    return jnp.sum((h @ params["w2"]) ** 2)
-
-
 def _compare(rng, jnntile_tx, optax_tx, steps=10):
-    arrays, x_np = _problem(rng)
-    params = {"w1": jnntile.from_array(arrays["w1"], (4, 3)), "w2": jnntile.from_array(arrays["w2"], (3, 2))}
+    arrays, (x_np,) = mlp_problem(rng)
+    params = mlp_params(arrays)
     x = jnntile.from_array(x_np, (5, 4))
     state = jnntile_tx.init(params)
 
     @jax.jit
     def step(params, state, x):
-        loss, grads = jnntile.value_and_grad(_loss)(params, x)
+        loss, grads = jnntile.value_and_grad(mlp_loss)(params, x)
         updates, state = jnntile_tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
@@ -51,7 +31,7 @@ def _compare(rng, jnntile_tx, optax_tx, steps=10):
     ref_state = optax_tx.init(ref_params)
     for i in range(steps):
         params, state, loss = step(params, state, x)
-        ref_loss, ref_grads = jax.value_and_grad(_reference_loss)(ref_params, x_np)
+        ref_loss, ref_grads = jax.value_and_grad(mlp_reference_loss)(ref_params, x_np)
         ref_updates, ref_state = optax_tx.update(ref_grads, ref_state, ref_params)
         ref_params = optax.apply_updates(ref_params, ref_updates)
         if i == 0:  # later losses amplify the float32 rounding of the updates; the parameters are compared
@@ -85,17 +65,17 @@ def test_weight_decay_mask_matches_optax(rng):
 
 
 def test_global_norm(rng):
-    arrays, x_np = _problem(rng)
+    arrays, (x_np,) = mlp_problem(rng)
     params = {k: jnntile.from_array(v, 3) for k, v in arrays.items()}
-    _, grads = jnntile.value_and_grad(_loss)(params, jnntile.from_array(x_np, (5, 3)))
-    _, ref_grads = jax.value_and_grad(_reference_loss)(jax.tree.map(jnp.asarray, arrays), x_np)
+    _, grads = jnntile.value_and_grad(mlp_loss)(params, jnntile.from_array(x_np, (5, 3)))
+    _, ref_grads = jax.value_and_grad(mlp_reference_loss)(jax.tree.map(jnp.asarray, arrays), x_np)
     assert rel_err(optim.global_norm(grads).numpy(), optax.tree.norm(ref_grads)) < 1e-6
 
 
 def test_plain_optax_on_jnntile_gradients_fails_loudly(rng):
-    arrays, x_np = _problem(rng)
+    arrays, (x_np,) = mlp_problem(rng)
     params = {k: jnntile.from_array(v) for k, v in arrays.items()}
-    _, grads = jnntile.value_and_grad(_loss)(params, jnntile.from_array(x_np))
+    _, grads = jnntile.value_and_grad(mlp_loss)(params, jnntile.from_array(x_np))
     tx = optax.adamw(1e-3)
     with pytest.raises(ValueError, match="Gradient"):
         tx.update(grads, tx.init(params), params)
@@ -104,9 +84,9 @@ def test_plain_optax_on_jnntile_gradients_fails_loudly(rng):
 
 
 def test_update_needs_params(rng):
-    arrays, x_np = _problem(rng)
+    arrays, (x_np,) = mlp_problem(rng)
     params = {k: jnntile.from_array(v) for k, v in arrays.items()}
-    _, grads = jnntile.value_and_grad(_loss)(params, jnntile.from_array(x_np))
+    _, grads = jnntile.value_and_grad(mlp_loss)(params, jnntile.from_array(x_np))
     tx = optim.adamw(1e-3)
     with pytest.raises(ValueError, match="in place"):
         tx.update(grads, tx.init(params))

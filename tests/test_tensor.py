@@ -1,13 +1,11 @@
 """Tiled tensors: creation, round trips, random init, lifetime and bad input."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jnntile
 from conftest import counter_uniform01
-from jnntile import tensor as tensor_mod
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
 pytestmark = pytest.mark.usefixtures("placement")
