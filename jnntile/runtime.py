@@ -262,7 +262,8 @@ def blas_core() -> str:
 def stats() -> dict:
     """Tasks run, busy time per worker, bytes moved between memory nodes, memory per node.
 
-    `nodes` lists each memory node (RAM, and DISK when swapping) with
+    `codelets` maps each kernel's name to its task count and busy seconds, and
+    `median_task_s` is the median task duration (both since start). `nodes` lists each memory node (RAM, and DISK when swapping) with
     `used_bytes`, `total_bytes` and `peak_used_bytes` (the most used at any task
     completion since start or `reset_peaks`). `bytes_moved` maps "src->dst"
     (e.g. "RAM->DISK", bytes written to swap) to bytes, cumulative since start;

@@ -81,6 +81,15 @@ NB_MODULE(_xla_ffi, m) {
     out["tasks_submitted"] = s.tasks_submitted;
     out["tasks_completed"] = s.tasks_completed;
     out["tasks_pending"] = s.tasks_pending;
+    nb::dict codelets;
+    for (auto& [name, c] : s.codelets) {
+      nb::dict d;
+      d["tasks"] = c.tasks;
+      d["seconds"] = c.seconds;
+      codelets[name.c_str()] = d;
+    }
+    out["codelets"] = codelets;
+    out["median_task_s"] = s.median_task_s;
     nb::list workers;
     for (auto& w : s.workers) {
       nb::dict d;
