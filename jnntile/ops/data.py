@@ -106,8 +106,9 @@ class Chunk:
         return tuple(slice(a, b) for a, b in zip(self.start, self.stop))
 
 
-def chunks(shape, tile_shape, itemsize: int, max_bytes: float = CHUNK_BYTES) -> Iterator[Chunk]:
-    """Blocks of whole tiles that cover a tensor in row-major order, each at most `max_bytes` or one tile.
+def chunks(shape, tile_shape, itemsize: int, max_bytes: float | None = None) -> Iterator[Chunk]:
+    """Blocks of whole tiles that cover a tensor in row-major order, each at most `max_bytes` (default
+    CHUNK_BYTES) or one tile.
 
     The whole tensor when it fits; else its tile rows (the tiles sharing one
     index on axis 0, a contiguous part of the row-major array), and a row still
@@ -115,6 +116,7 @@ def chunks(shape, tile_shape, itemsize: int, max_bytes: float = CHUNK_BYTES) -> 
     weight held in one tile row), down to single tiles.
     """
     shape, tile_shape = tuple(shape), tuple(tile_shape)
+    max_bytes = CHUNK_BYTES if max_bytes is None else max_bytes
     grid = [-(-n // t) for n, t in zip(shape, tile_shape)]
 
     def split(lo, hi):
@@ -132,16 +134,23 @@ def chunks(shape, tile_shape, itemsize: int, max_bytes: float = CHUNK_BYTES) -> 
     return split((), ())
 
 
-def read_chunks(t: Tensor, max_bytes: float = CHUNK_BYTES) -> Iterator[tuple[Chunk, np.ndarray]]:
-    """The values of `t` chunk by chunk (see `chunks`): one host buffer at a time, whatever the tensor's size."""
+def read_chunks(t: Tensor, max_bytes: float | None = None) -> Iterator[tuple[Chunk, np.ndarray]]:
+    """The values of `t` chunk by chunk (see `chunks`): one host buffer at a time, whatever the tensor's size.
+
+    Waits for the ops on `t` now, in the calling thread; the chunks are read as
+    the iterator advances and touch no JAX object, so another thread may advance it.
+    """
     _ready_on_host(t, "jnntile.to_array")
-    for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes):
+
+    def read(chunk):
         out = np.empty(chunk.shape, dtype=t.dtype)
         _xla_ffi.tensor_read(t.id, out, list(chunk.tile_lo), list(chunk.tile_hi))
-        yield chunk, out
+        return out
+
+    return ((chunk, read(chunk)) for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes))
 
 
-def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: float = CHUNK_BYTES) -> Tensor:
+def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: float | None = None) -> Tensor:
     """Overwrites every tile of `t`, chunk by chunk, with `values(chunk)` (an array of the chunk's shape); blocks."""
     _ready_on_host(t, "a JAX array written with jnntile.from_array")
     for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes):
@@ -150,6 +159,7 @@ def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: fl
             raise ValueError(f"values of shape {array.shape} for tiles {chunk.tile_lo} to {chunk.tile_hi} of {t!r}, "
                              f"expected {chunk.shape}")
         _xla_ffi.tensor_write(t.id, array, list(chunk.tile_lo), list(chunk.tile_hi))
+        del array  # before the next one is made
     t.handle.invalidated = False
     return t.with_token(after(_ffi.on_host(jnp.zeros, (), jnp.float32), t.handle))
 
