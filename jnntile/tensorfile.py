@@ -18,12 +18,10 @@ damaged file is refused with the problem and the file named.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -255,70 +253,37 @@ def write_file(path, tensors: Mapping, metadata: dict | None = None) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _pwrite(fd, np.frombuffer(len(raw).to_bytes(8, "little") + raw, np.uint8), 0)
-        for block, runs in _prefetched(_blocks(entries.values(), data_start)):
+        for block, runs in _blocks(entries.values(), data_start):
             done = 0
             for offset, length in runs:
                 _pwrite(fd, block[done:done + length], offset)
                 done += length
-            del block  # before the next one is read (two in memory at most)
+            del block  # before the next one is read
     finally:
         os.close(fd)
 
 
 def _blocks(entries, data_start):
     """(flat array, [(file offset, elements)] of its runs) for all data of `entries`, in file order: arrays
-    whole, tiled tensors a chunk at a time (waited for here, read as the iterator advances)."""
-    def runs_of(value, begin):
+    whole, tiled tensors a chunk at a time."""
+    for value, entry in entries:
+        begin = data_start + entry["data_offsets"][0]
         if isinstance(value, np.ndarray):
-            return [(value.reshape(-1), [(begin, value.size)])]
-        shape, itemsize = value.tensor.shape, value.dtype.itemsize
-        return ((block.reshape(-1), [(begin + offset * itemsize, length)
-                                     for offset, length in _runs(shape, chunk.start, chunk.stop)])
-                for chunk, block in data_ops.read_chunks(value.tensor))
-
-    return itertools.chain.from_iterable([runs_of(value, data_start + entry["data_offsets"][0])
-                                          for value, entry in entries])
-
-
-_END = object()
-
-
-def _prefetched(items):
-    """The items of the iterator `items`, the next one computed in a thread while the caller uses the current
-    one: reading tiles overlaps writing the file (or reading the file overlaps writing tiles), both of
-    which release the GIL."""
-    items = iter(items)
-    with ThreadPoolExecutor(1, thread_name_prefix="jnntile-prefetch") as pool:
-        ahead = pool.submit(next, items, _END)
-        while True:
-            item = ahead.result()
-            if item is _END:
-                return
-            ahead = pool.submit(next, items, _END)
-            yield item
-            del item
+            yield value.reshape(-1), [(begin, value.size)]
+            continue
+        itemsize = value.dtype.itemsize
+        for chunk, block in data_ops.read_chunks(value.tensor):
+            yield block.reshape(-1), [(begin + offset * itemsize, length)
+                                      for offset, length in _runs(value.tensor.shape, chunk.start, chunk.stop)]
+            del block  # one chunk in memory at a time
 
 
 def load_into(t: Tensor, source) -> Tensor:
     """Overwrites every tile of `t` from `source` of the same size (any row-major shape): a FileTensor, read
     chunk by chunk, or an array; returns `t` with the token of the write. Blocks."""
-    return load_all([(t, source)])[0]
-
-
-def load_all(pairs) -> list[Tensor]:
-    """`load_into` for every (tensor, source) pair, reading the next chunk from its file while the current one
-    is written into tiles."""
-    for t, source in pairs:
-        if math.prod(np.shape(source)) != t.size:
-            raise ValueError(f"{source!r} cannot fill {t!r}: the sizes differ")
-
-    def blocks():
-        for t, source in pairs:
-            if not isinstance(source, FileTensor):
-                source = np.asarray(source).reshape(t.shape)
-            for chunk in data_ops.chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize):
-                yield (source.read(t.shape, chunk.start, chunk.stop) if isinstance(source, FileTensor) else
-                       source[chunk.slices])
-
-    stream = _prefetched(blocks())
-    return [data_ops.write_chunks(t, lambda chunk: next(stream)) for t, _ in pairs]
+    if math.prod(np.shape(source)) != t.size:
+        raise ValueError(f"{source!r} cannot fill {t!r}: the sizes differ")
+    if isinstance(source, FileTensor):
+        return data_ops.write_chunks(t, lambda chunk: source.read(t.shape, chunk.start, chunk.stop))
+    array = np.asarray(source).reshape(t.shape)
+    return data_ops.write_chunks(t, lambda chunk: array[chunk.slices])

@@ -12,17 +12,17 @@
   process plus a stated allowance.
 """
 
-import dataclasses
 import json
-import math
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+from flax import nnx
 
 import jnntile
 from jnntile import checkpoint, memory, optim, tensorfile
@@ -184,8 +184,6 @@ def test_bad_hugging_face_tensor_overwrites_nothing(tmp_path):
 def _saved_checkpoint(tmp_path):
     model = gpt2.GPT2(SMALL, batch_size=B, seq_len=T, seed=2)
     tx = optim.adamw(1e-3)
-    from flax import nnx
-
     opt_state = tx.init(nnx.state(model, nnx.Param))
     path = checkpoint.save(tmp_path, model=model, opt_state=opt_state, step=5, state={"data_position": 0})
     return path, tx
@@ -233,11 +231,10 @@ def test_damaged_checkpoint_is_refused_before_anything_is_overwritten(tmp_path, 
     damage, message = corruption
     path, tx = _saved_checkpoint(tmp_path)
     damage(path)
-    from flax import nnx
-
     model = gpt2.GPT2(SMALL, batch_size=B, seq_len=T, seed=3)
     opt_state = tx.init(nnx.state(model, nnx.Param))
-    opt_state = opt_state._replace(mu=jax_tree_fill(opt_state.mu, 0.5))
+    opt_state = opt_state._replace(mu=jax.tree.map(lambda t: data.fill(t, 0.5), opt_state.mu,
+                                                   is_leaf=lambda x: isinstance(x, jnntile.Tensor)))
     before = {name: np.asarray(value) for name, value in model.to_hf_params().items()}
     with pytest.raises(ValueError, match=message):
         checkpoint.restore(path, model=model, opt_state=opt_state)
@@ -247,16 +244,8 @@ def test_damaged_checkpoint_is_refused_before_anything_is_overwritten(tmp_path, 
         np.testing.assert_array_equal(moment.numpy(), np.full(moment.shape, 0.5, np.float32))
 
 
-def jax_tree_fill(tree, value):
-    import jax
-
-    return jax.tree.map(lambda t: data.fill(t, value), tree, is_leaf=lambda x: isinstance(x, jnntile.Tensor))
-
-
 def test_checkpoint_round_trip_in_small_chunks(tmp_path, small_chunks):
     path, tx = _saved_checkpoint(tmp_path)
-    from flax import nnx
-
     saved = gpt2.GPT2(SMALL, batch_size=B, seq_len=T, seed=2)
     model = gpt2.GPT2(SMALL, batch_size=B, seq_len=T, seed=4)
     opt_state = tx.init(nnx.state(model, nnx.Param))
@@ -265,3 +254,79 @@ def test_checkpoint_round_trip_in_small_chunks(tmp_path, small_chunks):
     for name, value in model.to_hf_params().items():
         np.testing.assert_array_equal(np.asarray(value), np.asarray(saved.to_hf_params()[name]), err_msg=name)
     assert int(opt_state.count) == 0
+
+
+# ---- end to end: peak RSS of the command line ------------------------------------------------------
+
+# Prints the peak RSS (VmHWM) of this process at exit: `idle` imports jnntile and
+# starts the runtime under the limit; anything else runs `python -m jnntile.train`.
+_PEAK_RSS_SCRIPT = textwrap.dedent("""
+    import sys
+
+    def peak_mb():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+
+    if sys.argv[1] == "idle":
+        import jnntile
+        jnntile.runtime.start(memory_limit_mb=int(sys.argv[2]))
+        jnntile.zeros((4, 4)).numpy()
+        code = 0
+    else:
+        from jnntile import train
+        code = train.main(sys.argv[1:])
+    print(f"peak RSS MB {peak_mb():.1f}", flush=True)
+    sys.exit(code)
+""")
+LIMIT_MB = 64
+# 40M parameters: 630 MB of parameters, gradients and AdamW state, 10x the limit. Two
+# layers keep the compiled step small; the width makes the state large.
+E2E = ["--n-layer", "2", "--n-head", "10", "--n-embd", "1280", "--batch-size", "2", "--seq-len", "32",
+       "--tile-embd", "256", "--tile-hidden", "1280", "--tile-vocab", "128", "--eval-interval", "0",
+       "--samples", "0", "--quiet", "--memory-limit-mb", str(LIMIT_MB), "--swap-size-mb", "2048"]
+# What a training process holds beyond an idle one and its memory limit, whatever the size
+# of the model's state: jnntile.train's imports (matplotlib draws the loss curve), the
+# compiled step, the batches, and a chunk of a checkpoint (here a tile row of 1.3 MB).
+# Measured: about 165 MB here; checkpoints that read whole tensors took it to 420 MB.
+ALLOWANCE_MB = 250
+
+
+def _peak_rss_mb(*args) -> float:
+    proc = subprocess.run([sys.executable, "-c", _PEAK_RSS_SCRIPT, *args], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return float(proc.stdout.rsplit("peak RSS MB", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def e2e_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    text = root / "text.txt"
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "tiles", "tasks", "memory", "disk"]
+    text.write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(400)))
+    data_mod.prepare_dataset(text, root / "prepared", vocab_size=300, progress=False)
+    return root / "prepared" / "train.bin"
+
+
+def test_train_checkpoint_resume_export_peak_within_limit(e2e_data, tmp_path):
+    out, swap, hf = tmp_path / "out", tmp_path / "swap", tmp_path / "hf"
+    config = GPT2Config(n_layer=2, n_head=10, n_embd=1280, n_positions=32,
+                        vocab_size=data_mod.TokenDataset(e2e_data).vocab_size)
+    assert memory.plan(config, 2, 32).state > 4 * LIMIT_MB * 2**20
+    idle = _peak_rss_mb("idle", str(LIMIT_MB))
+    run = ["--data", str(e2e_data), "--out", str(out), "--swap-dir", str(swap), *E2E]
+    peaks = {"train + checkpoints": _peak_rss_mb(*run, "--steps", "3", "--checkpoint-interval", "2")}
+    straight = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    final = safetensors.numpy.load_file(out / "ckpt-0000003" / "model.safetensors")
+    (out / "latest").write_text("ckpt-0000002")  # as if interrupted after step 2
+    peaks["resume + export"] = _peak_rss_mb(*run, "--steps", "3", "--resume", "--export-hf", str(hf))
+    resumed = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert resumed == straight
+    exported = safetensors.numpy.load_file(hf / "model.safetensors")
+    assert exported.keys() == final.keys()
+    for name, value in final.items():
+        assert exported[name].tobytes() == value.tobytes(), name
+    for what, peak in peaks.items():
+        assert peak <= idle + LIMIT_MB + ALLOWANCE_MB, (
+            f"{what}: peak RSS {peak:.0f} MB > idle {idle:.0f} + limit {LIMIT_MB} + allowance {ALLOWANCE_MB} MB")

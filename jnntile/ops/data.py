@@ -135,19 +135,13 @@ def chunks(shape, tile_shape, itemsize: int, max_bytes: float | None = None) -> 
 
 
 def read_chunks(t: Tensor, max_bytes: float | None = None) -> Iterator[tuple[Chunk, np.ndarray]]:
-    """The values of `t` chunk by chunk (see `chunks`): one host buffer at a time, whatever the tensor's size.
-
-    Waits for the ops on `t` now, in the calling thread; the chunks are read as
-    the iterator advances and touch no JAX object, so another thread may advance it.
-    """
+    """The values of `t` chunk by chunk (see `chunks`): one host buffer at a time, whatever the tensor's size."""
     _ready_on_host(t, "jnntile.to_array")
-
-    def read(chunk):
+    for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes):
         out = np.empty(chunk.shape, dtype=t.dtype)
         _xla_ffi.tensor_read(t.id, out, list(chunk.tile_lo), list(chunk.tile_hi))
-        return out
-
-    return ((chunk, read(chunk)) for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes))
+        yield chunk, out
+        del out  # before the next one is made
 
 
 def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: float | None = None) -> Tensor:
@@ -159,7 +153,7 @@ def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: fl
             raise ValueError(f"values of shape {array.shape} for tiles {chunk.tile_lo} to {chunk.tile_hi} of {t!r}, "
                              f"expected {chunk.shape}")
         _xla_ffi.tensor_write(t.id, array, list(chunk.tile_lo), list(chunk.tile_hi))
-        del array  # before the next one is made
+        del array  # before the next one is read
     t.handle.invalidated = False
     return t.with_token(after(_ffi.on_host(jnp.zeros, (), jnp.float32), t.handle))
 
