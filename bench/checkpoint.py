@@ -6,8 +6,9 @@ Runs `python -m jnntile.train` three times, each in its own process: train
 (--steps N) and save the final checkpoint, resume from it (--resume, one more
 step) and export the weights for Hugging Face (--export-hf). Inside each, the
 checkpoint calls are timed and the peak RSS during each call is measured on its
-own (VmHWM from /proc/self/status, reset just before the call through
-/proc/self/clear_refs), next to the peak RSS of the whole process.
+own (VmHWM from /proc/self/status, reset to the RSS at the start of the call
+through /proc/self/clear_refs), next to the RSS at its start and the peak RSS of
+the whole process.
 
 MB/s counts the bytes of the files written or read (model.safetensors and
 optimizer.safetensors). Saving writes into the kernel's page cache (no fsync;
@@ -70,11 +71,12 @@ def worker(argv: list[str]) -> dict:
                 return fn(*args, **kwargs)
             depth.append(name)
             before_mb = _status_mb("VmHWM")
+            start_mb = _status_mb("VmRSS")
             _reset_peak_rss()
             started = time.perf_counter()
             out = fn(*args, **kwargs)
             calls.append(dict(call=name, seconds=time.perf_counter() - started, peak_rss_mb=_status_mb("VmHWM"),
-                              peak_before_mb=before_mb))
+                              peak_before_mb=before_mb, rss_at_start_mb=start_mb))
             depth.pop()
             return out
         return wrapper
@@ -169,14 +171,15 @@ def main():
 
         print(f"\ncheckpoint: {nbytes / MB:.0f} MB ({', '.join(f'{p.name} {p.stat().st_size / MB:.0f} MB' for p in files)}); "
               f"Hugging Face export: {exported / MB:.0f} MB")
-        print(f"{'run':<36} {'call':<10} {'seconds':>8} {'MB/s':>7} {'peak RSS':>9} {'peak RSS':>9} {'fsync s':>8}")
-        print(f"{'':<36} {'':<10} {'':>8} {'':>7} {'in call':>9} {'process':>9} {'':>8}")
+        print(f"{'run':<36} {'call':<10} {'seconds':>8} {'MB/s':>7} {'RSS at':>7} {'peak RSS':>9} {'peak RSS':>9} "
+              f"{'fsync s':>8}")
+        print(f"{'':<36} {'':<10} {'':>8} {'':>7} {'start':>7} {'in call':>9} {'process':>9} {'':>8}")
         for label, result, _, fsync in rows:
             for c in result["calls"]:
                 size = exported if c["call"] == "export_hf" else nbytes
                 fs = f"{fsync:8.1f}" if fsync is not None and c["call"] == "save" else f"{'':>8}"
                 print(f"{label:<36} {c['call']:<10} {c['seconds']:8.1f} {size / MB / c['seconds']:7.0f} "
-                      f"{c['peak_rss_mb']:9.0f} {result['process_peak_rss_mb']:9.0f} {fs}")
+                      f"{c['rss_at_start_mb']:7.0f} {c['peak_rss_mb']:9.0f} {result['process_peak_rss_mb']:9.0f} {fs}")
         print(f"step {args.steps} loss after resuming from the page cache / from the disk: "
               f"{warm_loss} / {_losses(out)[-1]} ({'identical' if warm_loss == _losses(out)[-1] else 'DIFFERENT'})")
     finally:
