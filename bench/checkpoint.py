@@ -126,6 +126,20 @@ def _fsync_seconds(paths) -> float:
     return time.perf_counter() - started
 
 
+def _print_table(rows, files, nbytes, exported):
+    print(f"\ncheckpoint: {nbytes / MB:.0f} MB ({', '.join(f'{p.name} {p.stat().st_size / MB:.0f} MB' for p in files)})"
+          + (f"; Hugging Face export: {exported / MB:.0f} MB" if exported else ""))
+    print(f"{'run':<36} {'call':<10} {'seconds':>8} {'MB/s':>7} {'RSS at':>7} {'peak RSS':>9} {'peak RSS':>9} "
+          f"{'fsync s':>8}")
+    print(f"{'':<36} {'':<10} {'':>8} {'':>7} {'start':>7} {'in call':>9} {'process':>9} {'':>8}")
+    for label, result, fsync in rows:
+        for c in result["calls"]:
+            size = exported if c["call"] == "export_hf" else nbytes
+            fs = f"{fsync:8.1f}" if fsync is not None and c["call"] == "save" else f"{'':>8}"
+            print(f"{label:<36} {c['call']:<10} {c['seconds']:8.1f} {size / MB / c['seconds']:7.0f} "
+                  f"{c['rss_at_start_mb']:7.0f} {c['peak_rss_mb']:9.0f} {result['process_peak_rss_mb']:9.0f} {fs}")
+
+
 def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -137,6 +151,9 @@ def main():
     parser.add_argument("--limit-mb", type=int, default=512, help="--memory-limit-mb of every run")
     parser.add_argument("--steps", type=int, default=3, help="steps before the checkpoint")
     parser.add_argument("--swap-dir", default=tempfile.gettempdir(), help="where the swap and the outputs go")
+    parser.add_argument("--swap-size-mb", type=int, default=16384, help="--swap-size-mb of every run")
+    parser.add_argument("--save-only", action="store_true",
+                        help="only the first run (train and save): resuming needs room for two checkpoints")
     parser.add_argument("--timeout-s", type=float, default=7200, help="per run")
     args = parser.parse_args()
     if args.worker:
@@ -146,7 +163,8 @@ def main():
     root = Path(tempfile.mkdtemp(prefix="jnntile-bench-checkpoint-", dir=args.swap_dir))
     out, export = root / "out", root / "hf"
     common = [*MODELS[args.model], "--memory-limit-mb", str(args.limit_mb), "--swap-dir", str(root / "swap"),
-              "--samples", "0", "--eval-interval", "0", "--checkpoint-interval", "0", "--quiet", "--out", str(out)]
+              "--swap-size-mb", str(args.swap_size_mb), "--samples", "0", "--eval-interval", "0",
+              "--checkpoint-interval", "0", "--quiet", "--out", str(out)]
     print(f"bench/checkpoint.py: {args.model} ({' '.join(MODELS[args.model])}) under --memory-limit-mb "
           f"{args.limit_mb} with swap in {root}", flush=True)
     try:
@@ -157,29 +175,23 @@ def main():
         files = [ckpt / name for name in FILES]
         nbytes = sum(p.stat().st_size for p in files)
         fsync_s = _fsync_seconds(files)
-        rows.append(("train + save", first, "save", fsync_s))
+        rows.append(("train + save", first, fsync_s))
+        exported = None
+        if args.save_only:
+            _print_table(rows, files, nbytes, exported)
+            return
         warm = run([*common, "--steps", str(args.steps + 1), "--resume"], args.timeout_s)
-        rows.append(("resume (files in page cache)", warm, "restore", None))
+        rows.append(("resume (files in page cache)", warm, None))
         warm_loss = _losses(out)[-1]
         # The resumed run saved a newer checkpoint; restore the same one again, from the disk.
         (out / "latest").write_text(ckpt.name)
         shutil.rmtree(out / f"ckpt-{args.steps + 1:07d}")
         _evict_from_page_cache(files)
         cold = run([*common, "--steps", str(args.steps + 1), "--resume", "--export-hf", str(export)], args.timeout_s)
-        rows.append(("resume (files from disk) + export", cold, "restore", None))
+        rows.append(("resume (files from disk) + export", cold, None))
         exported = (export / "model.safetensors").stat().st_size
 
-        print(f"\ncheckpoint: {nbytes / MB:.0f} MB ({', '.join(f'{p.name} {p.stat().st_size / MB:.0f} MB' for p in files)}); "
-              f"Hugging Face export: {exported / MB:.0f} MB")
-        print(f"{'run':<36} {'call':<10} {'seconds':>8} {'MB/s':>7} {'RSS at':>7} {'peak RSS':>9} {'peak RSS':>9} "
-              f"{'fsync s':>8}")
-        print(f"{'':<36} {'':<10} {'':>8} {'':>7} {'start':>7} {'in call':>9} {'process':>9} {'':>8}")
-        for label, result, _, fsync in rows:
-            for c in result["calls"]:
-                size = exported if c["call"] == "export_hf" else nbytes
-                fs = f"{fsync:8.1f}" if fsync is not None and c["call"] == "save" else f"{'':>8}"
-                print(f"{label:<36} {c['call']:<10} {c['seconds']:8.1f} {size / MB / c['seconds']:7.0f} "
-                      f"{c['rss_at_start_mb']:7.0f} {c['peak_rss_mb']:9.0f} {result['process_peak_rss_mb']:9.0f} {fs}")
+        _print_table(rows, files, nbytes, exported)
         print(f"step {args.steps} loss after resuming from the page cache / from the disk: "
               f"{warm_loss} / {_losses(out)[-1]} ({'identical' if warm_loss == _losses(out)[-1] else 'DIFFERENT'})")
     finally:
