@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jnntile.ops.data import CHUNK_BYTES
+from jnntile.ops import data as data_ops
 from jnntile.tensorfile import FileTensor, Reshaped, SafetensorsFile, write_file
 
 from .config import GPT2Config
@@ -50,7 +50,10 @@ def read_config(directory) -> GPT2Config:
         raise ValueError(f"{path} does not parse as JSON ({e}): the checkpoint is damaged") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path} is not a JSON object: the checkpoint is damaged")
-    return GPT2Config.from_hf_dict(hf)
+    try:
+        return GPT2Config.from_hf_dict(hf)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def open_hf(directory) -> tuple[GPT2Config, dict[str, FileTensor]]:
@@ -141,7 +144,7 @@ def _same_values(a: FileTensor, b: FileTensor) -> bool:
     """Whether two (V, C) tensors of a file hold the same values, compared a block of rows at a time."""
     if a.shape != b.shape:
         return False
-    rows = max(1, CHUNK_BYTES // (4 * max(1, int(np.prod(a.shape[1:])))))
+    rows = max(1, data_ops.CHUNK_BYTES * a.shape[0] // max(1, a.nbytes))
     for start in range(0, a.shape[0], rows):
         stop = min(start + rows, a.shape[0])
         block = lambda t: t.read(a.shape, (start,) + (0,) * (len(a.shape) - 1), (stop,) + a.shape[1:])  # noqa: E731
