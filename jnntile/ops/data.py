@@ -146,7 +146,7 @@ def read_chunks(t: Tensor, max_bytes: float | None = None) -> Iterator[tuple[Chu
 
 def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: float | None = None) -> Tensor:
     """Overwrites every tile of `t`, chunk by chunk, with `values(chunk)` (an array of the chunk's shape); blocks."""
-    _ready_on_host(t, "a JAX array written with jnntile.from_array")
+    _ready_on_host(t, "jnntile.from_array of a JAX array")
     for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes):
         array = np.asarray(values(chunk), dtype=t.dtype, order="C")
         if array.shape != chunk.shape:
