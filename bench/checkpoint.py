@@ -171,6 +171,8 @@ def main():
         rows = []
         first = run([*common, "--steps", str(args.steps)], args.timeout_s)
         print(first["stdout"].strip().splitlines()[0], flush=True)
+        rows_of_metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        print("training steps took " + ", ".join(f"{r['seconds']:.0f} s" for r in rows_of_metrics), flush=True)
         ckpt = out / (out / "latest").read_text().strip()
         files = [ckpt / name for name in FILES]
         nbytes = sum(p.stat().st_size for p in files)
