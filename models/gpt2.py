@@ -24,9 +24,8 @@ import numpy as np
 from flax import nnx
 
 import jnntile
-from jnntile import nn
+from jnntile import nn, tensorfile
 from jnntile.ops import attention as attention_ops
-from jnntile.ops import data as data_ops
 from jnntile.ops import elementwise as ew
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import gemm
@@ -212,25 +211,26 @@ class GPT2(nnx.Module):
     def _hf_shapes(self) -> dict[str, tuple]:
         return {name: _to_hf_shape(name, p.get_value().shape) for name, p in self.named_params().items()}
 
-    def to_hf_params(self) -> dict[str, np.ndarray]:
-        """All parameters as numpy arrays in Hugging Face names and layouts."""
-        return {name: p.get_value().numpy().reshape(_to_hf_shape(name, p.get_value().shape))
+    def to_hf_params(self) -> dict[str, tensorfile.Reshaped]:
+        """All parameters in Hugging Face names and layouts, unread: np.asarray(value) reads one whole,
+        `save_hf` and checkpoints stream them from the tiles chunk by chunk."""
+        return {name: tensorfile.Reshaped(p.get_value(), _to_hf_shape(name, p.get_value().shape))
                 for name, p in self.named_params().items()}
 
     def load_hf_params(self, params: dict) -> None:
-        """Overwrites every parameter from a dict in Hugging Face names and layouts (e.g. `load_hf`)."""
+        """Overwrites every parameter from a dict in Hugging Face names and layouts: arrays, or the unread
+        tensors of `open_hf`, streamed into the tiles chunk by chunk. Checks every shape before writing."""
         mine = self.named_params()
         missing = sorted(set(mine) - set(params))
         unexpected = sorted(set(params) - set(mine))
         if missing or unexpected:
             raise ValueError(f"parameters do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         for name, variable in mine.items():
-            t = variable.get_value()
-            array = np.asarray(params[name], dtype=np.float32)
-            expected = _to_hf_shape(name, t.shape)
-            if array.shape != expected:
-                raise ValueError(f"parameter {name} has shape {array.shape}, expected {expected}")
-            variable.set_value(data_ops.write(t, np.ascontiguousarray(array.reshape(t.shape))))
+            expected = _to_hf_shape(name, variable.get_value().shape)
+            if tuple(np.shape(params[name])) != expected:
+                raise ValueError(f"parameter {name} has shape {tuple(np.shape(params[name]))}, expected {expected}")
+        for name, variable in mine.items():
+            variable.set_value(tensorfile.load_into(variable.get_value(), params[name]))
 
 
 def _to_hf_shape(name: str, shape: tuple) -> tuple:
@@ -259,9 +259,9 @@ def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **config
 
     `config_overrides` sets fields config.json does not hold, such as tile sizes.
     """
-    from .hf_checkpoint import load_hf
+    from .hf_checkpoint import open_hf
 
-    config, params = load_hf(directory)
+    config, params = open_hf(directory)
     if config_overrides:
         config = dataclasses.replace(config, **config_overrides)
     model = GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
