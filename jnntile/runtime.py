@@ -228,7 +228,10 @@ def stop() -> None:
 
 def wait_all() -> None:
     """Blocks until every submitted task has completed (with the watchdog)."""
+    from jnntile import tensor  # tensor imports runtime
+
     if is_running():
+        tensor.free_unreachable()
         _xla_ffi.wait_all()
 
 
@@ -269,6 +272,9 @@ def stats() -> dict:
     (e.g. "RAM->DISK", bytes written to swap) to bytes, cumulative since start;
     call `wait_all()` first to count the transfers of tasks still running.
     """
+    from jnntile import tensor  # tensor imports runtime
+
+    tensor.free_unreachable()  # a safe point: the tensor count then counts live tensors
     return _xla_ffi.runtime_stats()
 
 
