@@ -9,6 +9,11 @@ table, or with --json one object per configuration:
 {"config": "124M 4x256", "jnntile_tokens_per_s": ..., "xla_tokens_per_s": ..., "ratio": ...}, plus, for
 jnntile, tasks per step, the median task duration (of every task since the
 process started) and each worker's idle fraction over the timed steps.
+
+jnntile's matrix products run OpenBLAS's kernels, XLA's its own: the report
+names OpenBLAS's kernels (`OPENBLAS_CORETYPE`, kept when the environment sets
+it, else chosen from the CPU flags). On an AVX-512 CPU whose environment pins
+Haswell kernels, `OPENBLAS_CORETYPE=SkylakeX` measures what the CPU can do.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ def measure(name: str, which: str, steps: int) -> dict:
     return {"tokens_per_s": batch * seq / statistics.median(times), "tiles": str(step.model.tiles),
             "tasks_per_step": tasks / steps, "median_task_ms": 1e3 * after["median_task_s"],
             "worker_idle_fraction": [round(1 - b / wall, 3) for b in busy],
-            "runtime": jnntile.runtime.describe()}
+            "runtime": jnntile.runtime.describe(), "openblas_kernels": jnntile.runtime.blas_core()}
 
 
 def run(name: str, which: str, steps: int) -> dict:
@@ -84,6 +89,7 @@ def main(argv=None) -> int:
         print(json.dumps(measure(*args.child, args.steps)))
         return 0
     if not args.json:
+        print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(chosen from the CPU flags)')}")
         print(f"{'config':>12} {'jnntile tok/s':>14} {'XLA tok/s':>10} {'ratio':>6} {'tasks/step':>11} "
               f"{'task ms':>8}  idle per worker")
     for name in args.configs:
