@@ -42,6 +42,7 @@ struct RuntimeConfig {
   Placement placement = Placement::Auto;
   bool tf32 = false;            // cuBLAS may use TF32 tensor cores for float32 products
   bool pin_host_memory = false; // page-lock RAM tiles so GPU transfers are asynchronous
+  bool distributed = false;     // one of several MPI ranks: StarPU through StarPU-MPI (distributed.h)
 };
 
 // The most CPU workers the StarPU in use accepts (its STARPU_MAXCPUS).

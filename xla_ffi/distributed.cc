@@ -1,0 +1,257 @@
+#include "distributed.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include "runtime.h"
+
+#if JNNTILE_MPI
+#include <starpu_mpi.h>
+#endif
+
+namespace jnntile {
+
+#if JNNTILE_MPI
+
+namespace {
+
+struct Mpi {
+  std::mutex mutex;
+  MPI_Comm host = MPI_COMM_NULL;  // host exchanges, apart from StarPU-MPI's MPI_COMM_WORLD traffic
+  int rank = 0;
+  int size = 1;
+  bool initialized_here = false;  // MPI_Init_thread was ours, so MPI_Finalize is too
+  bool abandoned = false;
+  int exchange = 0;  // tag of the next host exchange
+  std::unique_ptr<std::atomic<int64_t>[]> receiving;  // outstanding tile receives per source rank
+  std::atomic<int64_t> bytes_sent{0};
+};
+
+Mpi& mpi() {
+  static Mpi* m = new Mpi();  // never destroyed: StarPU-MPI's callbacks may outlive statics
+  return *m;
+}
+
+void check(int ret, const std::string& what) {
+  if (ret == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(ret, text, &length);
+  throw std::runtime_error("MPI failed in " + what + ": " + std::string(text, size_t(length)));
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  out << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
+  return out.str();
+}
+
+}  // namespace
+
+bool mpi_available() { return true; }
+
+std::string mpi_unavailable_reason() { return ""; }
+
+std::pair<int, int> mpi_world() {
+  Mpi& m = mpi();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  if (m.host != MPI_COMM_NULL) return {m.rank, m.size};
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized) throw std::runtime_error("MPI was finalised in this process; distributed training needs a new one");
+  int provided = MPI_THREAD_SINGLE;
+  if (!initialized) {
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
+    m.initialized_here = true;
+  } else {
+    MPI_Query_thread(&provided);
+  }
+  if (provided < MPI_THREAD_MULTIPLE)
+    throw std::runtime_error("the MPI library gives thread level " + std::to_string(provided) +
+                             "; jnntile needs MPI_THREAD_MULTIPLE (its host exchanges run beside StarPU-MPI's "
+                             "thread): use an MPI built with thread support, e.g. Debian's Open MPI");
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &m.host), "MPI_Comm_dup");
+  MPI_Comm_set_errhandler(m.host, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(m.host, &m.rank);
+  MPI_Comm_size(m.host, &m.size);
+  m.receiving.reset(new std::atomic<int64_t>[size_t(m.size)]);
+  for (int r = 0; r < m.size; ++r) m.receiving[r] = 0;
+  return {m.rank, m.size};
+}
+
+bool mpi_initialized() { return mpi().host != MPI_COMM_NULL; }
+
+void mpi_finalize() {
+  Mpi& m = mpi();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  if (m.host == MPI_COMM_NULL || m.abandoned) return;
+  MPI_Comm_free(&m.host);
+  m.host = MPI_COMM_NULL;
+  if (m.initialized_here) MPI_Finalize();
+}
+
+void mpi_abort(int code) {
+  if (mpi_initialized()) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; should it, leave anyway
+}
+
+int distributed_starpu_init(starpu_conf* conf) {
+  mpi_world();
+  Mpi& m = mpi();
+  m.bytes_sent = 0;
+  for (int r = 0; r < m.size; ++r) m.receiving[r] = 0;
+  // MPI is ours (initialize_mpi = 0): it outlives StarPU, which may be restarted in the process.
+  return starpu_mpi_init_conf(nullptr, nullptr, 0, MPI_COMM_WORLD, conf);
+}
+
+void distributed_starpu_shutdown(double timeout_s) {
+  try {
+    allgather("", "runtime stop", timeout_s);
+  } catch (...) {
+    distributed_abandon();
+    throw;
+  }
+  starpu_mpi_shutdown();  // collective too: waits for the tasks and transfers of every rank
+}
+
+void distributed_abandon() {
+  Mpi& m = mpi();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  m.abandoned = true;
+}
+
+std::vector<std::string> allgather(const std::string& mine, const std::string& what, double timeout_s) {
+  auto [rank, size] = mpi_world();
+  Mpi& m = mpi();
+  std::vector<std::string> out(static_cast<size_t>(size));
+  out[size_t(rank)] = mine;
+  if (size == 1) return out;
+  // Exchanges follow one another on every rank, so a rolling tag keeps a late
+  // message of an abandoned one from matching the next.
+  const int tag = m.exchange;
+  m.exchange = (m.exchange + 1) % 32768;  // MPI guarantees tags up to 32767
+  std::vector<MPI_Request> sends;
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    sends.emplace_back();
+    check(MPI_Isend(mine.data(), int(mine.size()), MPI_BYTE, r, tag, m.host, &sends.back()),
+          "a send to rank " + std::to_string(r) + " (" + what + ")");
+  }
+  std::vector<bool> received(static_cast<size_t>(size), false);
+  received[size_t(rank)] = true;
+  auto start = std::chrono::steady_clock::now();
+  auto pause = std::chrono::microseconds(20);
+  while (true) {
+    bool all = true;
+    for (int r = 0; r < size; ++r) {
+      if (received[size_t(r)]) continue;
+      int flag = 0;
+      MPI_Status status;
+      check(MPI_Iprobe(r, tag, m.host, &flag, &status), "a probe of rank " + std::to_string(r) + " (" + what + ")");
+      if (!flag) {
+        all = false;
+        continue;
+      }
+      int count = 0;
+      MPI_Get_count(&status, MPI_BYTE, &count);
+      out[size_t(r)].resize(size_t(count));
+      check(MPI_Recv(&out[size_t(r)][0], count, MPI_BYTE, r, tag, m.host, MPI_STATUS_IGNORE),
+            "a receive from rank " + std::to_string(r) + " (" + what + ")");
+      received[size_t(r)] = true;
+    }
+    int sent = 0;
+    check(MPI_Testall(int(sends.size()), sends.data(), &sent, MPI_STATUSES_IGNORE), "sends (" + what + ")");
+    if (all && sent) return out;
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > timeout_s) {
+      std::vector<int> missing;
+      for (int r = 0; r < size; ++r)
+        if (!received[size_t(r)]) missing.push_back(r);
+      std::ostringstream msg;
+      msg << "rank " << rank << " waited " << waited << " s for "
+          << (missing.empty() ? std::string("its messages to be taken") : rank_list(missing)) << " at " << what
+          << ": they died, stopped, or run a different program (every rank must run the same command on the same "
+             "data); their own output, or mpirun's, says why. Raise watchdog_s if they are only slow.";
+      distributed_abandon();
+      throw std::runtime_error(msg.str());
+    }
+    // Sleep while waiting: a blocking MPI call would poll, spinning a core (DESIGN invariant 5).
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(2000));
+  }
+}
+
+void transfer_posted(int source, int64_t bytes_sent) {
+  Mpi& m = mpi();
+  begin_pending();
+  if (source >= 0) m.receiving[source] += 1;
+  m.bytes_sent += bytes_sent;
+}
+
+void transfer_done(int source) {
+  if (source >= 0) mpi().receiving[source] -= 1;
+  end_pending();
+}
+
+std::string distributed_stall() {
+  Mpi& m = mpi();
+  if (!m.receiving) return "";
+  std::vector<int> ranks;
+  int64_t count = 0;
+  for (int r = 0; r < m.size; ++r) {
+    int64_t n = m.receiving[r].load();
+    if (n > 0) {
+      ranks.push_back(r);
+      count += n;
+    }
+  }
+  if (ranks.empty()) return "";
+  return "rank " + std::to_string(m.rank) + " waits for tiles from " + rank_list(ranks) + " (" +
+         std::to_string(count) + " transfers outstanding)";
+}
+
+int64_t mpi_bytes_sent() { return mpi().bytes_sent.load(); }
+
+#else  // no StarPU-MPI in this build
+
+bool mpi_available() { return false; }
+
+std::string mpi_unavailable_reason() {
+#if JNNTILE_STARPUMPI_FOUND
+  return "this jnntile was built without MPI's headers (mpi.h), so without distributed training: install them "
+         "(apt-get install libopenmpi-dev openmpi-bin) and rebuild (make build)";
+#else
+  return "this jnntile is built against a StarPU without StarPU-MPI (the StarPU of `make cuda` is configured "
+         "with --disable-mpi), so without distributed training: use the build on Debian's StarPU (make build, "
+         ".venv) for several processes";
+#endif
+}
+
+namespace {
+[[noreturn]] void unavailable() { throw std::runtime_error(mpi_unavailable_reason()); }
+}  // namespace
+
+std::pair<int, int> mpi_world() { unavailable(); }
+bool mpi_initialized() { return false; }
+void mpi_finalize() {}
+void mpi_abort(int code) { std::_Exit(code); }
+int distributed_starpu_init(starpu_conf*) { unavailable(); }
+void distributed_starpu_shutdown(double) { unavailable(); }
+void distributed_abandon() {}
+std::vector<std::string> allgather(const std::string&, const std::string&, double) { unavailable(); }
+void transfer_posted(int, int64_t) { unavailable(); }
+void transfer_done(int) { unavailable(); }
+std::string distributed_stall() { return ""; }
+int64_t mpi_bytes_sent() { return 0; }
+
+#endif
+
+}  // namespace jnntile
