@@ -24,6 +24,9 @@ namespace {
 struct Mpi {
   std::mutex mutex;
   MPI_Comm host = MPI_COMM_NULL;  // host exchanges, apart from StarPU-MPI's MPI_COMM_WORLD traffic
+  MPI_Comm beat = MPI_COMM_NULL;  // pings answered by the heartbeat thread
+  std::thread heartbeat;
+  std::atomic<bool> beating{false};
   int rank = 0;
   int size = 1;
   bool initialized_here = false;  // MPI_Init_thread was ours, so MPI_Finalize is too
@@ -53,6 +56,69 @@ std::string rank_list(const std::vector<int>& ranks) {
   return out.str();
 }
 
+constexpr int kPing = 1, kPong = 2;
+// How long a live rank may take to answer a ping: its heartbeat thread wakes every 10 ms.
+constexpr double kPingTimeoutS = 2.0;
+
+// Answers pings while the process lives (a stopped or dead process does not): a
+// rank whose work is stuck can then tell a dead peer from a live one. Sleeps
+// between probes, so it costs no core.
+void heartbeat_loop() {
+  Mpi& m = mpi();
+  while (m.beating) {
+    int flag = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, kPing, m.beat, &flag, &status);
+    if (!flag) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      continue;
+    }
+    MPI_Recv(nullptr, 0, MPI_BYTE, status.MPI_SOURCE, kPing, m.beat, MPI_STATUS_IGNORE);
+    MPI_Request pong;
+    MPI_Isend(nullptr, 0, MPI_BYTE, status.MPI_SOURCE, kPong, m.beat, &pong);
+    MPI_Request_free(&pong);
+  }
+}
+
+// The other ranks that do not answer a ping within kPingTimeoutS. Used once,
+// after a failure: requests to dead ranks are left behind.
+std::vector<int> unresponsive_ranks() {
+  Mpi& m = mpi();
+  std::vector<MPI_Request> pongs(size_t(m.size), MPI_REQUEST_NULL);
+  for (int r = 0; r < m.size; ++r) {
+    if (r == m.rank) continue;
+    MPI_Request ping;
+    MPI_Isend(nullptr, 0, MPI_BYTE, r, kPing, m.beat, &ping);
+    MPI_Request_free(&ping);
+    MPI_Irecv(nullptr, 0, MPI_BYTE, r, kPong, m.beat, &pongs[size_t(r)]);
+  }
+  auto start = std::chrono::steady_clock::now();
+  std::vector<int> silent;
+  while (true) {
+    silent.clear();
+    for (int r = 0; r < m.size; ++r) {
+      int done = 1;
+      if (pongs[size_t(r)] != MPI_REQUEST_NULL) MPI_Test(&pongs[size_t(r)], &done, MPI_STATUS_IGNORE);
+      if (!done) silent.push_back(r);
+    }
+    if (silent.empty() ||
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > kPingTimeoutS)
+      return silent;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+// Why `waited_for` ranks never came, from who answers a ping now.
+std::string blame(const std::vector<int>& waited_for) {
+  std::vector<int> silent = unresponsive_ranks();
+  if (!silent.empty())
+    return rank_list(silent) + (silent.size() == 1 ? " does" : " do") +
+           " not answer: died or stopped (its own output, or mpirun's, may say why)";
+  return "every rank answers, so " + rank_list(waited_for) + (waited_for.size() == 1 ? " runs" : " run") +
+         " other steps than this one (every rank must run the same program) or waits elsewhere (its own error "
+         "says where). Raise watchdog_s if they are only slow";
+}
+
 }  // namespace
 
 bool mpi_available() { return true; }
@@ -79,11 +145,15 @@ std::pair<int, int> mpi_world() {
                              "; jnntile needs MPI_THREAD_MULTIPLE (its host exchanges run beside StarPU-MPI's "
                              "thread): use an MPI built with thread support, e.g. Debian's Open MPI");
   check(MPI_Comm_dup(MPI_COMM_WORLD, &m.host), "MPI_Comm_dup");
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &m.beat), "MPI_Comm_dup");
   MPI_Comm_set_errhandler(m.host, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(m.beat, MPI_ERRORS_RETURN);
   MPI_Comm_rank(m.host, &m.rank);
   MPI_Comm_size(m.host, &m.size);
   m.receiving.reset(new std::atomic<int64_t>[size_t(m.size)]);
   for (int r = 0; r < m.size; ++r) m.receiving[r] = 0;
+  m.beating = true;
+  m.heartbeat = std::thread(heartbeat_loop);
   return {m.rank, m.size};
 }
 
@@ -93,6 +163,9 @@ void mpi_finalize() {
   Mpi& m = mpi();
   std::lock_guard<std::mutex> lock(m.mutex);
   if (m.host == MPI_COMM_NULL || m.abandoned) return;
+  m.beating = false;
+  m.heartbeat.join();
+  MPI_Comm_free(&m.beat);
   MPI_Comm_free(&m.host);
   m.host = MPI_COMM_NULL;
   if (m.initialized_here) MPI_Finalize();
@@ -176,11 +249,11 @@ std::vector<std::string> allgather(const std::string& mine, const std::string& w
       for (int r = 0; r < size; ++r)
         if (!received[size_t(r)]) missing.push_back(r);
       std::ostringstream msg;
-      msg << "rank " << rank << " waited " << waited << " s for "
-          << (missing.empty() ? std::string("its messages to be taken") : rank_list(missing)) << " at " << what
-          << ": they died, stopped, or run a different program (every rank must run the same command on the same "
-             "data); their own output, or mpirun's, says why. Raise watchdog_s if they are only slow.";
+      msg << "rank " << rank << " waited " << waited << " s for ";
+      if (missing.empty()) msg << "its messages to be taken at " << what << ".";
+      else msg << rank_list(missing) << " at " << what << "; " << blame(missing) << ".";
       distributed_abandon();
+      runtime_fail(msg.str());  // the transfers of tiles with those ranks will not complete either
       throw std::runtime_error(msg.str());
     }
     // Sleep while waiting: a blocking MPI call would poll, spinning a core (DESIGN invariant 5).
@@ -215,7 +288,7 @@ std::string distributed_stall() {
   }
   if (ranks.empty()) return "";
   return "rank " + std::to_string(m.rank) + " waits for tiles from " + rank_list(ranks) + " (" +
-         std::to_string(count) + " transfers outstanding)";
+         std::to_string(count) + " transfers outstanding); " + blame(ranks);
 }
 
 int64_t mpi_bytes_sent() { return mpi().bytes_sent.load(); }

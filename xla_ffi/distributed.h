@@ -40,7 +40,9 @@ void distributed_abandon();
 
 // Every rank's `mine`, in rank order. Point-to-point messages on a
 // communicator of their own, polled with sleeps (no core spins while a rank
-// waits), so a rank that never comes is named: throws after timeout_s.
+// waits), so a rank that never comes is named: throws after timeout_s,
+// saying whether it answers a ping (a heartbeat thread in every process
+// answers them while the process lives).
 std::vector<std::string> allgather(const std::string& mine, const std::string& what, double timeout_s);
 
 // Transfers of tiles (ops/allreduce.cc): counted as pending work so workers
@@ -48,8 +50,9 @@ std::vector<std::string> allgather(const std::string& mine, const std::string& w
 // a stalled wait can name the ranks it waits for.
 void transfer_posted(int source, int64_t bytes_sent);
 void transfer_done(int source);
-// "" when no receive is outstanding, else e.g. "rank 0 waits for tiles from
-// rank 1 (3 transfers outstanding)", for the watchdog's message.
+// For the watchdog's message: "" when no receive is outstanding, else which
+// ranks this one waits for, and which ranks do not answer a ping (dead or
+// stopped) or that all answer.
 std::string distributed_stall();
 int64_t mpi_bytes_sent();
 

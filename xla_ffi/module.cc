@@ -118,7 +118,6 @@ NB_MODULE(_xla_ffi, m) {
     nb::gil_scoped_release release;
     return mpi_world();
   });
-  m.def("mpi_initialized", &mpi_initialized);
   m.def("mpi_finalize", [] {
     nb::gil_scoped_release release;
     mpi_finalize();

@@ -433,6 +433,15 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
 
 bool runtime_running() { return state().running; }
 
+void runtime_fail(const std::string& why) {
+  RuntimeState& s = state();
+  if (!s.running) return;  // stopped, or stopping: runtime_stop holds the mutex while it meets the other ranks
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.failed) return;
+  s.failed = true;
+  s.failure = why;
+}
+
 int max_cpu_workers() { return STARPU_MAXCPUS; }
 
 size_t swap_io_alignment() { return io_alignment; }
@@ -533,9 +542,7 @@ void wait_until(Done done, const char* what) {
     if (s.pending > 0 && quiet_s > s.config.watchdog_s) {
       std::ostringstream msg;
       if (std::string stall = distributed_stall(); !stall.empty()) {
-        msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << ": " << stall
-            << ", which never came: that rank died, stopped, or runs a different program (every rank must run "
-               "the same steps); its own output, or mpirun's, says why. Raise watchdog_s if it is only slow.";
+        msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << ": " << stall << ".";
       } else {
         msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << " ("
             << s.pending << " tasks pending, memory limit " << s.config.memory_limit_mb << " MB, "

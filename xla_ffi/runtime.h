@@ -93,6 +93,9 @@ void runtime_start(const RuntimeConfig& config);
 // (ok: no watchdog failure, tasks all done), then shuts StarPU down.
 void runtime_stop(const std::function<void(bool ok)>& release_data = {});
 bool runtime_running();
+// Marks the runtime failed (as the watchdog does): waits and stops no longer
+// wait for tasks, which will never complete (e.g. another rank is gone).
+void runtime_fail(const std::string& why);
 const RuntimeConfig& runtime_config();
 // Throws std::runtime_error naming the problem when the runtime is not usable.
 void require_runtime();

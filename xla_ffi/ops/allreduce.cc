@@ -88,10 +88,11 @@ void receive(starpu_data_handle_t handle, int source, starpu_mpi_tag_t data_tag)
 
 struct GateArgs {};
 
-// Runs when the local tile is final and writes the receive buffer: StarPU-MPI
-// posts a receive once its buffer is writable and polls (spins its thread)
-// until the data comes, so a receive posted at submission would poll through
-// the whole backward; gated, it polls only while the other rank is behind.
+// Runs when the local tile is final and only then makes the receive buffer
+// writable. StarPU-MPI allocates a receive's buffer and posts it as soon as
+// the buffer is writable: ungated, every partial sum of the step would hold a
+// tile of memory (which the planner does not count) from submission on, and
+// StarPU-MPI's thread would poll for them through the whole backward.
 void gate_kernel(void**, const GateArgs&) {}
 
 struct AddArgs {
