@@ -69,14 +69,15 @@ def local_rows(batch, ownership: DataParallel = DEFAULT_OWNERSHIP, axis: int = 0
     return batch[(slice(None),) * axis + (rows,)]
 
 
-def _allgather(data: bytes, what: str) -> list[bytes]:
-    return _xla_ffi.allgather(data, what, runtime.config().watchdog_s)
+def _allgather(data: bytes, what: str, patient: bool = False) -> list[bytes]:
+    return _xla_ffi.allgather(data, what, runtime.config().watchdog_s, patient)
 
 
 def wait_for_every_rank(what: str) -> None:
-    """Returns once every rank has called it (a barrier that sleeps while it waits)."""
+    """Returns once every rank has called it: a barrier that sleeps while it waits, for as long as the
+    ranks it waits for are alive (they answer pings), e.g. while rank 0 alone writes a checkpoint."""
     if runtime.world_size() > 1:
-        _allgather(b"", what)
+        _allgather(b"", what, patient=True)
 
 
 def mean_and_any(value: float, flag: bool, what: str) -> tuple[float, bool]:

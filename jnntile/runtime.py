@@ -208,7 +208,7 @@ def start(**settings) -> None:
     if _config.perf_model_dir:
         os.environ["STARPU_PERF_MODEL_DIR"] = _config.perf_model_dir
     if _config.distributed:
-        _xla_ffi.mpi_world()
+        _mpi_world()
         if local_ranks() > 1:
             # StarPU binds worker i of every process to core i, and its MPI thread to the next core:
             # ranks sharing a machine would all crowd onto its first cores.
@@ -260,17 +260,26 @@ def stop() -> None:
     _xla_ffi.runtime_stop()
 
 
+def _mpi_world() -> tuple[int, int]:
+    """(rank, size), starting MPI on first use."""
+    # Open MPI polls for messages without yielding the core unless told to, and StarPU-MPI's thread polls
+    # while any transfer is in flight: 0.2 cores per rank of 2 on 2 cores (bench/multinode.py), 0.03 when
+    # yielding, the workers getting the rest. Read by MPI_Init.
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    return _xla_ffi.mpi_world()
+
+
 def rank() -> int:
     """This process's rank among the processes training one model (0 unless configured distributed).
 
     With distributed=True this starts MPI (not StarPU), so it is known before the runtime starts.
     """
-    return _xla_ffi.mpi_world()[0] if _config.distributed else 0
+    return _mpi_world()[0] if _config.distributed else 0
 
 
 def world_size() -> int:
     """How many processes train one model (1 unless configured distributed; see `rank`)."""
-    return _xla_ffi.mpi_world()[1] if _config.distributed else 1
+    return _mpi_world()[1] if _config.distributed else 1
 
 
 def abort(code: int) -> None:

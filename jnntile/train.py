@@ -333,6 +333,12 @@ def train(args) -> dict:
         batch_size = rows.stop - rows.start  # this rank's sequences per micro-batch
         if lead:
             _prepare_out_dir(out)
+        if args.data is None and ranks > 1:  # rank 0 prepares the built-in corpus (once), the others wait
+            try:
+                if lead:
+                    data_mod.ensure_default_dataset(progress=not args.quiet)
+            finally:
+                distributed.wait_for_every_rank("the preparation of the built-in corpus")
         train_data, val_data = _load_data(args)
         config = _config(args, train_data.vocab_size)
 
@@ -438,8 +444,11 @@ def train(args) -> dict:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                 mem_mb=f"{_memory_in_use_mb():.0f}", refresh=False)
-                if lead and args.checkpoint_interval and step % args.checkpoint_interval == 0 and step < args.steps:
-                    save(step)
+                if args.checkpoint_interval and step % args.checkpoint_interval == 0 and step < args.steps:
+                    if lead:
+                        save(step)
+                    # Rank 0 alone writes it, longer than a watchdog for a large model: the others wait here.
+                    distributed.wait_for_every_rank("a checkpoint")
     finally:
         signal.signal(signal.SIGINT, previous_handler)
         bar.close()

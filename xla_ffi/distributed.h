@@ -42,8 +42,10 @@ void distributed_abandon();
 // communicator of their own, polled with sleeps (no core spins while a rank
 // waits), so a rank that never comes is named: throws after timeout_s,
 // saying whether it answers a ping (a heartbeat thread in every process
-// answers them while the process lives).
-std::vector<std::string> allgather(const std::string& mine, const std::string& what, double timeout_s);
+// answers them while the process lives). `patient`: wait on as long as the
+// ranks missing answer pings (e.g. while rank 0 alone writes a checkpoint).
+std::vector<std::string> allgather(const std::string& mine, const std::string& what, double timeout_s,
+                                   bool patient = false);
 
 // Transfers of tiles (ops/allreduce.cc): counted as pending work so workers
 // stay awake for them and the watchdog sees them; receives by source rank so

@@ -124,12 +124,12 @@ NB_MODULE(_xla_ffi, m) {
   });
   m.def("mpi_abort", &mpi_abort);
   m.def("mpi_bytes_sent", &mpi_bytes_sent);
-  m.def("allgather", [](nb::bytes mine, const std::string& what, double timeout_s) {
+  m.def("allgather", [](nb::bytes mine, const std::string& what, double timeout_s, bool patient) {
     std::string data(mine.c_str(), mine.size());
     std::vector<std::string> all;
     {
       nb::gil_scoped_release release;
-      all = allgather(data, what, timeout_s);
+      all = allgather(data, what, timeout_s, patient);
     }
     nb::list out;
     for (const std::string& s : all) out.append(nb::bytes(s.data(), s.size()));
