@@ -321,8 +321,11 @@ def generate_samples(model: gpt2.GPT2, dataset, args) -> list[str]:
 def train(args) -> dict:
     """Runs training as configured by `args`; returns a summary. Raises ValueError on bad input."""
     if distributed.launched_ranks() > 1 and not jnntile.runtime.config().distributed:
+        if not jnntile.runtime.HAS_MPI:  # said by every rank
+            raise ValueError(f"{distributed.launched_ranks()} processes were launched to train one model, but "
+                             f"{jnntile._xla_ffi.mpi_unavailable_reason()}")
         jnntile.runtime.stop()
-        jnntile.runtime.configure(distributed=True)  # refused, on every rank, by a build without StarPU-MPI
+        jnntile.runtime.configure(distributed=True)
     rank, ranks = jnntile.runtime.rank(), jnntile.runtime.world_size()
     lead = rank == 0  # the rank that prints and writes
     out = Path(args.out)

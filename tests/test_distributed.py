@@ -26,15 +26,19 @@ MPIRUN = shutil.which("mpirun")
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def _skip_reason() -> str | None:
-    if not jnntile.runtime.HAS_MPI:
-        return jnntile._xla_ffi.mpi_unavailable_reason()
+def _launcher_missing() -> str | None:
     if MPIRUN is None:
         return "no MPI launcher: mpirun is not on PATH (apt-get install openmpi-bin; `make test` installs it)"
     version = subprocess.run([MPIRUN, "--version"], capture_output=True, text=True).stdout
     if "Open MPI" not in version:
         return f"these tests pass Open MPI's options to mpirun, and {MPIRUN} is another MPI: {version[:60]!r}"
     return None
+
+
+def _skip_reason() -> str | None:
+    if not jnntile.runtime.HAS_MPI:
+        return jnntile._xla_ffi.mpi_unavailable_reason()
+    return _launcher_missing()
 
 
 needs_mpirun = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
@@ -82,6 +86,14 @@ def test_distributed_without_starpu_mpi_says_why(restore_runtime):
     jnntile.runtime.stop()
     with pytest.raises(ValueError, match="distributed=True: this jnntile .* without distributed training"):
         jnntile.runtime.configure(distributed=True)
+
+
+@pytest.mark.skipif(jnntile.runtime.HAS_MPI or _launcher_missing() is not None,
+                    reason=_launcher_missing() or "this jnntile has StarPU-MPI")
+def test_a_build_without_starpu_mpi_says_so_under_mpirun(dataset, tmp_path):
+    result = mpirun((2, "-m", "jnntile.train", "--data", dataset, "--out", tmp_path, "--steps", "1"))
+    assert result.returncode == 2
+    assert "error: 2 processes were launched to train one model, but this jnntile" in result.stderr, result.stderr
 
 
 # ---- under mpirun --------------------------------------------------------------------------
