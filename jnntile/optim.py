@@ -202,6 +202,9 @@ def allreduce_sum(ownership: distributed.DataParallel = distributed.DEFAULT_OWNE
             return grads, state
         grad_leaves = _leaves(grads)
         handles = [_grad_values(g) for g in grad_leaves]
+        if any(handle.summed_over_ranks for handle in handles):
+            raise ValueError("allreduce_sum: these gradients are summed over the ranks already; chain it once "
+                             "(jnntile.train.make_steps adds it: give make_steps the transformation of one process)")
         roots = ownership.reduction_roots(sum(math.prod(g.grid) for g in grad_leaves), size)
         token = call("allreduce", handles, [g.token for g in grad_leaves], roots=roots, key=next(_allreduce_keys),
                      schedule=runtime.ALLREDUCE_SCHEDULES[runtime.config().allreduce])

@@ -386,7 +386,6 @@ def train(args) -> dict:
 
     train_step, eval_step = make_steps(graphdef, tx, args.grad_accum_steps)
     n_params = config.n_params()
-    description = jnntile.runtime.describe()  # on every rank: it starts the runtime where needed
     if lead:
         if tiles_note:
             print(tiles_note, flush=True)
@@ -395,7 +394,8 @@ def train(args) -> dict:
             f" ({batch_size} per rank)" if ranks > 1 else "")
         print(f"GPT-2 {args.model}: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
               f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; {batch}; StarPU: "
-              f"{description} (planned peak {plan.peak / 2**20:.0f} MB{' per rank' if ranks > 1 else ''}: {verdict})",
+              f"{jnntile.runtime.describe()} (planned peak {plan.peak / 2**20:.0f} MB{' per rank' if ranks > 1 else ''}: "
+              f"{verdict})",
               flush=True)
 
     tokens_per_step = args.grad_accum_steps * args.batch_size * args.seq_len

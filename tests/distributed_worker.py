@@ -4,8 +4,8 @@ single-process reference (`train`).
     mpirun -n N python tests/distributed_worker.py OUT [--steps S] [--signal KILL|STOP --at-step K --on-rank R]
 
 Every rank writes OUT/rank<r>.npz: the losses (the mean over the ranks), its parameters, the tile bytes it
-sent, the CPU its process used per second while idle after training, and the error an optimizer gave for
-gradients that were not summed over the ranks.
+sent, the CPU its process used per second while idle after training, and the errors that gradients not
+summed, and summed twice, gave.
 """
 
 from __future__ import annotations
@@ -56,20 +56,27 @@ def train(steps: int, before_step=lambda step: None):
     return np.array(losses), {name: p.get_value().numpy() for name, p in model.named_params().items()}
 
 
-def _unsummed_update_error() -> str:
-    """What adamw says to gradients of this rank alone (one more step, without the sum)."""
+def _misuse_errors() -> list[str]:
+    """What adamw says to gradients of this rank alone, and allreduce_sum to gradients summed already."""
     import jnntile
     from jnntile import optim
     from jnntile.ops import elementwise as ew
 
     w = jnntile.from_array(np.ones((4, 4), np.float32), (2, 2))
     _, grads = jnntile.value_and_grad(lambda w: jnntile.to_array(ew.gelu_tanh(w)).sum())(w)
-    tx = optim.adamw(1e-2)
+    errors = []
+    adamw = optim.adamw(1e-2)
     try:
-        tx.update(grads, tx.init(w), w)
+        adamw.update(grads, adamw.init(w), w)
     except ValueError as e:
-        return str(e)
-    return ""
+        errors.append(str(e))
+    summed, _ = optim.allreduce_sum().update(grads, None)  # every rank sums, as it must
+    try:
+        optim.allreduce_sum().update(summed, None)
+    except ValueError as e:
+        errors.append(str(e))
+    jnntile.runtime.wait_all()
+    return errors
 
 
 def _idle_cpu_per_s() -> float:
@@ -102,7 +109,7 @@ def main() -> None:
     jnntile.runtime.wait_all()
     sent = jnntile.runtime.stats()["mpi_bytes_sent"]
     np.savez(Path(args.out) / f"rank{rank}.npz", losses=losses, sent=sent, idle_cpu_per_s=_idle_cpu_per_s(),
-             unsummed_error=_unsummed_update_error(), **{f"param:{k}": v for k, v in params.items()})
+             misuse_errors=_misuse_errors(), **{f"param:{k}": v for k, v in params.items()})
 
 
 if __name__ == "__main__":

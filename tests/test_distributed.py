@@ -135,7 +135,9 @@ def test_ranks_train_like_one_process(ranks, one_process, tmp_path):
     for r, run in enumerate(runs):
         # DESIGN invariant 5: paused workers, and StarPU-MPI's thread asleep with no transfer in flight.
         assert run["idle_cpu_per_s"] < 0.2, f"rank {r} used {run['idle_cpu_per_s']:.2f} CPU-seconds per second idle"
-        assert "chain jnntile.optim.allreduce_sum() before adamw" in str(run["unsummed_error"])
+        unsummed, twice = run["misuse_errors"]
+        assert "chain jnntile.optim.allreduce_sum() before adamw" in unsummed
+        assert "summed over the ranks already; chain it once" in twice
 
 
 SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--eval-batches", "1",
