@@ -1,7 +1,7 @@
 """GPU benchmark: what jnntile does with a GPU, as one JSON report (`make test-gpu` runs it).
 
     .venv-cuda/bin/python bench/gpu.py [--out out/gpu/report.json] [--only gemm train limited capacity]
-        [--capacity-layers 24] [--swap-dir DIR] [--smoke]
+        [--capacity-layers 16] [--capacity-full] [--swap-dir DIR] [--smoke]
 
 Sections, each measured in a process of its own so that it has the whole GPU:
   gemm      tile GEMM through StarPU vs jnp.dot on the GPU, FP32 and TF32, several tile sizes
@@ -12,8 +12,11 @@ Sections, each measured in a process of its own so that it has the whole GPU:
             AdamW state + activations: tokens/s and bytes moved per step between GPU and RAM
   capacity  GPT-2 with n_embd 2048 (16 heads), batch 1 x 1024, AdamW in float32, n_layer from
             --capacity-layers, 2 steps using GPU memory, host RAM and disk swap: step time, bytes per
-            level, peak use of each level. The default size fits the 10 minutes of `make test-gpu`;
-            --capacity-layers 250 is 12.7B parameters, 2.6x the 4.94B that plain JAX fits on an H100 80GB.
+            level, peak use of each level. By default (16 layers, 0.85B parameters, to fit the 10
+            minutes of `make test-gpu`) the GPU and RAM limits are each a quarter of the state, so
+            every level is used; --capacity-full gives it the whole GPU and half the RAM, and with
+            --capacity-layers 250 (12.7B parameters, 2.6x the 4.94B that plain JAX fits on an H100
+            80GB) measures capacity.
 Without a GPU the report says so and nothing runs; --smoke runs every section with tiny sizes on
 whatever hardware there is (the CPU here), to check this script.
 """
@@ -176,8 +179,13 @@ def measure_capacity(p: dict) -> dict:
                         n_positions=p["seq"], dropout=0.0, **p.get("tiles", {}))
     B, T = p["batch"], p["seq"]
     plan = memory.plan(config, B, T)
+    if not p["full"]:  # a quarter of the state on the GPU, a quarter in RAM, the rest on disk
+        quarter_mb = max(16, plan.state // MB // 4)
+        p = dict(p, memory_limit_mb=quarter_mb, gpu_memory_limit_mb=quarter_mb if p["gpu"] else None)
     gpu_mb = p.get("gpu_memory_limit_mb") or jnntile.runtime.gpu_memory_mb()
     ram_mb = p["memory_limit_mb"]
+    config, tiles_note = memory.fit_tiles(config, B, T, ram_mb, gpu_mb)  # as python -m jnntile.train does
+    plan = memory.plan(config, B, T)
     swap_mb = plan.swap_needed_mb(ram_mb, gpu_mb) or jnntile.runtime.MIN_SWAP_MB
     settings = {"memory_limit_mb": ram_mb, "swap_dir": p["swap_dir"], "swap_size_mb": swap_mb}
     if p.get("gpu_memory_limit_mb"):
@@ -200,7 +208,7 @@ def measure_capacity(p: dict) -> dict:
     after = jnntile.runtime.stats()
     n_params = config.n_params()
     return {"n_layer": config.n_layer, "n_embd": config.n_embd, "n_params": n_params,
-            "state_bytes": plan.state, "planned_peak_bytes": plan.peak, "verdict": verdict,
+            "state_bytes": plan.state, "planned_peak_bytes": plan.peak, "verdict": verdict, "tiles": tiles_note,
             "runtime": jnntile.runtime.describe(), "settings": settings, "init_s": init_s, "step_s": times,
             "losses": losses, "bytes_per_step": _bytes_per_step(before, after, 2), "peak_bytes": _peaks(after),
             "vs_plain_jax_h100": n_params / PLAIN_JAX_MAX_PARAMS_H100}
@@ -241,10 +249,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/gpu/report.json")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--capacity-layers", type=int, default=24,
-                        help="n_layer of the capacity run (24: 1.3B parameters; 250: 12.7B)")
+    parser.add_argument("--capacity-layers", type=int, default=16,
+                        help="n_layer of the capacity run (16: 0.85B parameters; 250: 12.7B)")
+    parser.add_argument("--capacity-full", action="store_true",
+                        help="the capacity run gets the whole GPU and --memory-limit-mb of RAM, not quarters of "
+                             "its state")
     parser.add_argument("--memory-limit-mb", type=int, default=None,
-                        help="RAM for tiles in the capacity run (default: half of what is available)")
+                        help="RAM for tiles in a --capacity-full run (default: half of what is available)")
     parser.add_argument("--swap-dir", default=None, help="disk swap of the capacity run (default: a temporary dir)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any hardware, to check the script")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -284,10 +295,9 @@ def main(argv=None) -> int:
         if "capacity" in args.only:
             available_mb = _available_mb()
             params = dict(s["capacity"], n_layer=args.capacity_layers if not args.smoke else 2,
-                          swap_dir=args.swap_dir or tmp_swap,
+                          swap_dir=args.swap_dir or tmp_swap, full=args.capacity_full and not args.smoke,
+                          gpu=report["cuda_workers"] > 0,
                           memory_limit_mb=args.memory_limit_mb or max(64, available_mb // 2))
-            if args.smoke:  # a tiny model still goes through every level
-                params.update(memory_limit_mb=16, gpu_memory_limit_mb=8 if report["cuda_workers"] else None)
             report["capacity"] = run_child("capacity", params, 3 * timeout_s, log)
             print_capacity(report["capacity"])
     out_path.write_text(json.dumps(report, indent=2) + "\n")

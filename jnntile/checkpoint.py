@@ -9,6 +9,12 @@ A checkpoint is a directory `ckpt-<step>` inside the output directory:
 It is written under a temporary name and renamed into place, then the file
 `latest` (itself replaced atomically) points at it, so an interrupted save never
 leaves a checkpoint that looks complete. Older checkpoints beyond `keep` are removed.
+
+Tiled tensors stream between their tiles and the files one chunk of tiles at a
+time (jnntile.tensorfile), so saving and restoring need no more RAM than the
+memory limit and a chunk, whatever the model's size. `restore` checks every
+file (JSON, safetensors headers against file sizes, names, shapes, dtypes)
+before it overwrites anything.
 """
 
 from __future__ import annotations
@@ -23,21 +29,27 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors.numpy
 
-from jnntile.ops import data as data_ops
+from jnntile import tensorfile
 from jnntile.tensor import Tensor
 
 LATEST = "latest"
+STATE_FILE = "state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 def _is_tensor(x) -> bool:
     return isinstance(x, Tensor)
 
 
-def _optimizer_arrays(opt_state) -> dict[str, np.ndarray]:
+def _leaf_name(i: int) -> str:
+    return f"leaf.{i:05d}"
+
+
+def _optimizer_values(opt_state) -> dict:
+    """Optimizer-state leaves in tree order: tiled tensors (moments) as they are, scalars as arrays."""
     leaves = jax.tree.leaves(opt_state, is_leaf=_is_tensor)
-    return {f"leaf.{i:05d}": (leaf.numpy() if _is_tensor(leaf) else np.asarray(leaf)) for i, leaf in enumerate(leaves)}
+    return {_leaf_name(i): (leaf if _is_tensor(leaf) else np.asarray(leaf)) for i, leaf in enumerate(leaves)}
 
 
 def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict, keep: int = 2) -> Path:
@@ -49,9 +61,9 @@ def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=out_dir))
     try:
         save_hf(model, tmp)
-        safetensors.numpy.save_file(_optimizer_arrays(opt_state), tmp / "optimizer.safetensors")
+        tensorfile.write_file(tmp / OPTIMIZER_FILE, _optimizer_values(opt_state))
         record = {"step": step, "config": dataclasses.asdict(model.config), **state}
-        (tmp / "state.json").write_text(json.dumps(record, indent=2))
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=2))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -73,20 +85,36 @@ def latest(out_dir: str | os.PathLike) -> Path | None:
     if not pointer.exists():
         return None
     path = Path(out_dir) / pointer.read_text().strip()
-    return path if (path / "state.json").exists() else None
+    return path if (path / STATE_FILE).exists() else None
 
 
 def read_state(path: str | os.PathLike) -> dict:
-    return json.loads((Path(path) / "state.json").read_text())
+    """The record of state.json in checkpoint `path`; ValueError naming the file when it is damaged."""
+    file = Path(path) / STATE_FILE
+    try:
+        record = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file} not found: {path} is not a complete checkpoint") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} does not parse as JSON ({e}): the checkpoint is damaged; remove it (and "
+                         f"point {LATEST} at an older one) or start afresh") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{file} is not a JSON object: the checkpoint is damaged")
+    for key, kind in (("step", int), ("config", dict)):
+        if not isinstance(record.get(key), kind):
+            raise ValueError(f"{file} lacks {key!r} (or it is not a{'n integer' if kind is int else ' JSON object'}): "
+                             "the checkpoint is damaged")
+    return record
 
 
 def restore(path: str | os.PathLike, *, model, opt_state):
     """Loads weights into `model` and returns (opt_state with the saved values, state dict).
 
     `opt_state` is a freshly initialised state of the same optimizer; a checkpoint
-    of another model or optimizer raises ValueError naming what differs.
+    of another model or optimizer, or a damaged one, raises ValueError naming
+    the file and what differs, before any tile is overwritten.
     """
-    from jnntile.models.hf_checkpoint import load_hf
+    from jnntile.models.hf_checkpoint import open_hf
 
     path = Path(path)
     record = read_state(path)
@@ -95,18 +123,27 @@ def restore(path: str | os.PathLike, *, model, opt_state):
     differing = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v and not k.startswith("tile_")}
     if differing:
         raise ValueError(f"checkpoint {path} is of another model: (saved, requested) differ in {differing}")
-    _, params = load_hf(path)
-    model.load_hf_params(params)
+    _, params = open_hf(path)
+    for name, value in params.items():
+        if value.code != "F32":  # anything else would not resume bit-identically
+            raise ValueError(f"{value.path}: tensor {name!r} is {value.code}, a training checkpoint holds F32")
 
-    arrays = safetensors.numpy.load_file(path / "optimizer.safetensors")
+    file = path / OPTIMIZER_FILE
+    saved_leaves = tensorfile.SafetensorsFile(file)
     leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_tensor)
-    if len(arrays) != len(leaves):
-        raise ValueError(f"checkpoint {path} holds {len(arrays)} optimizer values, this optimizer has "
+    if len(saved_leaves) != len(leaves):
+        raise ValueError(f"{file} holds {len(saved_leaves)} optimizer values, this optimizer has "
                          f"{len(leaves)}: was it saved with another --optimizer or --grad-clip?")
-    restored = []
     for i, leaf in enumerate(leaves):
-        value = arrays[f"leaf.{i:05d}"]
-        if tuple(value.shape) != tuple(leaf.shape):
-            raise ValueError(f"checkpoint {path}: optimizer value {i} has shape {value.shape}, expected {leaf.shape}")
-        restored.append(data_ops.write(leaf, value) if _is_tensor(leaf) else jnp.asarray(value, leaf.dtype))
+        name = _leaf_name(i)
+        if name not in saved_leaves:
+            raise ValueError(f"{file} lacks the optimizer value {name!r}: the checkpoint is damaged")
+        value, dtype = saved_leaves[name], np.dtype(leaf.dtype)
+        if value.shape != tuple(leaf.shape) or value.dtype != dtype:
+            raise ValueError(f"{file}: optimizer value {name!r} is {value.code} {value.shape}, expected "
+                             f"{tensorfile.dtype_code(dtype)} {tuple(leaf.shape)}")
+
+    model.load_hf_params(params)
+    restored = [tensorfile.load_into(leaf, saved_leaves[_leaf_name(i)]) if _is_tensor(leaf) else
+                jnp.asarray(saved_leaves[_leaf_name(i)].read(), leaf.dtype) for i, leaf in enumerate(leaves)]
     return jax.tree.unflatten(treedef, restored), record

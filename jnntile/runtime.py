@@ -289,7 +289,10 @@ def abort(code: int) -> None:
 
 def wait_all() -> None:
     """Blocks until every submitted task has completed (with the watchdog)."""
+    from jnntile import tensor  # tensor imports runtime
+
     if is_running():
+        tensor.free_unreachable()
         _xla_ffi.wait_all()
 
 
@@ -326,13 +329,17 @@ def blas_core() -> str:
 def stats() -> dict:
     """Tasks run, busy time per worker, bytes moved between memory nodes, memory per node.
 
-    `nodes` lists each memory node (RAM, and DISK when swapping) with
+    `codelets` maps each kernel's name to its task count and busy seconds, and
+    `median_task_s` is the median task duration (both since start). `nodes` lists each memory node (RAM, and DISK when swapping) with
     `used_bytes`, `total_bytes` and `peak_used_bytes` (the most used at any task
     completion since start or `reset_peaks`). `bytes_moved` maps "src->dst"
     (e.g. "RAM->DISK", bytes written to swap) to bytes, cumulative since start;
     call `wait_all()` first to count the transfers of tasks still running.
     `mpi_bytes_sent` counts the tile bytes this rank sent to other ranks since start.
     """
+    from jnntile import tensor  # tensor imports runtime
+
+    tensor.free_unreachable()  # a safe point: the tensor count then counts live tensors
     stats = _xla_ffi.runtime_stats()
     stats["mpi_bytes_sent"] = _xla_ffi.mpi_bytes_sent()
     return stats

@@ -82,10 +82,33 @@ class _Handle:
             _xla_ffi.tensor_free(self.id)
 
     def __del__(self):
+        # A finalizer may run in the middle of JAX's own code (garbage collection
+        # strikes anywhere), so it must not call into JAX: a tensor whose last
+        # eager op may still be running is freed at the next safe point instead.
+        if self.freed or not self.owner:
+            return
+        self.freed = True
         try:
-            self.free()
+            if self.last_token is not None:
+                _unreachable.append((self.id, self.last_token))
+            elif runtime.is_running():
+                _xla_ffi.tensor_free(self.id)
         except Exception:  # interpreter shutdown: the runtime frees everything
             pass
+
+
+# (id, token) of tensors that became unreachable while an eager op on them may
+# still run; free_unreachable() frees them.
+_unreachable: list = []
+
+
+def free_unreachable() -> None:
+    """Frees the tiles of unreachable tensors once their last eager op has run (called at safe points)."""
+    while _unreachable:
+        tensor_id, token = _unreachable.pop()
+        jax.block_until_ready(token)
+        if runtime.is_running():
+            _xla_ffi.tensor_free(tensor_id)
 
 
 def _forget_all():
@@ -94,6 +117,7 @@ def _forget_all():
         handle.freed = True
         handle.last_token = None
     _pinned.clear()
+    _unreachable.clear()
 
 
 def release_traced() -> int:
@@ -221,6 +245,7 @@ def new_handle(shape, dtype, tile_shape) -> _Handle:
 
     Handles touched while tracing are pinned by `jnntile.ops._ffi.after`.
     """
+    free_unreachable()
     shape = tuple(int(n) for n in shape)
     if dtype not in DTYPES:
         raise TypeError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")

@@ -132,9 +132,9 @@ def _config(args, data_vocab: int) -> GPT2Config:
     tiles = {f"tile_{a}": getattr(args, f"tile_{a}") for a in ("batch", "seq", "embd", "heads", "hidden", "vocab")}
     tiles = {k: v for k, v in tiles.items() if v is not None}
     if args.init_from_hf:
-        from jnntile.models.hf_checkpoint import load_hf
+        from jnntile.models.hf_checkpoint import open_hf
 
-        config, _ = load_hf(args.init_from_hf)
+        config, _ = open_hf(args.init_from_hf)  # checks both files before anything starts
         if data_vocab > config.vocab_size:
             raise ValueError(f"the data uses {data_vocab} token ids but {args.init_from_hf} has a vocabulary of "
                              f"{config.vocab_size}")

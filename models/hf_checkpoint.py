@@ -5,6 +5,13 @@ tensors named "transformer.<name>" in Conv1D layout, the LM head omitted
 because it is tied to wte. Loading also accepts the unprefixed names of older
 checkpoints (e.g. openai-community/gpt2) and skips the causal-mask buffers
 they carry. Parameters use the names of `models.gpt2_reference`.
+
+Nothing here needs a whole checkpoint in RAM: `open_hf` checks both files and
+returns the tensors unread (`jnntile.tensorfile.FileTensor`), which
+`GPT2.load_hf_params` streams into tiles chunk by chunk, and `save_hf` writes
+tiled parameters (`jnntile.tensorfile.Reshaped`, from `GPT2.to_hf_params`)
+straight from their tiles. `load_hf` reads every tensor into numpy, for the
+pure-JAX reference.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import safetensors.numpy
+
+from jnntile.ops import data as data_ops
+from jnntile.tensorfile import FileTensor, Reshaped, SafetensorsFile, write_file
 
 from .config import GPT2Config
 from .gpt2_reference import param_shapes
@@ -29,22 +38,41 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 _LM_HEAD = "lm_head.weight"
 
 
-def load_hf(directory) -> tuple[GPT2Config, dict[str, np.ndarray]]:
-    """Load (config, params) from a Hugging Face GPT-2 checkpoint directory.
-    Params are float32 numpy arrays keyed by reference (unprefixed) names."""
-    directory = Path(directory)
-    config_path = directory / CONFIG_FILE
-    weights_path = directory / WEIGHTS_FILE
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: a Hugging Face GPT-2 checkpoint needs "
-                                    f"{CONFIG_FILE} and {WEIGHTS_FILE}")
-    with open(config_path) as f:
-        config = GPT2Config.from_hf_dict(json.load(f))
+def read_config(directory) -> GPT2Config:
+    """The GPT2Config of a Hugging Face GPT-2 checkpoint directory (its config.json)."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a Hugging Face GPT-2 checkpoint needs "
+                                f"{CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        hf = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} does not parse as JSON ({e}): the checkpoint is damaged") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} is not a JSON object: the checkpoint is damaged")
+    try:
+        return GPT2Config.from_hf_dict(hf)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
+
+def open_hf(directory) -> tuple[GPT2Config, dict[str, FileTensor]]:
+    """(config, params) of a Hugging Face GPT-2 checkpoint directory, checked and unread.
+
+    Params are keyed by reference (unprefixed) names; each is read when asked
+    (np.asarray, or chunk by chunk by GPT2.load_hf_params). Raises ValueError
+    naming the file and the problem (damaged or truncated file, missing,
+    unexpected or misshapen tensor, untied LM head) before anything is read.
+    """
+    directory = Path(directory)
+    weights_path = directory / WEIGHTS_FILE
+    config = read_config(directory)
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{weights_path} not found: a Hugging Face GPT-2 checkpoint needs "
+                                f"{CONFIG_FILE} and {WEIGHTS_FILE}")
     tensors = {}
     lm_head = None
-    for key, value in safetensors.numpy.load_file(weights_path).items():
+    for key, value in SafetensorsFile(weights_path).items():
         if key.endswith(_BUFFER_SUFFIXES):
             continue
         if key == _LM_HEAD:
@@ -56,33 +84,40 @@ def load_hf(directory) -> tuple[GPT2Config, dict[str, np.ndarray]]:
                              f"{_PREFIX!r} prefix in {weights_path}")
         tensors[name] = value
 
-    params = _checked_float32(tensors, config, weights_path)
-    if lm_head is not None and not np.array_equal(lm_head, params["wte.weight"]):
+    params = _checked(tensors, config, weights_path)
+    if lm_head is not None and not _same_values(lm_head, params["wte.weight"]):
         raise ValueError(f"{_LM_HEAD} in {weights_path} differs from wte.weight: "
                          "untied LM heads are unsupported")
     return config, params
 
 
+def load_hf(directory) -> tuple[GPT2Config, dict[str, np.ndarray]]:
+    """Load (config, params) from a Hugging Face GPT-2 checkpoint directory.
+    Params are float32 numpy arrays keyed by reference (unprefixed) names."""
+    config, params = open_hf(directory)
+    return config, {name: value.read().astype(np.float32, copy=False) for name, value in params.items()}
+
+
 def save_hf(directory, config: GPT2Config, params: dict) -> None:
     """Write config.json and model.safetensors (float32, "transformer."-prefixed
-    names, no lm_head) into directory, creating it. Each file is written to a
-    temporary name and renamed, so a crash never leaves a half-written file."""
+    names, no lm_head) into directory, creating it. Params are arrays or tiled
+    parameters (`Reshaped`, streamed from their tiles). Each file is written to
+    a temporary name and renamed, so a crash never leaves a half-written file."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    arrays = {name: np.asarray(value) for name, value in params.items()}  # jax -> numpy
-    arrays = _checked_float32(arrays, config, "the params to save")
-    tensors = {_PREFIX + name: np.ascontiguousarray(value) for name, value in arrays.items()}
+    checked = _checked(params, config, "the params to save")
+    tensors = {_PREFIX + name: value if isinstance(value, Reshaped) and value.dtype == np.float32 else
+               np.asarray(value, np.float32) for name, value in checked.items()}
 
     # "format": "pt" is the metadata transformers requires to load the file.
-    _write_atomically(directory / WEIGHTS_FILE,
-                      lambda path: safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"}))
+    _write_atomically(directory / WEIGHTS_FILE, lambda path: write_file(path, tensors, metadata={"format": "pt"}))
     text = json.dumps(config.to_hf_dict(), indent=2) + "\n"
     _write_atomically(directory / CONFIG_FILE, lambda path: Path(path).write_text(text))
 
 
-def _checked_float32(tensors: dict, config: GPT2Config, source) -> dict[str, np.ndarray]:
+def _checked(tensors: dict, config: GPT2Config, source) -> dict:
     """Check that tensors holds exactly the parameters of config, with the right
-    shapes, and return them as float32 in reference order."""
+    shapes and floating-point dtypes, and return them in reference order."""
     expected = param_shapes(config)
     for name, shape in expected.items():
         if name not in tensors:
@@ -97,13 +132,25 @@ def _checked_float32(tensors: dict, config: GPT2Config, source) -> dict[str, np.
         raise ValueError(f"unexpected tensor {name!r} with shape {tuple(tensors[name].shape)} in "
                          f"{source} ({len(unexpected)} unexpected in all); a GPT-2 with "
                          f"n_layer={config.n_layer} has only {len(expected)} parameter tensors")
-    out = {}
     for name in expected:
-        value = tensors[name]
-        if not np.issubdtype(value.dtype, np.floating):
-            raise ValueError(f"tensor {name!r} in {source} has dtype {value.dtype}, expected floating point")
-        out[name] = value.astype(np.float32, copy=False)
-    return out
+        dtype = tensors[name].dtype
+        if dtype is None or not np.issubdtype(dtype, np.floating):
+            shown = tensors[name].code if isinstance(tensors[name], FileTensor) else dtype
+            raise ValueError(f"tensor {name!r} in {source} has dtype {shown}, expected floating point")
+    return {name: tensors[name] for name in expected}
+
+
+def _same_values(a: FileTensor, b: FileTensor) -> bool:
+    """Whether two (V, C) tensors of a file hold the same values, compared a block of rows at a time."""
+    if a.shape != b.shape:
+        return False
+    rows = max(1, data_ops.CHUNK_BYTES * a.shape[0] // max(1, a.nbytes))
+    for start in range(0, a.shape[0], rows):
+        stop = min(start + rows, a.shape[0])
+        block = lambda t: t.read(a.shape, (start,) + (0,) * (len(a.shape) - 1), (stop,) + a.shape[1:])  # noqa: E731
+        if not np.array_equal(block(a).astype(np.float32), block(b).astype(np.float32)):
+            return False
+    return True
 
 
 def _write_atomically(path: Path, write) -> None:

@@ -84,8 +84,8 @@ def test_accumulating_into_consumed_or_foreign_gradients_is_refused(rng):
 
 # ---- GPT-2 through jnntile.train.make_steps ------------------------------------------------
 
-CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=512, n_positions=32, tile_seq=16, tile_embd=32,
-                    tile_heads=2, tile_hidden=128, tile_vocab=256)
+CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=512, n_positions=32, tile_batch=1, tile_seq=16,
+                    tile_embd=32, tile_heads=2, tile_hidden=128, tile_vocab=256)
 B, T, N, STEPS = 2, 32, 3, 3
 
 

@@ -287,20 +287,22 @@ AUTO = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=
 @pytest.mark.parametrize("gpu", [False, True], ids=["RAM", "GPU"])
 def test_automatic_tiles_shrink_until_every_task_fits(gpu):
     """Only automatic tiles shrink; RAM holds one task per worker, the GPU two per CUDA worker."""
-    task_mb = memory.plan(AUTO, 4, 64, workers=2).largest_task / 2**20  # AdamW on a (4096, 128) wte tile: 8 MB
+    # The cross-entropy backward on a (4 x 64, 4096) logits tile and its gradient: 8 MB.
+    task_mb = memory.plan(AUTO, 4, 64, workers=2).largest_task / 2**20
     limits = dict(memory_limit_mb=4096, gpu_mb=task_mb) if gpu else dict(memory_limit_mb=task_mb)
     config, note = memory.fit_tiles(AUTO, 4, 64, workers=2, **limits)
-    assert config.tile_vocab == 2048 and note.startswith("automatic tiles shrunk (vocab 4096 -> 2048)")
+    assert config.tile_vocab == 1024 and note.startswith("automatic tiles shrunk (vocab 4096 -> 1024)")
     assert ("GPU memory limit" in note) == gpu
     fitted = memory.plan(config, 4, 64, workers=2)
     assert not fitted.verdict(limits["memory_limit_mb"], 4096, limits.get("gpu_mb", 0)).startswith("cannot")
     assert memory.fit_tiles(config, 4, 64, workers=2, **limits) == (config, "")  # fitted tiles fit as they are
     # A tile given explicitly stays; another axis shrinks instead, or, with none left, the step is refused.
     config, note = memory.fit_tiles(dataclasses.replace(AUTO, tile_vocab=4096), 4, 64, workers=2, **limits)
-    assert (config.tile_vocab, config.tile_embd) == (4096, 64) and "embd 128 -> 64" in note
+    assert (config.tile_vocab, config.tile_embd, config.tile_seq) == (4096, 64, 32)
+    assert "embd 128 -> 64, seq 64 -> 32" in note
     explicit = dataclasses.replace(AUTO, tile_vocab=4096, tile_embd=128)
     assert memory.fit_tiles(explicit, 4, 64, workers=2, **limits) == (explicit, "")
-    with pytest.raises(memory.MemoryPlanError, match="cannot run: a single task.*e.g. --tile-vocab 2048"):
+    with pytest.raises(memory.MemoryPlanError, match="cannot run: a single task.*e.g. --tile-vocab 1024"):
         memory.plan(explicit, 4, 64, workers=2).check(limits["memory_limit_mb"], 4096, limits.get("gpu_mb", 0))
 
 
@@ -308,8 +310,8 @@ def test_memory_cli_says_which_tiles_it_chose(capsys):
     assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
                         "--memory-limit-mb", "8", "--swap-size-mb", "64", "--workers", "2"]) == 0
     out = capsys.readouterr().out
-    assert "automatic tiles shrunk (vocab 4096 -> 2048)" in out and "tiles batch=1 seq=64 embd=128" in out
-    assert "vocab=2048" in out and "needs 32 MB of swap" in out and "page cache" not in out
+    assert "automatic tiles shrunk (vocab 4096 -> 1024)" in out and "tiles batch=4 seq=64 embd=128" in out
+    assert "vocab=1024" in out and "needs 32 MB of swap" in out and "page cache" not in out
     assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
                         "--memory-limit-mb", "8", "--swap-size-mb", "64", "--swap-backend", "unistd"]) == 0
     assert "swap backend unistd: the kernel's page cache may also hold up to 32 MB" in capsys.readouterr().out

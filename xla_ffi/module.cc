@@ -84,6 +84,15 @@ NB_MODULE(_xla_ffi, m) {
     out["tasks_submitted"] = s.tasks_submitted;
     out["tasks_completed"] = s.tasks_completed;
     out["tasks_pending"] = s.tasks_pending;
+    nb::dict codelets;
+    for (auto& [name, c] : s.codelets) {
+      nb::dict d;
+      d["tasks"] = c.tasks;
+      d["seconds"] = c.seconds;
+      codelets[name.c_str()] = d;
+    }
+    out["codelets"] = codelets;
+    out["median_task_s"] = s.median_task_s;
     nb::list workers;
     for (auto& w : s.workers) {
       nb::dict d;
@@ -146,16 +155,25 @@ NB_MODULE(_xla_ffi, m) {
   m.def("tensor_free", &tensor_free);
   m.def("tensor_exists", &tensor_exists);
   m.def("tensor_grad", &tensor_grad);
-  m.def("tensor_write", [](int64_t id, nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu> array) {
-    void* data = const_cast<void*>(array.data());
-    int64_t nbytes = int64_t(array.nbytes());
-    nb::gil_scoped_release release;
-    write_from_host(id, data, nbytes);
-  });
-  m.def("tensor_read", [](int64_t id, nb::ndarray<nb::c_contig, nb::device::cpu> out) {
-    void* data = out.data();
-    int64_t nbytes = int64_t(out.nbytes());
-    nb::gil_scoped_release release;
-    read_to_host(id, data, nbytes);
-  });
+  // Whole tensors, or the block of tiles tiles_from <= i < tiles_to (per axis)
+  // when those are given: the array is then that block alone (see TileBox).
+  m.def(
+      "tensor_write",
+      [](int64_t id, nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu> array, const Index& tiles_from,
+         const Index& tiles_to) {
+        void* data = const_cast<void*>(array.data());
+        int64_t nbytes = int64_t(array.nbytes());
+        nb::gil_scoped_release release;
+        write_from_host(id, data, nbytes, TileBox{tiles_from, tiles_to});
+      },
+      nb::arg("id"), nb::arg("array"), nb::arg("tiles_from") = Index(), nb::arg("tiles_to") = Index());
+  m.def(
+      "tensor_read",
+      [](int64_t id, nb::ndarray<nb::c_contig, nb::device::cpu> out, const Index& tiles_from, const Index& tiles_to) {
+        void* data = out.data();
+        int64_t nbytes = int64_t(out.nbytes());
+        nb::gil_scoped_release release;
+        read_to_host(id, data, nbytes, TileBox{tiles_from, tiles_to});
+      },
+      nb::arg("id"), nb::arg("out"), nb::arg("tiles_from") = Index(), nb::arg("tiles_to") = Index());
 }

@@ -19,6 +19,7 @@ extern "C" {
 #include <cerrno>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 #include <thread>
@@ -52,6 +53,11 @@ struct RuntimeState {
   std::map<std::string, int64_t> bytes_moved;
   std::vector<double> worker_busy_s;
   std::vector<int64_t> worker_tasks;
+  // Per codelet name (codelets live as long as the process, so their names do).
+  std::map<const char*, CodeletStats> codelets;
+  // Task durations: bucket b counts durations in [2^(b/8), 2^((b+1)/8)) microseconds.
+  static constexpr int kDurationBuckets = 8 * 32;
+  int64_t duration_histogram[kDurationBuckets] = {};
   // Peak bytes used per memory node, sampled at every task completion (a
   // task's buffers are all allocated while it runs, so this sees the peaks).
   static constexpr int kMaxNodes = 8;
@@ -107,6 +113,18 @@ void sample_peaks(RuntimeState& s) {
   }
 }
 
+// Records how long the finished `task` ran (profiling is on), by codelet.
+void record_duration_locked(RuntimeState& s, const starpu_task* task) {
+  if (task == nullptr || task->cl == nullptr || task->profiling_info == nullptr) return;
+  double seconds = starpu_timing_timespec_delay_us(&task->profiling_info->start_time,
+                                                   &task->profiling_info->end_time) * 1e-6;
+  CodeletStats& c = s.codelets[task->cl->name];
+  c.tasks += 1;
+  c.seconds += seconds;
+  int bucket = seconds > 1e-6 ? int(8.0 * std::log2(seconds * 1e6)) : 0;
+  s.duration_histogram[std::clamp(bucket, 0, RuntimeState::kDurationBuckets - 1)] += 1;
+}
+
 void on_task_done(void* arg) {
   RuntimeState& s = state();
   sample_peaks(s);
@@ -114,6 +132,8 @@ void on_task_done(void* arg) {
   if (arg != nullptr) static_cast<TaskGroup*>(arg)->remaining.fetch_sub(1);
   {
     std::lock_guard<std::mutex> lock(s.mutex);
+    // In a callback, StarPU's current task is the one that finished.
+    record_duration_locked(s, starpu_task_get_current());
     finish_one_locked(s);
   }
   s.progress.notify_all();
@@ -368,6 +388,8 @@ void runtime_start(const RuntimeConfig& config) {
   s.bytes_moved.clear();
   s.worker_busy_s.clear();
   s.worker_tasks.clear();
+  s.codelets.clear();
+  std::fill(std::begin(s.duration_histogram), std::end(s.duration_histogram), 0);
   for (auto& peak : s.peak_used) peak = 0;
   s.last_progress = Clock::now();
 }
@@ -604,6 +626,17 @@ RuntimeStats runtime_stats() {
   out.tasks_submitted = s.submitted;
   out.tasks_completed = s.completed.load();
   out.tasks_pending = s.pending;
+  for (const auto& [name, c] : s.codelets) out.codelets[name] = c;
+  int64_t total = 0, seen = 0;
+  for (int64_t n : s.duration_histogram) total += n;
+  out.median_task_s = 0.0;
+  for (int b = 0; b < RuntimeState::kDurationBuckets && total > 0; ++b) {
+    seen += s.duration_histogram[b];
+    if (2 * seen >= total) {
+      out.median_task_s = std::exp2((b + 0.5) / 8.0) * 1e-6;  // the bucket's middle
+      break;
+    }
+  }
   if (!s.running) return out;
   collect_profiling_locked(s);
   for (size_t w = 0; w < s.worker_busy_s.size(); ++w) {

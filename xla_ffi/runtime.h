@@ -78,10 +78,20 @@ struct NodeStats {
   int64_t peak_used_bytes;  // highest used_bytes seen at a task completion since start or reset_peaks
 };
 
+// Tasks of one codelet since start: how many and how long they ran.
+struct CodeletStats {
+  int64_t tasks = 0;
+  double seconds = 0.0;
+};
+
 struct RuntimeStats {
   int64_t tasks_submitted;
   int64_t tasks_completed;
   int64_t tasks_pending;
+  std::map<std::string, CodeletStats> codelets;
+  // Median duration of the tasks run since start, from a histogram with 8
+  // buckets per power of two (within 9%).
+  double median_task_s;
   std::vector<WorkerStats> workers;
   std::vector<NodeStats> nodes;
   // bytes moved, keyed by "src->dst" memory-node kinds, e.g. "RAM->DISK"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Callable, Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,12 +57,17 @@ def write(t: Tensor, array) -> Tensor:
         raise TypeError(f"cannot write an array of dtype {np.dtype(array.dtype).name} into {t!r}")
     if isinstance(array, np.ndarray):
         # Host data needs no XLA program (and int64 survives without jax x64).
-        if t.token is not None:
-            jax.block_until_ready(t.token)
-        _xla_ffi.tensor_write(t.id, np.ascontiguousarray(array))
-        t.handle.invalidated = False
-        return t.with_token(after(_ffi.on_host(jnp.zeros, (), jnp.float32), t.handle))
+        return write_chunks(t, lambda chunk: array, max_bytes=math.inf)
     return t.with_token(_write(t, array, accumulate=False))
+
+
+def _ready_on_host(t: Tensor, under_jit: str) -> None:
+    """Waits until every op on `t` is submitted, so that the tasks submitted next follow them."""
+    t.handle.check_alive()
+    if isinstance(t.token, jax.core.Tracer):
+        raise TypeError(f"{t!r} is being traced: use {under_jit} inside jax.jit")
+    if t.token is not None:
+        jax.block_until_ready(t.token)
 
 
 def to_numpy(t: Tensor) -> np.ndarray:
@@ -67,13 +76,86 @@ def to_numpy(t: Tensor) -> np.ndarray:
     Raises ValueError when the tiles were invalidated (the native check knows
     what the last executed program did, so it is the one asked here).
     """
-    t.handle.check_alive()
-    if isinstance(t.token, jax.core.Tracer):
-        raise TypeError(f"{t!r} is being traced: use jnntile.to_array inside jax.jit")
-    jax.block_until_ready(t.token)
+    _ready_on_host(t, "jnntile.to_array")
     out = np.empty(t.shape, dtype=t.dtype)
     _xla_ffi.tensor_read(t.id, out)
     return out
+
+
+# ---- a tensor block by block (checkpoints of tensors larger than RAM) ----------------
+
+# Host buffers of checkpoint streaming hold at most this much, or one tile where a tile is larger.
+CHUNK_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A block of whole tiles: tiles tile_lo[a] <= i < tile_hi[a], elements start[a] <= j < stop[a] on axis a."""
+
+    tile_lo: tuple[int, ...]
+    tile_hi: tuple[int, ...]
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.start, self.stop))
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in zip(self.start, self.stop))
+
+
+def chunks(shape, tile_shape, itemsize: int, max_bytes: float | None = None) -> Iterator[Chunk]:
+    """Blocks of whole tiles that cover a tensor in row-major order, each at most `max_bytes` (default
+    CHUNK_BYTES) or one tile.
+
+    The whole tensor when it fits; else its tile rows (the tiles sharing one
+    index on axis 0, a contiguous part of the row-major array), and a row still
+    too large is cut the same way on the next axis (a vocabulary or an (H, D, C)
+    weight held in one tile row), down to single tiles.
+    """
+    shape, tile_shape = tuple(shape), tuple(tile_shape)
+    max_bytes = CHUNK_BYTES if max_bytes is None else max_bytes
+    grid = [-(-n // t) for n, t in zip(shape, tile_shape)]
+
+    def split(lo, hi):
+        axis = len(lo)
+        start = tuple(i * t for i, t in zip(lo, tile_shape))
+        stop = tuple(min(i * t, n) for i, t, n in zip(hi, tile_shape, shape))
+        nbytes = itemsize * math.prod(b - a for a, b in zip(start, stop)) * math.prod(shape[axis:])
+        if nbytes <= max_bytes or axis == len(shape):
+            yield Chunk(lo + (0,) * (len(shape) - axis), hi + tuple(grid[axis:]), start + (0,) * (len(shape) - axis),
+                        stop + shape[axis:])
+            return
+        for i in range(grid[axis]):
+            yield from split(lo + (i,), hi + (i + 1,))
+
+    return split((), ())
+
+
+def read_chunks(t: Tensor, max_bytes: float | None = None) -> Iterator[tuple[Chunk, np.ndarray]]:
+    """The values of `t` chunk by chunk (see `chunks`): one host buffer at a time, whatever the tensor's size."""
+    _ready_on_host(t, "jnntile.to_array")
+    for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes):
+        out = np.empty(chunk.shape, dtype=t.dtype)
+        _xla_ffi.tensor_read(t.id, out, list(chunk.tile_lo), list(chunk.tile_hi))
+        yield chunk, out
+        del out  # before the next one is made
+
+
+def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: float | None = None) -> Tensor:
+    """Overwrites every tile of `t`, chunk by chunk, with `values(chunk)` (an array of the chunk's shape); blocks."""
+    _ready_on_host(t, "jnntile.from_array of a JAX array")
+    for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes):
+        array = np.asarray(values(chunk), dtype=t.dtype, order="C")
+        if array.shape != chunk.shape:
+            raise ValueError(f"values of shape {array.shape} for tiles {chunk.tile_lo} to {chunk.tile_hi} of {t!r}, "
+                             f"expected {chunk.shape}")
+        _xla_ffi.tensor_write(t.id, array, list(chunk.tile_lo), list(chunk.tile_hi))
+        del array  # before the next one is read
+    t.handle.invalidated = False
+    return t.with_token(after(_ffi.on_host(jnp.zeros, (), jnp.float32), t.handle))
 
 
 def _read(t: Tensor) -> jax.Array:

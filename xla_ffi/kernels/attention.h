@@ -21,6 +21,7 @@
 #include <math.h>
 
 #include "kernels/device.h"
+#include "kernels/math.h"
 
 namespace jnntile {
 
@@ -82,11 +83,10 @@ struct ForwardRow {
     float m = m_old;
     for (int64_t c = lanes.lane; c < n; c += lanes.count) m = fmaxf(m, s_row[c]);
     m = lanes.max(m);
+    // Exponentials first, then their sum: the first loop vectorises on the CPU.
+    for (int64_t c = lanes.lane; c < p.nk; c += lanes.count) s_row[c] = c < n ? exp_approx(s_row[c] - m) : 0.0f;
     double sum = 0.0;
-    for (int64_t c = lanes.lane; c < p.nk; c += lanes.count) {
-      s_row[c] = c < n ? expf(s_row[c] - m) : 0.0f;
-      sum += s_row[c];
-    }
+    for (int64_t c = lanes.lane; c < p.nk; c += lanes.count) sum += s_row[c];
     sum = lanes.sum(sum);
     const float alpha = expf(m_old - m);
     if (!first) {
@@ -134,7 +134,7 @@ struct BackwardRow {
     const float row_lse = lse[i], row_delta = delta[i];
     float *s_row = s + row * p.nk, *dp_row = dp + row * p.nk;
     for (int64_t c = lanes.lane; c < p.nk; c += lanes.count) {
-      s_row[c] = c < n ? expf(s_row[c] - row_lse) : 0.0f;
+      s_row[c] = c < n ? exp_approx(s_row[c] - row_lse) : 0.0f;
       dp_row[c] = softmax_grad(s_row[c], dp_row[c], row_delta);
     }
   }

@@ -2,9 +2,8 @@
 // Unary functions are declared once here; the Python list in
 // jnntile/ops/elementwise.py uses the same codes.
 #pragma once
-#include <math.h>
-
 #include "kernels/device.h"
+#include "kernels/math.h"
 
 namespace jnntile {
 
@@ -18,11 +17,11 @@ constexpr float kGeluCoeff = 0.044715f;
 // Each function: value f(x) and derivative f'(x).
 struct GeluTanh {
   static JNNTILE_HD float f(float x) {
-    float t = tanhf(kSqrt2OverPi * (x + kGeluCoeff * x * x * x));
+    float t = tanh_approx(kSqrt2OverPi * (x + kGeluCoeff * x * x * x));
     return 0.5f * x * (1.0f + t);
   }
   static JNNTILE_HD float df(float x) {
-    float t = tanhf(kSqrt2OverPi * (x + kGeluCoeff * x * x * x));
+    float t = tanh_approx(kSqrt2OverPi * (x + kGeluCoeff * x * x * x));
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * x * x);
   }
 };
@@ -31,18 +30,18 @@ struct Relu {
   static JNNTILE_HD float df(float x) { return x > 0.0f ? 1.0f : 0.0f; }
 };
 struct Tanh {
-  static JNNTILE_HD float f(float x) { return tanhf(x); }
+  static JNNTILE_HD float f(float x) { return tanh_approx(x); }
   static JNNTILE_HD float df(float x) {
-    float t = tanhf(x);
+    float t = tanh_approx(x);
     return 1.0f - t * t;
   }
 };
 struct Exp {
-  static JNNTILE_HD float f(float x) { return expf(x); }
-  static JNNTILE_HD float df(float x) { return expf(x); }
+  static JNNTILE_HD float f(float x) { return exp_approx(x); }
+  static JNNTILE_HD float df(float x) { return exp_approx(x); }
 };
 struct Sigmoid {
-  static JNNTILE_HD float f(float x) { return 1.0f / (1.0f + expf(-x)); }
+  static JNNTILE_HD float f(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
   static JNNTILE_HD float df(float x) {
     float s = f(x);
     return s * (1.0f - s);

@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "kernels/device.h"
+#include "kernels/math.h"
 #include "kernels/reduce.h"
 
 namespace jnntile {
@@ -44,7 +45,7 @@ JNNTILE_HD float strided_max(const float* x, int64_t begin, int64_t n, int64_t s
 // The sum in double of the float terms exp(x - max).
 JNNTILE_HD double strided_sum_exp(const float* x, int64_t begin, int64_t n, int64_t stride, float max) {
   double s = 0.0;
-  for (int64_t j = begin; j < n; j += stride) s += double(expf(x[j] - max));
+  for (int64_t j = begin; j < n; j += stride) s += double(exp_approx(x[j] - max));
   return s;
 }
 
@@ -96,10 +97,8 @@ JNNTILE_HD float grad_scale(const float* inv_count, const float* dloss) { return
 // column in this tile or -1.
 JNNTILE_HD void strided_grad(const float* x, float lse, float scale, int64_t t, int64_t begin, int64_t n,
                              int64_t stride, float* dx) {
-  for (int64_t j = begin; j < n; j += stride) {
-    dx[j] += scale * expf(x[j] - lse);
-    if (j == t) dx[j] -= scale;
-  }
+  for (int64_t j = begin; j < n; j += stride) dx[j] += scale * exp_approx(x[j] - lse);
+  if (t >= begin && t < n && (t - begin) % stride == 0) dx[t] -= scale;
 }
 
 }  // namespace cross_entropy

@@ -1,6 +1,8 @@
 // Data movement and initialisation: write, read, fill, random, copy.
 #include "ops/data.h"
 
+#include <algorithm>
+
 #include "task.h"
 
 namespace jnntile {
@@ -26,25 +28,65 @@ void add_in_kernel(void** buffers, const HostCopyArgs& a) {
 
 enum class Direction { Write, Add, Read };
 
-void host_copy(int64_t id, void* data, int64_t nbytes, Direction direction) {
+// The tiles of `box` (every tile when it is empty), checked against t's grid.
+TileBox checked_box(const TiledTensor& t, const TileBox& box) {
+  if (box.lo.empty() && box.hi.empty()) return TileBox{Index(t.ndim(), 0), t.grid};
+  bool fits = int(box.lo.size()) == t.ndim() && int(box.hi.size()) == t.ndim();
+  for (int a = 0; fits && a < t.ndim(); ++a) fits = 0 <= box.lo[a] && box.lo[a] < box.hi[a] && box.hi[a] <= t.grid[a];
+  if (!fits) {
+    auto str = [](const Index& v) {
+      std::string s = "(";
+      for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+      return s + ")";
+    };
+    throw std::invalid_argument("tiles from " + str(box.lo) + " to " + str(box.hi) + " are not a block of " +
+                                t.describe() + ", whose grid is " + str(t.grid));
+  }
+  return box;
+}
+
+void host_copy(int64_t id, void* data, int64_t nbytes, Direction direction, const TileBox& requested) {
   require_runtime();
   TiledTensor& t = tensor_get(id);
-  int64_t expected = t.numel() * int64_t(dtype_size(t.dtype));
+  TileBox box = checked_box(t, requested);
+  // The box's first element and shape: the host array is the box alone, row-major.
+  Index start(t.ndim()), extent(t.ndim());
+  int64_t expected = int64_t(dtype_size(t.dtype));
+  for (int a = 0; a < t.ndim(); ++a) {
+    start[a] = box.lo[a] * t.tile_shape[a];
+    extent[a] = std::min(box.hi[a] * t.tile_shape[a], t.shape[a]) - start[a];
+    expected *= extent[a];
+  }
   if (nbytes != expected)
-    throw std::invalid_argument(t.describe() + " holds " + std::to_string(expected) +
-                                " bytes but the host array has " + std::to_string(nbytes));
+    throw std::invalid_argument((requested.lo.empty() ? "" : "a block of tiles of ") + t.describe() + " holds " +
+                                std::to_string(expected) + " bytes but the host array has " + std::to_string(nbytes));
   static starpu_codelet* in_cl = codelet<HostCopyArgs, copy_in_kernel>("copy_in");
   static starpu_codelet* out_cl = codelet<HostCopyArgs, copy_out_kernel>("copy_out");
   static starpu_codelet* add_cl = codelet<HostCopyArgs, add_in_kernel>("add_in");
   if (direction == Direction::Add && t.dtype != DType::F32)
     throw std::invalid_argument("only float32 tensors can be accumulated into: " + t.describe());
+  // The box's tiles, row-major over the box.
+  std::vector<int64_t> tiles;
+  Index coord = box.lo;
+  for (bool more = true; more;) {
+    tiles.push_back(t.tile_linear(coord));
+    more = false;
+    for (int a = t.ndim() - 1; a >= 0 && !more; --a) {
+      if (++coord[a] < box.hi[a]) more = true;
+      else coord[a] = box.lo[a];
+    }
+  }
   // Check every tile first: a failure half-way would leave tasks copying into
   // a host array that the caller frees when the error reaches it.
   if (direction != Direction::Write)
-    for (starpu_data_handle_t handle : t.tiles) check_readable(handle);
+    for (int64_t tile : tiles) check_readable(t.tiles[tile]);
   auto* group = new TaskGroup();
-  for (int64_t tile = 0; tile < t.num_tiles(); ++tile) {
+  for (int64_t tile : tiles) {
     HostCopyArgs args{tile_geometry(t, tile), data, dtype_size(t.dtype)};
+    for (int a = 0; a < t.ndim(); ++a) {  // the tile's place in the box rather than in the tensor
+      args.geo.shape[a] = extent[a];
+      args.geo.offset[a] -= start[a];
+    }
     switch (direction) {
       case Direction::Write: submit_task(in_cl, {{t.tiles[tile], STARPU_W}}, args, 0.0, group); break;
       case Direction::Add: submit_task(add_cl, {{t.tiles[tile], STARPU_RW}}, args, 0.0, group); break;
@@ -149,7 +191,7 @@ ffi::Error write_impl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer array, ffi::Rema
                       ffi::Result<ffi::BufferR0<ffi::F32>> token, int64_t accumulate) {
   try {
     host_copy(ids.typed_data()[0], array.untyped_data(), int64_t(array.size_bytes()),
-              accumulate ? Direction::Add : Direction::Write);
+              accumulate ? Direction::Add : Direction::Write, {});
   } catch (const std::exception& e) {
     return ffi::Error::InvalidArgument(e.what());
   }
@@ -159,7 +201,7 @@ ffi::Error write_impl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer array, ffi::Rema
 
 ffi::Error read_impl(ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> array) {
   try {
-    host_copy(ids.typed_data()[0], array->untyped_data(), int64_t(array->size_bytes()), Direction::Read);
+    host_copy(ids.typed_data()[0], array->untyped_data(), int64_t(array->size_bytes()), Direction::Read, {});
   } catch (const std::exception& e) {
     return ffi::Error::InvalidArgument(e.what());
   }
@@ -201,9 +243,13 @@ TileGeometry tile_geometry(const TiledTensor& t, int64_t linear) {
   return g;
 }
 
-void write_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Write); }
-void add_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Add); }
-void read_to_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Read); }
+void write_from_host(int64_t id, void* data, int64_t nbytes, const TileBox& box) {
+  host_copy(id, data, nbytes, Direction::Write, box);
+}
+void add_from_host(int64_t id, void* data, int64_t nbytes) { host_copy(id, data, nbytes, Direction::Add, {}); }
+void read_to_host(int64_t id, void* data, int64_t nbytes, const TileBox& box) {
+  host_copy(id, data, nbytes, Direction::Read, box);
+}
 
 double OpCall::input_scalar(size_t i) const {
   if (i >= inputs.size()) throw std::invalid_argument("op needs extra input " + std::to_string(i));

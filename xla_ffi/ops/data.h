@@ -8,10 +8,19 @@
 #include "tensor.h"
 
 namespace jnntile {
-void write_from_host(int64_t id, void* data, int64_t nbytes);
+
+// A block of whole tiles: tiles lo[a] <= i < hi[a] on every axis a. Its
+// elements, as a row-major array of their own, are the host side of a copy, so
+// a tensor larger than RAM moves through a small host buffer block by block
+// (checkpoints). Empty lo and hi mean every tile.
+struct TileBox {
+  Index lo, hi;
+};
+
+void write_from_host(int64_t id, void* data, int64_t nbytes, const TileBox& box = {});
 // Adds a float32 host array into the tensor (the backward of reading it).
 void add_from_host(int64_t id, void* data, int64_t nbytes);
-void read_to_host(int64_t id, void* data, int64_t nbytes);
+void read_to_host(int64_t id, void* data, int64_t nbytes, const TileBox& box = {});
 
 // Where tile `linear` of t lies in t, for kernels that need global element
 // indices (copies to host arrays, random numbers, dropout masks).

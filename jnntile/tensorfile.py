@@ -1,0 +1,289 @@
+"""Safetensors files streamed to and from tiled tensors, one chunk of tiles at a time.
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
+({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}),
+then the raw little-endian data of every tensor at its offsets, back to back.
+Every tensor thus sits at a known place, and a block of one is written or read
+in place (os.pwrite / os.pread): a tensor larger than RAM passes through one
+host buffer of a chunk of its tiles (`jnntile.ops.data.chunks`), never whole.
+
+A row-major reshape keeps the bytes, so a tensor stored in another shape of
+the same size (Hugging Face's (C, 3C) for jnntile's (C, 3, H, D)) streams the
+same way: `Reshaped` names a tensor in the shape its file holds.
+
+Reading a file starts with `SafetensorsFile(path)`, which checks the whole
+header against the file's size before anything is read, so a truncated or
+damaged file is refused with the problem and the file named.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from jnntile.ops import data as data_ops
+from jnntile.tensor import Tensor
+
+# Bytes per element of every safetensors dtype, and the numpy type that reads
+# it where jnntile can read it (bfloat16, which numpy lacks, is widened to float32).
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+_NUMPY = {"BOOL": "?", "U8": "u1", "I8": "i1", "I16": "<i2", "U16": "<u2", "F16": "<f2", "I32": "<i4", "U32": "<u4",
+          "F32": "<f4", "F64": "<f8", "I64": "<i8", "U64": "<u8"}
+_CODES = {np.dtype(v).newbyteorder("="): k for k, v in _NUMPY.items()}
+# The safetensors library refuses larger headers; so does this reader, before allocating one.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def dtype_code(dtype) -> str:
+    """The safetensors name of a numpy dtype ("F32" for float32)."""
+    code = _CODES.get(np.dtype(dtype).newbyteorder("="))
+    if code is None:
+        raise TypeError(f"dtype {np.dtype(dtype).name} has no safetensors equivalent")
+    return code
+
+
+class Reshaped:
+    """A tiled tensor seen in another row-major shape of the same size (the bytes are the same).
+
+    Nothing is read until asked: np.asarray(view) reads the whole tensor, while
+    `write_file` and `load_into` stream it chunk by chunk.
+    """
+
+    def __init__(self, tensor: Tensor, shape):
+        shape = tuple(int(n) for n in shape)
+        if math.prod(shape) != tensor.size:
+            raise ValueError(f"{tensor!r} cannot be seen as shape {shape}: the sizes differ")
+        self.tensor, self.shape, self.dtype = tensor, shape, np.dtype(tensor.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.tensor.numpy().reshape(self.shape)
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self):
+        return f"Reshaped({self.tensor!r}, shape={self.shape})"
+
+
+class FileTensor:
+    """One tensor of a safetensors file (header checked); nothing is read until asked."""
+
+    def __init__(self, path: Path, name: str, code: str, shape: tuple, begin: int):
+        self.path, self.name, self.code, self.shape, self.begin = path, name, code, shape, begin
+        self.nbytes = math.prod(shape) * _ITEMSIZE[code]
+        # What `read` returns; None for the 8-bit floats, which jnntile cannot read.
+        self.dtype = (np.dtype(np.float32) if code == "BF16" else
+                      np.dtype(_NUMPY[code]).newbyteorder("=") if code in _NUMPY else None)
+
+    def __repr__(self):
+        return f"tensor {self.name!r} ({self.code}, shape {self.shape}) of {self.path}"
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.read()
+        return out if dtype is None else out.astype(dtype)
+
+    def read(self, shape=None, start=None, stop=None) -> np.ndarray:
+        """The block start:stop of the tensor seen as `shape` (a row-major reshape; default: its own), or all of it."""
+        if self.dtype is None:
+            raise ValueError(f"{self} has dtype {self.code}, which jnntile cannot read")
+        shape = self.shape if shape is None else tuple(shape)
+        if math.prod(shape) != math.prod(self.shape):
+            raise ValueError(f"{self} cannot be seen as shape {shape}: the sizes differ")
+        start = (0,) * len(shape) if start is None else tuple(start)
+        stop = shape if stop is None else tuple(stop)
+        raw = np.empty(tuple(b - a for a, b in zip(start, stop)), np.dtype("<u2" if self.code == "BF16" else
+                                                                          _NUMPY[self.code]))
+        flat = raw.reshape(-1).view(np.uint8)
+        itemsize = _ITEMSIZE[self.code]
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done = 0
+            for offset, length in _runs(shape, start, stop):
+                _pread_into(fd, flat[done:done + length * itemsize], self.begin + offset * itemsize, self)
+                done += length * itemsize
+        finally:
+            os.close(fd)
+        if self.code == "BF16":  # bfloat16 is the top half of a float32
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        return raw.astype(raw.dtype.newbyteorder("="), copy=False)
+
+
+class SafetensorsFile(Mapping):
+    """The tensors of a safetensors file by name, after checking its header against its size.
+
+    Raises ValueError naming the file and what is wrong: shorter than its
+    header says (truncated), a header that does not parse, a tensor whose
+    offsets do not match its dtype and shape or overlap another's.
+    """
+
+    def __init__(self, path):
+        self.path = path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found")
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ValueError(f"{path} is truncated: {size} bytes, not even the 8-byte header length of a "
+                                 "safetensors file")
+            n = int.from_bytes(prefix, "little")
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise ValueError(f"{path} is truncated or not a safetensors file: its header length field says "
+                                 f"{n} bytes, the file holds {size}")
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"the header of {path} does not parse as JSON ({e}): the file is damaged or not a "
+                             "safetensors file") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"the header of {path} is not a JSON object: the file is damaged")
+        self.metadata = header.pop("__metadata__", None) or {}
+        data_start, data_bytes = 8 + n, size - 8 - n
+        self._tensors = {}
+        for name, entry in header.items():
+            code, shape, offsets = _parse_entry(path, name, entry)
+            self._tensors[name] = FileTensor(path, name, code, shape, data_start + offsets[0])
+        # Back to back from the start of the data to its end, as the safetensors library requires.
+        position = 0
+        for tensor in sorted(self._tensors.values(), key=lambda t: (t.begin, t.nbytes)):
+            begin = tensor.begin - data_start
+            if begin != position:
+                what = "overlaps the previous tensor" if begin < position else f"leaves a gap of {begin - position} bytes"
+                raise ValueError(f"the header of {path} is damaged: tensor {tensor.name!r} starts at byte {begin} "
+                                 f"of the data and {what}")
+            position += tensor.nbytes
+        if position > data_bytes:
+            raise ValueError(f"{path} is truncated: its tensors need {position} bytes of data after the header, the "
+                             f"file holds {data_bytes} ({size} bytes in all); it was probably not written completely")
+        if position < data_bytes:
+            raise ValueError(f"{path} has {data_bytes - position} bytes after its last tensor: the file is damaged")
+
+    def __getitem__(self, name) -> FileTensor:
+        return self._tensors[name]
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self):
+        return len(self._tensors)
+
+
+def _parse_entry(path, name, entry):
+    def bad(what):
+        return ValueError(f"the header of {path} is damaged: tensor {name!r} {what}")
+
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise bad("lacks dtype, shape or data_offsets")
+    code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if code not in _ITEMSIZE:
+        raise bad(f"has the unknown dtype {code!r}")
+    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise bad(f"has the shape {shape!r}, not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"has the data_offsets {offsets!r}, not [begin, end]")
+    expected = math.prod(shape) * _ITEMSIZE[code]
+    if offsets[1] - offsets[0] != expected:
+        raise bad(f"spans {offsets[1] - offsets[0]} bytes, but {code} {tuple(shape)} needs {expected}")
+    return code, tuple(shape), offsets
+
+
+def _runs(shape, start, stop):
+    """(element offset, length) of each contiguous run of the block start:stop of a row-major array of `shape`."""
+    ndim = len(shape)
+    if ndim == 0:
+        return [(0, 1)]
+    # Trailing axes the block covers whole belong to every run.
+    axis = ndim - 1
+    while axis > 0 and start[axis] == 0 and stop[axis] == shape[axis]:
+        axis -= 1
+    strides = [math.prod(shape[a + 1:]) for a in range(ndim)]
+    length = (stop[axis] - start[axis]) * strides[axis]
+    offsets = np.asarray(start[axis] * strides[axis], np.int64)
+    for a in range(axis - 1, -1, -1):  # outer axes vary slowest
+        offsets = (np.arange(start[a], stop[a], dtype=np.int64) * strides[a])[:, None] + offsets.reshape(1, -1)
+    return [(int(o), length) for o in offsets.reshape(-1)]
+
+
+def _pread_into(fd, buffer: np.ndarray, offset: int, what) -> None:
+    view = memoryview(buffer)
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise ValueError(f"{what}: the file ended at byte {offset} while reading it (truncated since it was "
+                             "opened?)")
+        view, offset = view[n:], offset + n
+
+
+def _pwrite(fd, buffer: np.ndarray, offset: int) -> None:
+    view = memoryview(buffer.reshape(-1).view(np.uint8))
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def write_file(path, tensors: Mapping, metadata: dict | None = None) -> None:
+    """Writes a new safetensors file holding `tensors` (name -> numpy or JAX array, Tensor or Reshaped).
+
+    Arrays are written whole; tiled tensors chunk by chunk, straight from their
+    tiles to their place in the file. The file is complete only when this
+    returns: callers write under a temporary name and rename.
+    """
+    entries, position = {}, 0
+    for name, value in tensors.items():
+        if isinstance(value, Tensor):
+            value = Reshaped(value, value.shape)
+        elif not isinstance(value, Reshaped):
+            value = np.asarray(value, order="C")  # (ascontiguousarray would make scalars 1-d)
+        nbytes = math.prod(value.shape) * value.dtype.itemsize
+        entries[name] = (value, {"dtype": dtype_code(value.dtype), "shape": list(value.shape),
+                                 "data_offsets": [position, position + nbytes]})
+        position += nbytes
+    header = {name: entry for name, (_, entry) in entries.items()}
+    if metadata:
+        header = {"__metadata__": metadata, **header}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
+    data_start = 8 + len(raw)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _pwrite(fd, np.frombuffer(len(raw).to_bytes(8, "little") + raw, np.uint8), 0)
+        for block, runs in _blocks(entries.values(), data_start):
+            done = 0
+            for offset, length in runs:
+                _pwrite(fd, block[done:done + length], offset)
+                done += length
+            del block  # before the next one is read
+    finally:
+        os.close(fd)
+
+
+def _blocks(entries, data_start):
+    """(flat array, [(file offset, elements)] of its runs) for all data of `entries`, in file order: arrays
+    whole, tiled tensors a chunk at a time."""
+    for value, entry in entries:
+        begin = data_start + entry["data_offsets"][0]
+        if isinstance(value, np.ndarray):
+            yield value.reshape(-1), [(begin, value.size)]
+            continue
+        itemsize = value.dtype.itemsize
+        for chunk, block in data_ops.read_chunks(value.tensor):
+            yield block.reshape(-1), [(begin + offset * itemsize, length)
+                                      for offset, length in _runs(value.tensor.shape, chunk.start, chunk.stop)]
+            del block  # one chunk in memory at a time
+
+
+def load_into(t: Tensor, source) -> Tensor:
+    """Overwrites every tile of `t` from `source` of the same size (any row-major shape): a FileTensor, read
+    chunk by chunk, or an array; returns `t` with the token of the write. Blocks."""
+    if math.prod(np.shape(source)) != t.size:
+        raise ValueError(f"{source!r} cannot fill {t!r}: the sizes differ")
+    if isinstance(source, FileTensor):
+        return data_ops.write_chunks(t, lambda chunk: source.read(t.shape, chunk.start, chunk.stop))
+    array = np.asarray(source).reshape(t.shape)
+    return data_ops.write_chunks(t, lambda chunk: array[chunk.slices])
