@@ -5,7 +5,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := libstarpu-dev libopenblas-dev pkg-config
+APT_PACKAGES := libstarpu-dev libopenblas-dev pkg-config openmpi-bin libopenmpi-dev
 STAMP := $(VENV)/.jnntile-installed
 NATIVE_SOURCES := $(shell find xla_ffi -name '*.cc' -o -name '*.h' -o -name '*.cu') CMakeLists.txt pyproject.toml
 # What the package and its tests import; the GPU machines have them preinstalled.

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jnntile import optim
+from jnntile import distributed, optim
 from jnntile.models import gpt2, gpt2_reference
 from jnntile.models.config import GPT2Config
 from jnntile.train import make_steps
@@ -31,9 +31,12 @@ def random_batch(config: GPT2Config, batch_size: int, seq_len: int, seed: int = 
 
 
 def jnntile_step(config: GPT2Config, batch_size: int, seq_len: int):
-    """One jnntile training step per call (`.model` holds the model, for its tiles)."""
-    idx, targets = random_batch(config, batch_size, seq_len)
-    model = gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len)
+    """One jnntile training step per call (`.model` holds the model, for its tiles).
+
+    In a distributed run each rank trains on its rows of the batch and the loss is the mean over the ranks.
+    """
+    idx, targets = (distributed.local_rows(a) for a in random_batch(config, batch_size, seq_len))
+    model = gpt2.GPT2(config, batch_size=idx.shape[0], seq_len=seq_len)
     tx = optax.chain(optim.clip_by_global_norm(MAX_NORM), optim.adamw(LEARNING_RATE))
     graphdef, params = nnx.split(model, nnx.Param)
     state = {"params": params, "opt": tx.init(params)}
@@ -43,7 +46,7 @@ def jnntile_step(config: GPT2Config, batch_size: int, seq_len: int):
         # One micro-batch per step: ids shaped (1, B, T), one dropout seed (none).
         state["params"], state["opt"], loss = train_step(state["params"], state["opt"], idx[None], targets[None],
                                                          [None])
-        return float(loss)
+        return distributed.mean_and_any(float(loss), False, "the loss")[0]
 
     step.model = model
     return step

@@ -134,6 +134,9 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
                     args[i] = _continue_from(args[i], g)
             (_, (value, aux)), grads = differentiated(*args, **kwargs)
             grads = jax.tree.map(_fill_untouched, grads, is_leaf=_is_tensor)
+            for g in jax.tree.leaves(grads, is_leaf=_is_tensor):  # this rank's gradients alone, so far
+                if _is_tensor(g):
+                    tensor_mod.grad_handle(g.handle).summed_over_ranks = False
             if accumulate is not None:  # an argument nobody used this time: its gradient is the earlier sum
                 grads = jax.tree.map(lambda g, p: g.with_token(_ffi.join(g.token, p.token)) if _is_tensor(g) else g,
                                      grads, previous[0] if isinstance(argnums, int) else previous,

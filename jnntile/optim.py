@@ -12,10 +12,17 @@ changing it does not recompile (DESIGN invariant 4).
 gradient tiles are invalidated (DESIGN invariant 7), so they are never written
 to swap between steps; the next `jnntile.value_and_grad` starts them at zero
 again. Read gradients (norms, logging) before the update.
+
+In a distributed run (several MPI ranks, docs/distributed.md) `allreduce_sum`
+comes first: it sums each rank's gradients over the ranks, and the
+transformations after it refuse gradients that were not summed (each rank
+would otherwise update its copy of the parameters with its own gradients).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -23,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 import jnntile
+from jnntile import distributed, runtime
 from jnntile import tensor as tensor_mod
 from jnntile.ops import _ffi
 from jnntile.ops._ffi import call
@@ -53,6 +61,12 @@ def _check(grads, params, name: str):
 def _grad_values(g: Tensor):
     """The handle holding the gradient values of g."""
     return tensor_mod.grad_handle(g.handle)
+
+
+def _require_summed(grad_leaves, name: str) -> None:
+    if runtime.world_size() > 1 and not all(_grad_values(g).summed_over_ranks for g in grad_leaves):
+        raise ValueError(f"{name}: in a distributed run the gradients must be summed over the ranks first: chain "
+                         f"jnntile.optim.allreduce_sum() before {name} (jnntile.train.make_steps does)")
 
 
 def _consume(g: Tensor, token):
@@ -93,6 +107,7 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
 
     def update(grads, state, params=None):
         grad_leaves, param_leaves = _check(grads, params, "adamw")
+        _require_summed(grad_leaves, "adamw")
         decay = _leaves(mask(params)) if mask is not None else [True] * len(param_leaves)
         lr = _learning_rate(learning_rate, state.count)
         step = state.count + 1
@@ -119,6 +134,7 @@ def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
 
     def update(grads, state, params=None):
         grad_leaves, param_leaves = _check(grads, params, "sgd")
+        _require_summed(grad_leaves, "sgd")
         lr = _learning_rate(learning_rate, state.count)
         tokens = [_consume(g, call("sgd", [p.handle, _grad_values(g)], [g.token, p.token], inputs=[lr]))
                   for g, p in zip(grad_leaves, param_leaves)]
@@ -148,6 +164,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update(grads, state, params=None):
         grad_leaves = _leaves(grads)
+        _require_summed(grad_leaves, "clip_by_global_norm")
         norm = global_norm(grads)
         token = call("clip_by_norm", [_grad_values(g) for g in grad_leaves] + [norm.handle], [norm.token],
                      max_norm=float(max_norm))
@@ -157,4 +174,45 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-__all__ = ["AdamWState", "Gradient", "adamw", "clip_by_global_norm", "global_norm", "sgd"]
+# Distinct per traced allreduce and the same on every rank, which traces the same program: the
+# transfers of different calls never share StarPU-MPI tags (xla_ffi/ops/allreduce.cc).
+_allreduce_keys = itertools.count(1)
+
+
+def allreduce_sum(ownership: distributed.DataParallel = distributed.DEFAULT_OWNERSHIP
+                  ) -> optax.GradientTransformation:
+    """Sums the gradients over the ranks of a distributed run; on one process it does nothing.
+
+    With each rank's loss scaled by 1/N (`jnntile.value_and_grad(..., scale=1 / N)`,
+    N = `jnntile.runtime.world_size()`), the sum is the gradient of the mean loss
+    of the whole batch. Chain it first: `optax.chain(allreduce_sum(), clip_by_global_norm(1.0), adamw(...))`.
+    Every gradient tile is summed at a root rank (`ownership.reduction_roots`)
+    in a fixed order and sent back from there, so all ranks hold the same bits
+    and apply the same update. The transfers and additions are StarPU tasks
+    and StarPU-MPI requests submitted at once: a tile travels as soon as the
+    backward finished it, and nothing waits on the host.
+    """
+
+    def init(params):
+        return optax.EmptyState()
+
+    def update(grads, state, params=None):
+        size = runtime.world_size()
+        if size == 1:
+            return grads, state
+        grad_leaves = _leaves(grads)
+        handles = [_grad_values(g) for g in grad_leaves]
+        if any(handle.summed_over_ranks for handle in handles):
+            raise ValueError("allreduce_sum: these gradients are summed over the ranks already; chain it once "
+                             "(jnntile.train.make_steps adds it: give make_steps the transformation of one process)")
+        roots = ownership.reduction_roots(sum(math.prod(g.grid) for g in grad_leaves), size)
+        token = call("allreduce", handles, [g.token for g in grad_leaves], roots=roots, key=next(_allreduce_keys),
+                     schedule=runtime.ALLREDUCE_SCHEDULES[runtime.config().allreduce])
+        for handle in handles:
+            handle.summed_over_ranks = True
+        return jax.tree.map(lambda g: g.with_token(token), grads, is_leaf=_is_tensor), state
+
+    return optax.GradientTransformation(init, update)
+
+
+__all__ = ["AdamWState", "Gradient", "adamw", "allreduce_sum", "clip_by_global_norm", "global_norm", "sgd"]

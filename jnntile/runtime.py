@@ -37,6 +37,20 @@ PLACEMENTS = {"auto": 0, "cpu": 1, "cuda": 2}
 # second copy of the swap, outside RSS); "unistd_o_direct" bypasses it (direct I/O).
 SWAP_BACKENDS = {"unistd": 0, "unistd_o_direct": 1}
 MATMUL_PRECISIONS = ("default", "highest", "tf32")
+# How gradient tiles travel between MPI ranks (xla_ffi/ops/allreduce.cc, docs/distributed.md).
+ALLREDUCE_SCHEDULES = {"tree": 0, "ring": 1}
+HAS_MPI = _xla_ffi.mpi_available()  # built with StarPU-MPI: distributed training possible
+
+
+def local_ranks() -> int:
+    """Processes of this MPI job on this machine, from the launcher's environment (1 without one).
+
+    Read before MPI starts, so that the defaults of workers and memory share the machine.
+    """
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(name, "").isdigit():
+            return max(1, int(os.environ[name]))
+    return 1
 
 
 def _default_memory_limit_mb() -> int:
@@ -45,7 +59,7 @@ def _default_memory_limit_mb() -> int:
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
         available_kb = int(fields["MemAvailable"].split()[0])
-        return max(256, available_kb // 1024 // 2)
+        return max(256, available_kb // 1024 // 2 // local_ranks())
     except (OSError, KeyError, ValueError):
         return 4096
 
@@ -74,8 +88,8 @@ def gpu_memory_in_use_limit_mb() -> int:
 
 
 def _default_workers() -> int:
-    # StarPU drives each GPU from a CPU core of its own.
-    cores = (os.cpu_count() or 1) - gpu_count()
+    # StarPU drives each GPU from a CPU core of its own; ranks on one machine share its cores.
+    cores = ((os.cpu_count() or 1) - gpu_count()) // local_ranks()
     return max(1, min(cores, MAX_CPU_WORKERS))
 
 
@@ -112,6 +126,9 @@ class RuntimeConfig:
     matmul_precision: str = "default"
     pin_host_memory: bool = True  # page-lock RAM tiles when a GPU is used: asynchronous copies
     perf_model_dir: str | None = None  # StarPU's performance models; None: under STARPU_HOME
+    # One of several processes (MPI ranks, e.g. under mpirun) training one model; see docs/distributed.md.
+    distributed: bool = False
+    allreduce: str = "tree"  # how gradient tiles are summed across ranks: "tree" or "ring"
 
     def validate(self) -> None:
         if not 1 <= self.workers <= MAX_CPU_WORKERS:
@@ -139,6 +156,10 @@ class RuntimeConfig:
             raise ValueError(f"placement={self.placement!r}: use one of {sorted(PLACEMENTS)}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS}")
+        if self.distributed and not HAS_MPI:
+            raise ValueError(f"distributed=True: {_xla_ffi.mpi_unavailable_reason()}")
+        if self.allreduce not in ALLREDUCE_SCHEDULES:
+            raise ValueError(f"allreduce={self.allreduce!r}: use one of {sorted(ALLREDUCE_SCHEDULES)}")
 
     @property
     def tf32(self) -> bool:
@@ -186,6 +207,13 @@ def start(**settings) -> None:
     os.environ.setdefault("STARPU_HOME", str(Path.home() / ".cache" / "jnntile" / "starpu"))
     if _config.perf_model_dir:
         os.environ["STARPU_PERF_MODEL_DIR"] = _config.perf_model_dir
+    if _config.distributed:
+        _mpi_world()
+        if local_ranks() > 1:
+            # StarPU binds worker i of every process to core i, and its MPI thread to the next core:
+            # ranks sharing a machine would all crowd onto its first cores.
+            os.environ.setdefault("STARPU_WORKERS_NOBIND", "1")
+            os.environ.setdefault("STARPU_MPI_NOBIND", "1")
     # StarPU would count on the GPU's whole memory; take what is free (another
     # library in this process, XLA for one, may hold some).
     gpu_limit_mb = gpu_memory_mb(_config)
@@ -202,9 +230,15 @@ def start(**settings) -> None:
         placement=PLACEMENTS[_config.placement],
         tf32=_config.tf32,
         pin_host_memory=_config.pin_host_memory,
+        distributed=_config.distributed,
     )
     _started = True
     _started_gpu_limit_mb = gpu_limit_mb
+    if _config.distributed:
+        # Every rank must sum gradients the same way; this also waits for every rank to start.
+        from jnntile import distributed
+
+        distributed.require_same("the runtime", {"allreduce": _config.allreduce})
 
 
 def ensure_started() -> None:
@@ -224,6 +258,33 @@ def stop() -> None:
         return
     tensor._forget_all()
     _xla_ffi.runtime_stop()
+
+
+def _mpi_world() -> tuple[int, int]:
+    """(rank, size), starting MPI on first use."""
+    # Open MPI polls for messages without yielding the core unless told to, and StarPU-MPI's thread polls
+    # while any transfer is in flight: 0.2 cores per rank of 2 on 2 cores (bench/multinode.py), 0.03 when
+    # yielding, the workers getting the rest. Read by MPI_Init.
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    return _xla_ffi.mpi_world()
+
+
+def rank() -> int:
+    """This process's rank among the processes training one model (0 unless configured distributed).
+
+    With distributed=True this starts MPI (not StarPU), so it is known before the runtime starts.
+    """
+    return _mpi_world()[0] if _config.distributed else 0
+
+
+def world_size() -> int:
+    """How many processes train one model (1 unless configured distributed; see `rank`)."""
+    return _mpi_world()[1] if _config.distributed else 1
+
+
+def abort(code: int) -> None:
+    """Ends every rank of a distributed run at once (MPI_Abort), e.g. after an error only this rank saw."""
+    _xla_ffi.mpi_abort(code)
 
 
 def wait_all() -> None:
@@ -253,8 +314,11 @@ def describe() -> str:
         gpus = "no GPU found (StarPU has CUDA), "
     swap = (f", swap {_config.swap_size_mb} MB in {_config.swap_dir} ({_config.swap_backend})"
             if _config.swap_dir else "")
+    ranks = (f", rank {rank()} of {world_size()} (StarPU-MPI, gradients summed by a {_config.allreduce})"
+             if _config.distributed else "")
     return (f"{gpus}{_config.workers} CPU workers, scheduler {_config.scheduler}, memory limit "
-            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_started_gpu_limit_mb} MB" if cuda else "") + swap)
+            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_started_gpu_limit_mb} MB" if cuda else "") + swap
+            + ranks)
 
 
 def blas_core() -> str:
@@ -271,11 +335,14 @@ def stats() -> dict:
     completion since start or `reset_peaks`). `bytes_moved` maps "src->dst"
     (e.g. "RAM->DISK", bytes written to swap) to bytes, cumulative since start;
     call `wait_all()` first to count the transfers of tasks still running.
+    `mpi_bytes_sent` counts the tile bytes this rank sent to other ranks since start.
     """
     from jnntile import tensor  # tensor imports runtime
 
     tensor.free_unreachable()  # a safe point: the tensor count then counts live tensors
-    return _xla_ffi.runtime_stats()
+    stats = _xla_ffi.runtime_stats()
+    stats["mpi_bytes_sent"] = _xla_ffi.mpi_bytes_sent()
+    return stats
 
 
 def reset_peaks() -> None:
@@ -284,4 +351,9 @@ def reset_peaks() -> None:
         _xla_ffi.reset_peaks()
 
 
-atexit.register(stop)
+def _at_exit() -> None:
+    stop()
+    _xla_ffi.mpi_finalize()  # after StarPU-MPI stopped; a no-op without MPI
+
+
+atexit.register(_at_exit)

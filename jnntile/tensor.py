@@ -32,7 +32,7 @@ class _Handle:
     """Owns one registry id; the static part of a Tensor pytree."""
 
     __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "freed", "last_token", "grad",
-                 "grad_zeroed", "is_grad", "zero_pending", "invalidated", "__weakref__")
+                 "grad_zeroed", "is_grad", "zero_pending", "invalidated", "summed_over_ranks", "__weakref__")
 
     def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True):
         self.id = tensor_id
@@ -49,6 +49,9 @@ class _Handle:
         # gradient companion is still to be submitted; the tiles were released.
         self.zero_pending = False
         self.invalidated = False
+        # Trace-time, for a gradient companion in a distributed run: its values are the sum over the
+        # ranks (jnntile.optim.allreduce_sum), as optimizer updates require.
+        self.summed_over_ranks = False
         _live.add(self)
 
     def key(self):

@@ -6,6 +6,10 @@ and prints samples. Every run writes to --out: metrics.jsonl (one JSON object
 per step), loss.png, and checkpoints (see jnntile/checkpoint.py). --resume
 continues from the latest checkpoint bit-identically: batches and dropout
 masks are pure functions of (seed, step).
+
+Under an MPI launcher (`mpirun -n N --bind-to none python -m jnntile.train ...`)
+the N processes train one model, each on 1/N of every batch; only rank 0
+prints and writes (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import time
+import traceback
+import zlib
 from pathlib import Path
 
 import jax
@@ -27,7 +34,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, memory, optim
+from jnntile import checkpoint, distributed, memory, optim
 from jnntile import data as data_mod
 from jnntile.models import gpt2
 from jnntile.models import gpt2_decode
@@ -167,8 +174,16 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1):
     mean gradient of the whole batch. Returns the new (params, opt_state) and
     the mean loss of the micro-batches; nothing blocks until the caller reads
     the loss.
+
+    In a distributed run (`jnntile.runtime.world_size()` N > 1) each rank
+    passes its own rows of the step's batch (`jnntile.distributed.local_rows`)
+    and its own dropout seeds: the gradients are scaled by 1/N more and summed
+    over the ranks (`jnntile.optim.allreduce_sum`) before `tx`, so every rank
+    applies the update of the whole batch. The loss returned is this rank's;
+    `jnntile.distributed.mean_and_any` averages it over the ranks.
     """
-    scale = 1.0 / grad_accum_steps
+    scale = 1.0 / (grad_accum_steps * jnntile.runtime.world_size())
+    summed = optim.allreduce_sum()
 
     def loss_fn(model, idx, targets, dropout_seed):
         _, loss = model(model.token_tensor(idx), model.token_tensor(targets, allow_ignore=True),
@@ -187,6 +202,7 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1):
     @jax.jit
     def last_and_update(params, opt_state, grads, idx, targets, dropout_seed):
         loss, grads = gradients(params, grads, idx, targets, dropout_seed)
+        grads, _ = summed.update(grads, summed.init(params), params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -219,7 +235,9 @@ def step_batch(dataset, step: int, args):
 
 
 def _dropout_seeds(seed: int, step: int, micro_batches: int) -> list:
-    return [_dropout_seed(seed, step * micro_batches + k) for k in range(micro_batches)]
+    # Ranks drop different units of their rows (a single process keeps its seeds).
+    rank, ranks = jnntile.runtime.rank(), jnntile.runtime.world_size()
+    return [_dropout_seed(seed, (step * micro_batches + k) * ranks + rank) for k in range(micro_batches)]
 
 
 def _dropout_seed(seed: int, step: int):
@@ -232,9 +250,24 @@ def _memory_in_use_mb() -> float:
 
 
 def _evaluate(eval_step, params, dataset, args) -> float:
-    losses = [float(eval_step(params, *dataset.batch(i, args.batch_size, args.seq_len, "random", seed=args.seed + 1)))
-              for i in range(args.eval_batches)]
-    return float(np.mean(losses))
+    losses = [float(eval_step(params, *(distributed.local_rows(a) for a in dataset.batch(
+        i, args.batch_size, args.seq_len, "random", seed=args.seed + 1)))) for i in range(args.eval_batches)]
+    return distributed.mean_and_any(float(np.mean(losses)), False, "the validation loss")[0]
+
+
+# Flags that may differ between the ranks of a distributed run: where things are on each machine, what
+# each machine can hold, what rank 0 alone does. The rest must be the same on every rank.
+PER_RANK_FLAGS = {"data", "out", "quiet", "init_from_hf", "export_hf", "workers", "memory_limit_mb", "swap_dir",
+                  "swap_size_mb", "swap_backend", "gpu_memory_limit_mb", "cuda_workers"}
+
+
+def _same_on_every_rank(args, config: GPT2Config, dataset) -> dict:
+    """What the ranks of a distributed run must agree on: flags, the model with its tiles, the data."""
+    tokens = np.asarray(dataset.tokens)
+    return {**{f"--{k.replace('_', '-')}": v for k, v in vars(args).items() if k not in PER_RANK_FLAGS},
+            "model": dataclasses.asdict(config),
+            "data": {"tokens": len(dataset), "vocab_size": dataset.vocab_size,
+                     "crc32": zlib.crc32(tokens[:65536].tobytes() + tokens[-65536:].tobytes())}}
 
 
 # ---- outputs -----------------------------------------------------------------------
@@ -287,36 +320,56 @@ def generate_samples(model: gpt2.GPT2, dataset, args) -> list[str]:
 
 def train(args) -> dict:
     """Runs training as configured by `args`; returns a summary. Raises ValueError on bad input."""
-    _check_args(args)
+    if distributed.launched_ranks() > 1 and not jnntile.runtime.config().distributed:
+        if not jnntile.runtime.HAS_MPI:  # said by every rank
+            raise ValueError(f"{distributed.launched_ranks()} processes were launched to train one model, but "
+                             f"{jnntile._xla_ffi.mpi_unavailable_reason()}")
+        jnntile.runtime.stop()
+        jnntile.runtime.configure(distributed=True)
+    rank, ranks = jnntile.runtime.rank(), jnntile.runtime.world_size()
+    lead = rank == 0  # the rank that prints and writes
     out = Path(args.out)
-    _prepare_out_dir(out)
-    train_data, val_data = _load_data(args)
-    config = _config(args, train_data.vocab_size)
+    # An error on one rank stops every rank here, before anything runs.
+    with distributed.checked_together("the training set-up") as same:
+        _check_args(args)
+        rows = distributed.DEFAULT_OWNERSHIP.batch_rows(args.batch_size, rank, ranks)
+        batch_size = rows.stop - rows.start  # this rank's sequences per micro-batch
+        if lead:
+            _prepare_out_dir(out)
+        if args.data is None and ranks > 1:  # rank 0 prepares the built-in corpus (once), the others wait
+            try:
+                if lead:
+                    data_mod.ensure_default_dataset(progress=not args.quiet)
+            finally:
+                distributed.wait_for_every_rank("the preparation of the built-in corpus")
+        train_data, val_data = _load_data(args)
+        config = _config(args, train_data.vocab_size)
 
-    runtime_settings = memory.runtime_settings(args)
-    runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
-    runtime_config.validate()
-    gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
-    config, tiles_note = memory.fit_tiles(config, args.batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
-                                          args.optimizer, runtime_config.workers)
-    plan = memory.plan(config, args.batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
-                       grad_accum_steps=args.grad_accum_steps)
-    # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
-    verdict = plan.check(runtime_config.memory_limit_mb, runtime_config.swap_size_mb if runtime_config.swap_dir else 0,
-                         gpu_mb)
+        runtime_settings = memory.runtime_settings(args)
+        runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
+        runtime_config.validate()
+        gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
+        config, tiles_note = memory.fit_tiles(config, batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
+                                              args.optimizer, runtime_config.workers)
+        plan = memory.plan(config, batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
+                           grad_accum_steps=args.grad_accum_steps)
+        # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
+        verdict = plan.check(runtime_config.memory_limit_mb,
+                             runtime_config.swap_size_mb if runtime_config.swap_dir else 0, gpu_mb)
+        resume_from = checkpoint.latest(out) if args.resume else None
+        if args.resume and resume_from is None:
+            raise ValueError(f"--resume: no checkpoint in {out}")
+        same.update(_same_on_every_rank(args, config, train_data))
     if runtime_settings and runtime_config != jnntile.runtime.config():
         jnntile.runtime.stop()
         jnntile.runtime.configure(**runtime_settings)
     jnntile.runtime.start()
 
-    resume_from = checkpoint.latest(out) if args.resume else None
-    if args.resume and resume_from is None:
-        raise ValueError(f"--resume: no checkpoint in {out}")
     if args.init_from_hf and not resume_from:
-        model = gpt2.from_hf(args.init_from_hf, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+        model = gpt2.from_hf(args.init_from_hf, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
                              **{k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")})
     else:
-        model = gpt2.GPT2(config, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+        model = gpt2.GPT2(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)
     tx, schedule = _make_optimizer(args)
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)
@@ -326,19 +379,24 @@ def train(args) -> dict:
         opt_state, record = checkpoint.restore(resume_from, model=model, opt_state=opt_state)
         graphdef, params = nnx.split(model, nnx.Param)
         start_step = record["step"]
-        _truncate_metrics(metrics_path, start_step)
-    elif metrics_path.exists():
+        if lead:
+            _truncate_metrics(metrics_path, start_step)
+    elif lead and metrics_path.exists():
         metrics_path.unlink()
 
     train_step, eval_step = make_steps(graphdef, tx, args.grad_accum_steps)
     n_params = config.n_params()
-    if tiles_note:
-        print(tiles_note, flush=True)
-    batch = f"batch {args.batch_size} x {args.seq_len}" + (
-        f" x {args.grad_accum_steps} micro-batches per step" if args.grad_accum_steps > 1 else "")
-    print(f"GPT-2 {args.model}: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
-          f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; {batch}; StarPU: "
-          f"{jnntile.runtime.describe()} (planned peak {plan.peak / 2**20:.0f} MB: {verdict})", flush=True)
+    if lead:
+        if tiles_note:
+            print(tiles_note, flush=True)
+        batch = f"batch {args.batch_size} x {args.seq_len}" + (
+            f" x {args.grad_accum_steps} micro-batches per step" if args.grad_accum_steps > 1 else "") + (
+            f" ({batch_size} per rank)" if ranks > 1 else "")
+        print(f"GPT-2 {args.model}: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
+              f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; {batch}; StarPU: "
+              f"{jnntile.runtime.describe()} (planned peak {plan.peak / 2**20:.0f} MB{' per rank' if ranks > 1 else ''}: "
+              f"{verdict})",
+              flush=True)
 
     tokens_per_step = args.grad_accum_steps * args.batch_size * args.seq_len
 
@@ -352,7 +410,7 @@ def train(args) -> dict:
 
     losses = []
     step = start_step
-    bar = tqdm(total=args.steps, initial=start_step, disable=args.quiet, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=args.steps, initial=start_step, disable=args.quiet or not lead, unit="step", dynamic_ncols=True)
     # Ctrl-C only asks to stop: the step in flight updates tiles in place, so it
     # must finish (and be recorded) before the checkpoint is written.
     stop_requested = []
@@ -364,13 +422,16 @@ def train(args) -> dict:
 
     previous_handler = signal.signal(signal.SIGINT, request_stop)
     try:
-        with metrics_path.open("a") as metrics:
-            while step < args.steps and not stop_requested:
-                idx, targets = step_batch(train_data, step, args)
+        with (metrics_path if lead else Path(os.devnull)).open("a") as metrics:
+            stopping = False
+            while step < args.steps and not stopping:
+                idx, targets = (distributed.local_rows(a, axis=1) for a in step_batch(train_data, step, args))
                 started = time.perf_counter()
                 params, opt_state, loss = train_step(params, opt_state, idx, targets,
                                                      _dropout_seeds(args.seed, step, args.grad_accum_steps))
-                loss = float(loss)  # the one blocking read of the step
+                # The one blocking read of the step; with several ranks, the mean of theirs (and whether
+                # any rank was asked to stop, so that all stop after the same step).
+                loss, stopping = distributed.mean_and_any(float(loss), bool(stop_requested), "the loss")
                 seconds = time.perf_counter() - started
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or enable --grad-clip")
@@ -387,11 +448,16 @@ def train(args) -> dict:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                 mem_mb=f"{_memory_in_use_mb():.0f}", refresh=False)
                 if args.checkpoint_interval and step % args.checkpoint_interval == 0 and step < args.steps:
-                    save(step)
+                    if lead:
+                        save(step)
+                    # Rank 0 alone writes it, longer than a watchdog for a large model: the others wait here.
+                    distributed.wait_for_every_rank("a checkpoint")
     finally:
         signal.signal(signal.SIGINT, previous_handler)
         bar.close()
-    if stop_requested:
+    if not lead:
+        return {"interrupted": stopping, "step": step, "losses": losses}
+    if stopping:
         path = save(step)
         print(f"\ninterrupted at step {step}: checkpoint saved to {path}; continue with --resume", flush=True)
         return {"interrupted": True, "step": step, "losses": losses}
@@ -426,10 +492,33 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         summary = train(args)
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except distributed.SetUpError as e:  # raised on every rank, before anything ran: each one says it
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        distributed.wait_for_every_rank("the report of a set-up error")  # mpirun ends them all at the first exit
         return 2
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+        print(f"error{_on_rank()}: {e}", file=sys.stderr)
+        return _end_every_rank(2)
+    except BaseException:
+        if jnntile.runtime.world_size() > 1:
+            traceback.print_exc()
+            _end_every_rank(1)
+        raise
     return 130 if summary.get("interrupted") else 0
+
+
+def _on_rank() -> str:
+    return f" on rank {jnntile.runtime.rank()}" if jnntile.runtime.world_size() > 1 else ""
+
+
+def _end_every_rank(code: int) -> int:
+    """After an error on this rank alone: the other ranks would wait for its tiles until their watchdog
+    fires, so end them all now (mpirun names this rank). On one process, returns `code`."""
+    if jnntile.runtime.world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        jnntile.runtime.abort(code)
+    return code
 
 
 if __name__ == "__main__":

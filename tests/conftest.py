@@ -1,4 +1,4 @@
-"""Shared test helpers: tilings to sweep and a relative-error check."""
+"""Shared test helpers: tilings to sweep, a relative-error check, a small corpus."""
 
 import numpy as np
 import pytest
@@ -23,6 +23,21 @@ def counter_uniform01(seed: int, counter) -> np.ndarray:
 
     bits = splitmix64(np.uint64(seed % 2**64) ^ splitmix64(np.asarray(counter, np.uint64))) >> np.uint64(40)
     return (bits.astype(np.float64) + 0.5) / 2.0**24
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A small prepared corpus (vocabulary 300) for the training command; its train.bin."""
+    from jnntile import data as data_mod
+
+    root = tmp_path_factory.mktemp("corpus")
+    text = root / "text.txt"
+    words = ["alpha", "beta", "gamma", "delta", "tiles", "tasks", "memory", "disk"]
+    rng = np.random.default_rng(0)
+    text.write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(400)))
+    out = root / "prepared"
+    data_mod.prepare_dataset(text, out, vocab_size=300, progress=False)
+    return out / "train.bin"
 
 
 @pytest.fixture

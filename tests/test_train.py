@@ -20,18 +20,6 @@ SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "2
          "--eval-batches", "1", "--samples", "1", "--sample-tokens", "5", "--quiet"]
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    text = root / "text.txt"
-    words = ["alpha", "beta", "gamma", "delta", "tiles", "tasks", "memory", "disk"]
-    rng = np.random.default_rng(0)
-    text.write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(400)))
-    out = root / "prepared"
-    data_mod.prepare_dataset(text, out, vocab_size=300, progress=False)
-    return out / "train.bin"
-
-
 def _run(dataset, out, *extra):
     return train_mod.train(train_mod.parse_args(["--data", str(dataset), "--out", str(out), *SMALL, *extra]))
 

@@ -3,9 +3,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "distributed.h"
 #include "kernels/gemm.h"
 #include "ops/data.h"
 #include "runtime.h"
@@ -36,7 +38,7 @@ NB_MODULE(_xla_ffi, m) {
       "runtime_start",
       [](int workers, int cuda_workers, const std::string& scheduler, int64_t memory_limit_mb,
          int64_t gpu_memory_limit_mb, const std::string& swap_dir, int64_t swap_size_mb, int swap_backend,
-         double watchdog_s, int placement, bool tf32, bool pin_host_memory) {
+         double watchdog_s, int placement, bool tf32, bool pin_host_memory, bool distributed) {
         RuntimeConfig config;
         config.workers = workers;
         config.cuda_workers = cuda_workers;
@@ -50,6 +52,7 @@ NB_MODULE(_xla_ffi, m) {
         config.placement = Placement(placement);
         config.tf32 = tf32;
         config.pin_host_memory = pin_host_memory;
+        config.distributed = distributed;
         nb::gil_scoped_release release;
         gemm_single_threaded();
         runtime_start(config);
@@ -57,7 +60,7 @@ NB_MODULE(_xla_ffi, m) {
       nb::arg("workers"), nb::arg("cuda_workers"), nb::arg("scheduler"), nb::arg("memory_limit_mb"),
       nb::arg("gpu_memory_limit_mb"), nb::arg("swap_dir"), nb::arg("swap_size_mb"), nb::arg("swap_backend"),
       nb::arg("watchdog_s"),
-      nb::arg("placement"), nb::arg("tf32"), nb::arg("pin_host_memory"));
+      nb::arg("placement"), nb::arg("tf32"), nb::arg("pin_host_memory"), nb::arg("distributed"));
   m.def("max_cpu_workers", &max_cpu_workers);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_device_memory_bytes", &cuda_device_memory_bytes);
@@ -117,6 +120,30 @@ NB_MODULE(_xla_ffi, m) {
   });
 
   m.def("reset_peaks", &reset_peaks);
+
+  m.def("mpi_available", &mpi_available);
+  m.def("mpi_unavailable_reason", &mpi_unavailable_reason);
+  m.def("mpi_world", [] {
+    nb::gil_scoped_release release;
+    return mpi_world();
+  });
+  m.def("mpi_finalize", [] {
+    nb::gil_scoped_release release;
+    mpi_finalize();
+  });
+  m.def("mpi_abort", &mpi_abort);
+  m.def("mpi_bytes_sent", &mpi_bytes_sent);
+  m.def("allgather", [](nb::bytes mine, const std::string& what, double timeout_s, bool patient) {
+    std::string data(mine.c_str(), mine.size());
+    std::vector<std::string> all;
+    {
+      nb::gil_scoped_release release;
+      all = allgather(data, what, timeout_s, patient);
+    }
+    nb::list out;
+    for (const std::string& s : all) out.append(nb::bytes(s.data(), s.size()));
+    return out;
+  });
   m.def("measure_empty_task_latency", [](int count) {
     nb::gil_scoped_release release;
     return measure_empty_task_latency(count);

@@ -4,6 +4,8 @@ extern "C" {
 }
 #include "runtime.h"
 
+#include "distributed.h"
+
 #if JNNTILE_CUDA
 #include "kernels/cuda/context.h"
 #endif
@@ -250,6 +252,13 @@ int tile_free(unsigned, void* ptr, size_t, int) {
   return 0;
 }
 
+// After a failed start: StarPU started through StarPU-MPI stops collectively,
+// so a rank that fails alone leaves it running; its process is expected to exit.
+void shutdown_after_failed_start(const RuntimeConfig& config) {
+  if (config.distributed) distributed_abandon();
+  else starpu_shutdown();
+}
+
 void collect_profiling_locked(RuntimeState& s) {
   int nbus = starpu_bus_get_count();
   for (int bus = 0; bus < nbus; ++bus) {
@@ -306,11 +315,11 @@ void runtime_start(const RuntimeConfig& config) {
   conf.ncpus = config.workers;
   conf.ncuda = config.cuda_workers;
   conf.sched_policy_name = config.scheduler.c_str();
-  int ret = starpu_init(&conf);
+  int ret = config.distributed ? distributed_starpu_init(&conf) : starpu_init(&conf);
   const char* ncpu_env = getenv("STARPU_NCPU");
   if (ret == -ENODEV || (ret == 0 && starpu_cpu_worker_get_count() == 0)) {
     // Host copies (reading and writing arrays) run on CPU workers only.
-    if (ret == 0) starpu_shutdown();
+    if (ret == 0) shutdown_after_failed_start(config);
     throw std::runtime_error(std::string("StarPU started without CPU workers (STARPU_NCPU=") +
                              (ncpu_env ? ncpu_env : "unset") +
                              " in the environment overrides the configuration); jnntile needs at least one: "
@@ -325,7 +334,7 @@ void runtime_start(const RuntimeConfig& config) {
     throw std::runtime_error(msg.str());
   }
   if (config.placement == Placement::Cuda && starpu_cuda_worker_get_count() == 0) {
-    starpu_shutdown();
+    shutdown_after_failed_start(config);
     throw std::runtime_error("placement='cuda' needs a CUDA worker, and StarPU found no usable GPU (" +
                              std::to_string(cuda_device_count()) + " visible to the CUDA runtime; STARPU_NCUDA=" +
                              (getenv("STARPU_NCUDA") ? getenv("STARPU_NCUDA") : "unset") + ")");
@@ -341,12 +350,12 @@ void runtime_start(const RuntimeConfig& config) {
     std::vector<char> buf(pattern.begin(), pattern.end());
     buf.push_back('\0');
     if (mkdir(config.swap_dir.c_str(), 0700) != 0 && errno != EEXIST) {
-      starpu_shutdown();
+      shutdown_after_failed_start(config);
       throw std::runtime_error("cannot create swap directory '" + config.swap_dir + "'");
     }
     remove_stale_swap_dirs(config.swap_dir);
     if (mkdtemp(buf.data()) == nullptr) {
-      starpu_shutdown();
+      shutdown_after_failed_start(config);
       throw std::runtime_error("cannot create a swap subdirectory in '" + config.swap_dir +
                                "': check that it is writable");
     }
@@ -356,7 +365,7 @@ void runtime_start(const RuntimeConfig& config) {
     int node = starpu_disk_register(direct ? &starpu_disk_unistd_o_direct_ops : &starpu_disk_unistd_ops,
                                     (void*)s.swap_subdir.c_str(), bytes);
     if (node < 0) {
-      starpu_shutdown();
+      shutdown_after_failed_start(config);
       remove_tree(s.swap_subdir);
       throw std::runtime_error("StarPU could not register disk swap in '" + config.swap_dir + "' of " +
                                std::to_string(config.swap_size_mb) + " MB" +
@@ -420,19 +429,40 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
   s.running = false;
   // After a watchdog failure tasks are stuck and starpu_shutdown would wait
   // for them forever: leave StarPU as it is and let the process exit.
+  std::string peer_failure;  // the other ranks did not come to stop with this one
   if (!s.failed) {
 #if JNNTILE_CUDA
     cuda::stop_workers();
 #endif
-    starpu_shutdown();
+    if (!s.config.distributed) {
+      starpu_shutdown();
+    } else {
+      try {
+        distributed_starpu_shutdown(s.config.watchdog_s);
+      } catch (const std::exception& e) {
+        peer_failure = e.what();
+      }
+    }
+  } else if (s.config.distributed) {
+    distributed_abandon();
   }
   if (!s.swap_subdir.empty()) {
     remove_tree(s.swap_subdir);
     s.swap_subdir.clear();
   }
+  if (!peer_failure.empty()) throw std::runtime_error(peer_failure);
 }
 
 bool runtime_running() { return state().running; }
+
+void runtime_fail(const std::string& why) {
+  RuntimeState& s = state();
+  if (!s.running) return;  // stopped, or stopping: runtime_stop holds the mutex while it meets the other ranks
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.failed) return;
+  s.failed = true;
+  s.failure = why;
+}
 
 int max_cpu_workers() { return STARPU_MAXCPUS; }
 
@@ -533,15 +563,19 @@ void wait_until(Done done, const char* what) {
     double quiet_s = std::chrono::duration<double>(Clock::now() - s.last_progress).count();
     if (s.pending > 0 && quiet_s > s.config.watchdog_s) {
       std::ostringstream msg;
-      msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << " ("
-          << s.pending << " tasks pending, memory limit " << s.config.memory_limit_mb << " MB, "
-          << (s.config.gpu_memory_limit_mb > 0 ? "GPU memory limit " + std::to_string(s.config.gpu_memory_limit_mb) +
-                                                     " MB, "
-                                               : "")
-          << (s.swap_subdir.empty() ? "no disk swap" : "disk swap in " + s.config.swap_dir)
-          << "). The working set likely exceeds the memory limit: raise memory_limit_mb, "
-             "add swap_dir, or use smaller tiles (python -m jnntile.memory with the model's flags "
-             "tells what fits). Raise watchdog_s if tasks are just slow.";
+      if (std::string stall = distributed_stall(); !stall.empty()) {
+        msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << ": " << stall << ".";
+      } else {
+        msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << " ("
+            << s.pending << " tasks pending, memory limit " << s.config.memory_limit_mb << " MB, "
+            << (s.config.gpu_memory_limit_mb > 0
+                    ? "GPU memory limit " + std::to_string(s.config.gpu_memory_limit_mb) + " MB, "
+                    : "")
+            << (s.swap_subdir.empty() ? "no disk swap" : "disk swap in " + s.config.swap_dir)
+            << "). The working set likely exceeds the memory limit: raise memory_limit_mb, "
+               "add swap_dir, or use smaller tiles (python -m jnntile.memory with the model's flags "
+               "tells what fits). Raise watchdog_s if tasks are just slow.";
+      }
       s.failed = true;
       s.failure = msg.str();
       throw std::runtime_error(s.failure);

@@ -42,6 +42,7 @@ struct RuntimeConfig {
   Placement placement = Placement::Auto;
   bool tf32 = false;            // cuBLAS may use TF32 tensor cores for float32 products
   bool pin_host_memory = false; // page-lock RAM tiles so GPU transfers are asynchronous
+  bool distributed = false;     // one of several MPI ranks: StarPU through StarPU-MPI (distributed.h)
 };
 
 // The most CPU workers the StarPU in use accepts (its STARPU_MAXCPUS).
@@ -102,6 +103,9 @@ void runtime_start(const RuntimeConfig& config);
 // (ok: no watchdog failure, tasks all done), then shuts StarPU down.
 void runtime_stop(const std::function<void(bool ok)>& release_data = {});
 bool runtime_running();
+// Marks the runtime failed (as the watchdog does): waits and stops no longer
+// wait for tasks, which will never complete (e.g. another rank is gone).
+void runtime_fail(const std::string& why);
 const RuntimeConfig& runtime_config();
 // Throws std::runtime_error naming the problem when the runtime is not usable.
 void require_runtime();

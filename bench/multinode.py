@@ -1,0 +1,139 @@
+"""Data-parallel training on several ranks of this machine: tokens/s, bytes sent per step, the CPU of
+StarPU-MPI's progression thread, and the two reduction schedules (tree, ring).
+
+    .venv/bin/python bench/multinode.py [--repeats 2] [--steps 6] [--json]
+
+One model, one global batch, every configuration in processes of its own: one process with 1 and with 2
+CPU workers, then 2 and 3 ranks under mpirun with one CPU worker each (--oversubscribe: 3 ranks share 2
+cores here). Configurations run interleaved, --repeats times, and the table gives medians: the machine is
+shared, so compare within one run. Bytes are the tile bytes a rank sends per step (mean over ranks), next
+to what docs/distributed.md predicts, 2 (N-1)/N times the gradient bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = dict(n_layer=4, n_head=4, n_embd=256, vocab_size=4096, n_positions=128)
+BATCH, SEQ = 6, 128
+# (ranks, CPU workers per rank, allreduce schedule); the two schedules route 2 ranks the same way.
+CONFIGS = [(1, 1, "tree"), (1, 2, "tree"), (2, 1, "tree"), (3, 1, "tree"), (3, 1, "ring")]
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds used so far by this process's threads, by thread name (StarPU names its own)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        kind = "MPI" if name == "MPI" else "workers" if name.startswith("CPU ") else "other"
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def measure(workers: int, schedule: str, steps: int) -> dict:
+    """Runs on every rank: this rank's numbers for `steps` steps after two warm-up steps."""
+    import jnntile
+    from jnntile import distributed
+    from jnntile.models.config import GPT2Config
+    from steps import jnntile_step, step_seconds
+
+    jnntile.runtime.start(distributed=distributed.launched_ranks() > 1, workers=workers, allreduce=schedule)
+    step = jnntile_step(GPT2Config(dropout=0.0, **MODEL), BATCH, SEQ)
+    step()
+    step()
+    jnntile.runtime.wait_all()
+    sent, cpu, started = jnntile.runtime.stats()["mpi_bytes_sent"], _thread_cpu_s(), time.perf_counter()
+    times = step_seconds(step, steps, warmup=0)
+    jnntile.runtime.wait_all()
+    wall = time.perf_counter() - started
+    cpu_after = _thread_cpu_s()
+    params = sum(p.get_value().size for p in step.model.named_params().values())
+    return {"rank": jnntile.runtime.rank(), "tokens_per_s": BATCH * SEQ / statistics.median(times),
+            "bytes_sent_per_step": (jnntile.runtime.stats()["mpi_bytes_sent"] - sent) / steps,
+            "gradient_bytes": 4 * params,
+            **{f"{kind}_cores": (cpu_after[kind] - cpu.get(kind, 0.0)) / wall for kind in cpu_after}}
+
+
+def run(ranks: int, workers: int, schedule: str, steps: int) -> list[dict]:
+    """Every rank's numbers for one configuration, each in processes of its own."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    results = Path(tempfile.mkdtemp(prefix="multinode-"))
+    worker = [sys.executable, os.path.abspath(__file__), "--worker", str(workers), schedule, results,
+              "--steps", str(steps)]
+    if ranks == 1:
+        argv = worker
+    else:
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            raise SystemExit("mpirun not found: apt-get install openmpi-bin (make test installs it)")
+        argv = [mpirun, "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
+                *(["--allow-run-as-root"] if os.geteuid() == 0 else []), *worker]
+    result = subprocess.run(list(map(str, argv)), capture_output=True, text=True, cwd=here)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, argv))} failed:\n{result.stderr[-3000:]}")
+    out = [json.loads((results / f"rank{r}.json").read_text()) for r in range(ranks)]
+    shutil.rmtree(results)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--worker", nargs=3, metavar=("WORKERS", "SCHEDULE", "RESULTS"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        workers, schedule, results = args.worker
+        result = measure(int(workers), schedule, args.steps)
+        (Path(results) / f"rank{result['rank']}.json").write_text(json.dumps(result))
+        return
+
+    runs: dict[tuple, list[list[dict]]] = {config: [] for config in CONFIGS}
+    for _ in range(args.repeats):
+        for config in CONFIGS:
+            runs[config].append(run(*config, args.steps))
+    rows = []
+    for (ranks, workers, schedule), repeats in runs.items():
+        gradient_bytes = repeats[0][0]["gradient_bytes"]
+
+        def mean(key):  # over the ranks of a run, then the median over runs
+            return statistics.median(statistics.mean(rank.get(key, 0.0) for rank in ranks_) for ranks_ in repeats)
+
+        rows.append({"ranks": ranks, "workers_per_rank": workers, "schedule": schedule if ranks > 2 else "-",
+                     "tokens_per_s": statistics.median(rs[0]["tokens_per_s"] for rs in repeats),
+                     "mb_sent_per_step_per_rank": mean("bytes_sent_per_step") / 2**20,
+                     "mb_predicted": 2 * (ranks - 1) / ranks * gradient_bytes / 2**20,
+                     "mpi_thread_cores": mean("MPI_cores"), "worker_cores": mean("workers_cores"),
+                     "gradient_mb": gradient_bytes / 2**20})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"GPT-2 {MODEL}, global batch {BATCH} x {SEQ}, gradients {rows[0]['gradient_mb']:.1f} MB; medians of "
+          f"{args.repeats} interleaved runs of {args.steps} steps")
+    print(f"{'ranks':>5} {'workers':>7} {'schedule':>8} {'tokens/s':>9} {'MB sent/step/rank':>18} {'predicted':>9} "
+          f"{'MPI thread cores':>16} {'worker cores':>12}")
+    for r in rows:
+        print(f"{r['ranks']:>5} {r['workers_per_rank']:>7} {r['schedule']:>8} {r['tokens_per_s']:>9.0f} "
+              f"{r['mb_sent_per_step_per_rank']:>18.2f} {r['mb_predicted']:>9.2f} {r['mpi_thread_cores']:>16.2f} "
+              f"{r['worker_cores']:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

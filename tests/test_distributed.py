@@ -1,0 +1,202 @@
+"""Several processes training one model under mpirun (docs/distributed.md): 2 and 3 ranks against one process,
+the training command with a memory limit and swap per rank, bad input, and ranks that die or stop.
+
+Each test launches Open MPI's mpirun with --oversubscribe (this machine may have fewer cores than ranks) and
+one CPU worker per rank; models are tiny. They skip where jnntile has no StarPU-MPI or no mpirun is found.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import rel_err
+
+import distributed_worker
+import jnntile
+from jnntile import distributed, optim
+from jnntile import train as train_mod
+
+MPIRUN = shutil.which("mpirun")
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def _launcher_missing() -> str | None:
+    if MPIRUN is None:
+        return "no MPI launcher: mpirun is not on PATH (apt-get install openmpi-bin; `make test` installs it)"
+    version = subprocess.run([MPIRUN, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" not in version:
+        return f"these tests pass Open MPI's options to mpirun, and {MPIRUN} is another MPI: {version[:60]!r}"
+    return None
+
+
+def _skip_reason() -> str | None:
+    if not jnntile.runtime.HAS_MPI:
+        return jnntile._xla_ffi.mpi_unavailable_reason()
+    return _launcher_missing()
+
+
+needs_mpirun = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+
+def mpirun(*groups, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs each group `(n, *arguments)` as `python *arguments` on n ranks, all in one job (MPMD)."""
+    argv = [MPIRUN, "--oversubscribe", "--bind-to", "none"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    for i, (count, *arguments) in enumerate(groups):
+        argv += ([":"] if i else []) + ["-n", str(count), sys.executable, *map(str, arguments)]
+    # A session of its own: a hung job is killed whole, never left behind.
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, cwd=Path(__file__).parent)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError(f"{' '.join(argv)} hung for {timeout} s") from None
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
+
+
+# ---- without mpirun ------------------------------------------------------------------------
+
+def test_one_process_sums_nothing_and_splits_nothing():
+    assert jnntile.runtime.world_size() == 1 and jnntile.runtime.rank() == 0
+    batch = np.arange(12).reshape(6, 2)
+    np.testing.assert_array_equal(distributed.local_rows(batch), batch)
+    assert distributed.mean_and_any(2.5, True, "a value") == (2.5, True)
+    tx = optim.allreduce_sum()
+    grads = {"a": object()}
+    assert tx.update(grads, tx.init(None))[0] is grads
+
+
+def test_batch_rows_and_reduction_roots_of_the_default_ownership():
+    ownership = distributed.DataParallel()
+    assert [ownership.batch_rows(6, r, 3) for r in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert ownership.reduction_roots(5, 2) == [0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="a batch of 8 sequences cannot be split evenly across 3 ranks"):
+        ownership.batch_rows(8, 0, 3)
+
+
+@pytest.mark.skipif(jnntile.runtime.HAS_MPI, reason="this jnntile has StarPU-MPI")
+def test_distributed_without_starpu_mpi_says_why(restore_runtime):
+    jnntile.runtime.stop()
+    with pytest.raises(ValueError, match="distributed=True: this jnntile .* without distributed training"):
+        jnntile.runtime.configure(distributed=True)
+
+
+@pytest.mark.skipif(jnntile.runtime.HAS_MPI or _launcher_missing() is not None,
+                    reason=_launcher_missing() or "this jnntile has StarPU-MPI")
+def test_a_build_without_starpu_mpi_says_so_under_mpirun(dataset, tmp_path):
+    result = mpirun((2, "-m", "jnntile.train", "--data", dataset, "--out", tmp_path, "--steps", "1"))
+    assert result.returncode == 2
+    assert "error: 2 processes were launched to train one model, but this jnntile" in result.stderr, result.stderr
+
+
+# ---- under mpirun --------------------------------------------------------------------------
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """Losses and parameters of the worker's training on one process: the reference."""
+    return distributed_worker.train(STEPS)
+
+
+def _tile_bytes(params) -> int:
+    """Bytes of every gradient tile of the worker's model (tiles are not padded without direct-I/O swap)."""
+    return sum(4 * p.size for p in params.values())
+
+
+@needs_mpirun
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_train_like_one_process(ranks, one_process, tmp_path):
+    result = mpirun((ranks, WORKER, tmp_path, "--steps", STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [np.load(tmp_path / f"rank{r}.npz") for r in range(ranks)]
+    losses, params = one_process
+    names = sorted(params)
+    for r, run in enumerate(runs):
+        for name in names:  # the same bits on every rank
+            np.testing.assert_array_equal(run[f"param:{name}"], runs[0][f"param:{name}"], err_msg=f"rank {r}: {name}")
+        np.testing.assert_array_equal(run["losses"], runs[0]["losses"])
+    assert rel_err(runs[0]["losses"], losses) <= 1e-5, (runs[0]["losses"], losses)
+    # The parameters to 1e-4: AdamW divides each gradient by its own magnitude, so gradients that are zero in
+    # exact arithmetic (the key biases, which softmax ignores) move by their float32 rounding, which the sum
+    # over ranks changes (7e-5 on c_attn.bias; every other parameter within 2e-5).
+    for name in names:
+        assert rel_err(runs[0][f"param:{name}"], params[name]) <= 1e-4, name
+    # Every tile of a step: N-1 partial sums go up and N-1 copies of the sum come back.
+    assert sum(int(run["sent"]) for run in runs) == 2 * (ranks - 1) * STEPS * _tile_bytes(params)
+    for r, run in enumerate(runs):
+        # DESIGN invariant 5: paused workers, and StarPU-MPI's thread asleep with no transfer in flight.
+        assert run["idle_cpu_per_s"] < 0.2, f"rank {r} used {run['idle_cpu_per_s']:.2f} CPU-seconds per second idle"
+        unsummed, twice = run["misuse_errors"]
+        assert "chain jnntile.optim.allreduce_sum() before adamw" in unsummed
+        assert "summed over the ranks already; chain it once" in twice
+
+
+SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--eval-batches", "1",
+         "--quiet", "--steps", "3", "--eval-interval", "3", "--workers", "1"]
+
+
+def _losses(out):
+    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+@needs_mpirun
+def test_command_with_a_memory_limit_and_swap_per_rank(dataset, tmp_path):
+    common = ["--data", str(dataset), *SMALL, "--batch-size", "4", "--samples", "1", "--sample-tokens", "4"]
+    train_mod.train(train_mod.parse_args([*common, "--out", str(tmp_path / "one")]))
+    swap = tmp_path / "swap"
+    result = mpirun((2, "-m", "jnntile.train", *common, "--out", tmp_path / "two", "--memory-limit-mb", "3",
+                     "--swap-dir", swap, "--swap-size-mb", "64"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("one", "two")}
+    assert rel_err([r["loss"] for r in rows["two"]], [r["loss"] for r in rows["one"]]) <= 1e-5
+    assert rows["two"][-1]["val_loss"] == pytest.approx(rows["one"][-1]["val_loss"], rel=1e-5)
+    # Rank 0 alone prints and writes; every rank trained on its half of each batch under its own limit and swap.
+    assert result.stdout.count("GPT-2 tiny") == 1 and result.stdout.count("--- sample 0 ---") == 1
+    assert "batch 4 x 32 (2 per rank)" in result.stdout and "rank 0 of 2 (StarPU-MPI" in result.stdout
+    assert "memory limit 3 MB, swap 64 MB in" in result.stdout
+    assert (tmp_path / "two" / "latest").read_text() == "ckpt-0000003"
+    assert not any(swap.iterdir()), "every rank removed its swap files"
+
+
+@needs_mpirun
+def test_batch_that_the_ranks_cannot_split_is_refused_by_every_rank(dataset, tmp_path):
+    result = mpirun((3, "-m", "jnntile.train", "--data", dataset, *SMALL, "--batch-size", "4", "--out", tmp_path))
+    assert result.returncode == 2
+    message = "error: a batch of 4 sequences cannot be split evenly across 3 ranks"
+    assert result.stderr.count(message) == 3, result.stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@needs_mpirun
+def test_ranks_with_different_settings_are_refused(dataset, tmp_path):
+    command = ["-m", "jnntile.train", "--data", dataset, *SMALL, "--batch-size", "2", "--out", tmp_path]
+    result = mpirun((1, *command), (1, *command, "--lr", "0.1", "--tile-embd", "16"))
+    assert result.returncode == 2
+    message = "error: the training set-up differs across ranks: --lr is 0.003 on rank 0; 0.1 on rank 1. --tile-embd"
+    assert result.stderr.count(message) == 2, result.stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@needs_mpirun
+def test_a_rank_that_dies_ends_the_run(tmp_path):
+    result = mpirun((2, WORKER, tmp_path, "--signal", "KILL", "--at-step", "2", "--on-rank", "1"))
+    assert result.returncode != 0
+    assert "rank 1" in result.stderr and "signal 9" in result.stderr, result.stderr[-3000:]
+
+
+@needs_mpirun
+def test_a_rank_that_stops_is_named_by_the_others_within_the_watchdog_time(tmp_path):
+    result = mpirun((3, WORKER, tmp_path, "--signal", "STOP", "--at-step", "2", "--on-rank", "1", "--watchdog-s", "3"))
+    assert result.returncode != 0
+    # Ranks 0 and 2 wait for tiles from rank 1, and for each other's sums, which wait for rank 1: a ping tells.
+    assert result.stderr.count("rank 1 does not answer: died or stopped") == 2, result.stderr[-3000:]

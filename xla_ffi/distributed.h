@@ -1,0 +1,61 @@
+// Several processes (MPI ranks) training one model: MPI for the process,
+// StarPU started through StarPU-MPI, and the few host-side exchanges every
+// rank must agree on (configuration, the loss). Tiles themselves move by
+// StarPU-MPI transfers submitted by ops (ops/allreduce.cc).
+//
+// Built only where CMake found StarPU-MPI and MPI (JNNTILE_MPI, Debian's
+// StarPU); elsewhere every entry point but mpi_available() throws, saying why.
+#pragma once
+
+#include <starpu.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace jnntile {
+
+bool mpi_available();
+// Why this build has no distributed training ("" when it has).
+std::string mpi_unavailable_reason();
+
+// MPI for the whole process, initialised on first call (MPI_THREAD_MULTIPLE:
+// host exchanges run on the calling thread beside StarPU-MPI's progression
+// thread) and finalised by mpi_finalize at exit; {rank, size}.
+std::pair<int, int> mpi_world();
+bool mpi_initialized();
+// Skipped after a failure: StarPU-MPI's thread may still be inside MPI.
+void mpi_finalize();
+[[noreturn]] void mpi_abort(int code);
+
+// starpu_init / starpu_shutdown through StarPU-MPI. The shutdown first meets
+// the other ranks in a barrier that sleeps while it waits (StarPU-MPI's own
+// barrier polls) and gives up after timeout_s naming the ranks that did not come.
+int distributed_starpu_init(starpu_conf* conf);
+void distributed_starpu_shutdown(double timeout_s);
+// After a failure: leave StarPU-MPI as it is (its thread may wait for a dead
+// rank forever), and do not finalise MPI; the process is expected to exit.
+void distributed_abandon();
+
+// Every rank's `mine`, in rank order. Point-to-point messages on a
+// communicator of their own, polled with sleeps (no core spins while a rank
+// waits), so a rank that never comes is named: throws after timeout_s,
+// saying whether it answers a ping (a heartbeat thread in every process
+// answers them while the process lives). `patient`: wait on as long as the
+// ranks missing answer pings (e.g. while rank 0 alone writes a checkpoint).
+std::vector<std::string> allgather(const std::string& mine, const std::string& what, double timeout_s,
+                                   bool patient = false);
+
+// Transfers of tiles (ops/allreduce.cc): counted as pending work so workers
+// stay awake for them and the watchdog sees them; receives by source rank so
+// a stalled wait can name the ranks it waits for.
+void transfer_posted(int source, int64_t bytes_sent);
+void transfer_done(int source);
+// For the watchdog's message: "" when no receive is outstanding, else which
+// ranks this one waits for, and which ranks do not answer a ping (dead or
+// stopped) or that all answer.
+std::string distributed_stall();
+int64_t mpi_bytes_sent();
+
+}  // namespace jnntile
