@@ -477,3 +477,28 @@ def test_swap_dir_of_a_killed_process_is_removed_by_the_next_one(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("jnntile-swap-") == 1  # only its own
     assert os.listdir(tmp_path) == []
+
+
+def test_beyond_ram_benchmark_runs_in_quick_mode(tmp_path):
+    """bench/beyond_ram.py --quick measures every step of issue 13's benchmark on a tiny model (no speed asserted)."""
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "bench" / "beyond_ram.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--json", "--swap-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {}
+    for line in result.stdout.splitlines():
+        row = json.loads(line)
+        rows.setdefault(row.pop("measurement"), []).append(row)
+    assert not any("error" in row for measured in rows.values() for row in measured)
+    assert rows["disk"][0]["write_mb_per_s"] > 0 and rows["disk"][0]["read_mb_per_s"] > 0
+    assert [s["step"] for s in rows["xl_train_step"]] == [1, 2]
+    assert all(s["written_mb"] > 0 and s["read_mb"] > 0 and s["io_floor_s"] > 0 for s in rows["xl_train_step"])
+    assert rows["xl_checkpoint_save"][0]["mb_per_s"] > 0
+    assert rows["xl_generate"][0]["new_tokens"] == 16 and rows["xl_generate"][0]["tokens_per_s"] > 0
+    assert rows["large_limited"][0]["written_mb_per_step"] > 0 and rows["large_unlimited"][0]["written_mb_per_step"] == 0
+    assert rows["large_ratio"][0]["ratio"] > 0 and rows["large_ratio"][0]["losses_identical"]
+    assert "limited / unlimited" in result.stderr  # the table
+    assert os.listdir(tmp_path) == []  # swap, checkpoint and outputs removed
