@@ -39,6 +39,7 @@ def zero_grads(tree):
             return x
         grad = tensor_mod.grad_handle(x.handle)
         x.handle.grad_zeroed = True
+        grad.pending_clip = grad.clip_token = None  # a clip of earlier values is not the new ones'
         if lazy:
             grad.zero_pending, grad.invalidated = True, False
             return x
@@ -76,8 +77,10 @@ def _continue_from(tree, previous):
             raise ValueError(f"accumulate: the gradient of {x!r} holds nothing (never computed, or consumed by a "
                              "jnntile.optim update, which invalidates gradients): accumulate before the update, "
                              "starting from the gradients of a call without accumulate")
-        _ffi.record(g.token, grad)
-        return x.with_token(_ffi.join(x.token, g.token))
+        _ffi.apply_pending_clip(grad, [g.token])  # the sum continues from clipped values
+        token = g.token if grad.clip_token is None else _ffi.join(g.token, grad.clip_token)
+        _ffi.record(token, grad)
+        return x.with_token(_ffi.join(x.token, token))
 
     try:
         return jax.tree.map(link, tree, previous, is_leaf=_is_tensor)
@@ -136,7 +139,9 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
             grads = jax.tree.map(_fill_untouched, grads, is_leaf=_is_tensor)
             for g in jax.tree.leaves(grads, is_leaf=_is_tensor):  # this rank's gradients alone, so far
                 if _is_tensor(g):
-                    tensor_mod.grad_handle(g.handle).summed_over_ranks = False
+                    values = tensor_mod.grad_handle(g.handle)
+                    # New values: a clip of earlier ones (applied by _continue_from) is not theirs.
+                    values.summed_over_ranks, values.pending_clip, values.clip_token = False, None, None
             if accumulate is not None:  # an argument nobody used this time: its gradient is the earlier sum
                 grads = jax.tree.map(lambda g, p: g.with_token(_ffi.join(g.token, p.token)) if _is_tensor(g) else g,
                                      grads, previous[0] if isinstance(argnums, int) else previous,

@@ -69,6 +69,21 @@ def _require_summed(grad_leaves, name: str) -> None:
                          f"jnntile.optim.allreduce_sum() before {name} (jnntile.train.make_steps does)")
 
 
+def _clip_operands(g: Tensor) -> tuple[list, list, float]:
+    """The clip pending on g's values, for an update to apply as it reads them: (handles, tokens, max_norm).
+
+    clip_by_global_norm only marks the gradients: the update scales each value
+    as it reads it, which saves a pass that reads and writes every gradient
+    tile (with disk swap, a write and a read of all gradients per step).
+    """
+    values = _grad_values(g)
+    if values.pending_clip is None:
+        return [], [], 0.0
+    norm, max_norm = values.pending_clip
+    values.pending_clip = None
+    return [norm.handle], [norm.token], max_norm
+
+
 def _consume(g: Tensor, token):
     """Invalidates the gradient values of g after `token` (the update that read them last)."""
     if not _ffi.RELEASE:
@@ -113,9 +128,10 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
         step = state.count + 1
         tokens = []
         for g, p, m, v, d in zip(grad_leaves, param_leaves, _leaves(state.mu), _leaves(state.nu), decay):
-            token = call("adamw", [p.handle, _grad_values(g), m.handle, v.handle],
-                         [g.token, p.token, m.token, v.token], inputs=[lr, step.astype(jnp.int32)],
-                         b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if d else 0.0)
+            clip_handles, clip_tokens, max_norm = _clip_operands(g)
+            token = call("adamw", [p.handle, _grad_values(g), m.handle, v.handle] + clip_handles,
+                         [g.token, p.token, m.token, v.token] + clip_tokens, inputs=[lr, step.astype(jnp.int32)],
+                         b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if d else 0.0, max_norm=max_norm)
             tokens.append(_consume(g, token))
         tokens_iter = iter(tokens)
         mu = jax.tree.map(lambda m: m.with_token(next(tokens_iter)), state.mu, is_leaf=_is_tensor)
@@ -136,8 +152,11 @@ def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
         grad_leaves, param_leaves = _check(grads, params, "sgd")
         _require_summed(grad_leaves, "sgd")
         lr = _learning_rate(learning_rate, state.count)
-        tokens = [_consume(g, call("sgd", [p.handle, _grad_values(g)], [g.token, p.token], inputs=[lr]))
-                  for g, p in zip(grad_leaves, param_leaves)]
+        tokens = []
+        for g, p in zip(grad_leaves, param_leaves):
+            clip_handles, clip_tokens, max_norm = _clip_operands(g)
+            tokens.append(_consume(g, call("sgd", [p.handle, _grad_values(g)] + clip_handles,
+                                           [g.token, p.token] + clip_tokens, inputs=[lr], max_norm=max_norm)))
         return _updates_like(params, tokens), optax.ScaleByScheduleState(count=state.count + 1)
 
     return optax.GradientTransformation(init, update)
@@ -155,6 +174,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """As `optax.clip_by_global_norm`: scales gradients by max_norm / norm when norm >= max_norm.
 
     The norm is computed and applied on StarPU, with no host synchronisation.
+    The scale is applied by the next `adamw` or `sgd` update as it reads the
+    gradients (or, for any other use of them, right before it).
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm={max_norm} must be positive (use no clipping to disable it)")
@@ -166,9 +187,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         grad_leaves = _leaves(grads)
         _require_summed(grad_leaves, "clip_by_global_norm")
         norm = global_norm(grads)
-        token = call("clip_by_norm", [_grad_values(g) for g in grad_leaves] + [norm.handle], [norm.token],
-                     max_norm=float(max_norm))
-        clipped = jax.tree.map(lambda g: g.with_token(token), grads, is_leaf=_is_tensor)
+        for g in grad_leaves:
+            _grad_values(g).pending_clip = (norm, float(max_norm))
+        clipped = jax.tree.map(lambda g: g.with_token(norm.token), grads, is_leaf=_is_tensor)
         return clipped, state
 
     return optax.GradientTransformation(init, update)

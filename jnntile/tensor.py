@@ -32,7 +32,8 @@ class _Handle:
     """Owns one registry id; the static part of a Tensor pytree."""
 
     __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "freed", "last_token", "grad",
-                 "grad_zeroed", "is_grad", "zero_pending", "invalidated", "summed_over_ranks", "__weakref__")
+                 "grad_zeroed", "is_grad", "zero_pending", "invalidated", "summed_over_ranks", "pending_clip",
+                 "clip_token", "__weakref__")
 
     def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True):
         self.id = tensor_id
@@ -52,6 +53,12 @@ class _Handle:
         # Trace-time, for a gradient companion in a distributed run: its values are the sum over the
         # ranks (jnntile.optim.allreduce_sum), as optimizer updates require.
         self.summed_over_ranks = False
+        # Trace-time, for a gradient companion: (norm Tensor, max_norm) of a clip_by_global_norm whose scale
+        # the values do not hold yet. The next optimizer update applies it as it reads them (jnntile.optim);
+        # any other call on them applies it first (jnntile.ops._ffi.prepare), and later calls in the same
+        # trace wait for that clip (clip_token).
+        self.pending_clip = None
+        self.clip_token = None
         _live.add(self)
 
     def key(self):

@@ -95,3 +95,42 @@ def test_update_needs_params(rng):
 def test_bad_clip_norm():
     with pytest.raises(ValueError, match="max_norm"):
         optim.clip_by_global_norm(0.0)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "does-not-clip"])
+def test_clipped_gradients_read_before_the_update_hold_the_clip(rng, max_norm):
+    # clip_by_global_norm leaves the scaling to the update; anything else that reads the gradients first
+    # (here the norm and the values) gets them scaled, as optax's would be.
+    arrays, (x_np,) = mlp_problem(rng)
+    params = mlp_params(arrays)
+    x = jnntile.from_array(x_np, (5, 4))
+    _, ref_grads = jax.value_and_grad(mlp_reference_loss)(jax.tree.map(jnp.asarray, arrays), x_np)
+    ref_clipped, _ = optax.clip_by_global_norm(max_norm).update(ref_grads, optax.EmptyState())
+
+    @jax.jit
+    def clipped(params, x):
+        _, grads = jnntile.value_and_grad(mlp_loss)(params, x)
+        grads, _ = optim.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+        return (jnntile.to_array(optim.global_norm(grads)),
+                {k: jnntile.to_array(jnntile.grad_of(g)) for k, g in grads.items()})
+
+    norm, grads = clipped(params, x)
+    assert rel_err(norm, optax.tree.norm(ref_clipped)) < 1e-6
+    for name in arrays:
+        assert rel_err(grads[name], ref_clipped[name]) < 1e-6, name
+
+
+def test_an_update_applies_the_clip_without_a_pass_of_its_own(rng):
+    arrays, (x_np,) = mlp_problem(rng)
+    params = mlp_params(arrays)
+    x = jnntile.from_array(x_np, (5, 4))
+    tx = optax.chain(optim.clip_by_global_norm(0.05), optim.adamw(1e-2))
+    state = tx.init(params)
+    before = jnntile.runtime.stats()["codelets"].get("clip_by_norm", {}).get("tasks", 0)
+    _, grads = jnntile.value_and_grad(mlp_loss)(params, x)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    jnntile.runtime.wait_all()
+    codelets = jnntile.runtime.stats()["codelets"]
+    assert codelets.get("clip_by_norm", {}).get("tasks", 0) == before
+    assert codelets["adamw"]["tasks"] > 0

@@ -167,17 +167,21 @@ def read_token(array) -> jax.Array:
 
 
 def prepare(handles: Sequence[_Handle | None], tokens: Sequence, writes: Sequence[_Handle] = ()) -> list:
-    """The tokens a call on `handles` must wait for, after submitting pending zero-fills.
+    """The tokens a call on `handles` must wait for, after submitting pending zero-fills and clips.
 
     A gradient companion whose zero-fill is pending is filled first (unless this
-    call writes it whole), and a call on a gradient companion waits for every
-    earlier call on it in this step.
+    call writes it whole); one whose clip is pending (jnntile.optim) is scaled
+    first; a call on a gradient companion waits for every earlier call on it in
+    this step.
     """
     tokens = list(tokens)
     step = current_step()
     for handle in handles:
         if handle is None:
             continue
+        apply_pending_clip(handle, tokens)
+        if handle.clip_token is not None:
+            tokens.append(handle.clip_token)
         if handle.zero_pending:
             handle.zero_pending = False
             if not any(handle is w for w in writes):
@@ -187,6 +191,18 @@ def prepare(handles: Sequence[_Handle | None], tokens: Sequence, writes: Sequenc
         if handle.is_grad and step is not None:
             tokens.extend(step.touched.get(handle, []))
     return _dedup(tokens)
+
+
+def apply_pending_clip(handle: _Handle, tokens: Sequence) -> None:
+    """Scales `handle`'s values by the clip pending on them (jnntile.optim), after `tokens`.
+
+    Later calls on the handle in this trace wait for it (`prepare` adds its token).
+    """
+    if handle.pending_clip is None:
+        return
+    norm, max_norm = handle.pending_clip
+    handle.pending_clip = None
+    handle.clip_token = call("clip_by_norm", [handle, norm.handle], list(tokens) + [norm.token], max_norm=max_norm)
 
 
 def after(token, *handles: _Handle):
@@ -295,6 +311,7 @@ def invalidate(handles: Sequence[_Handle | None], tokens: Sequence):
             continue
         if handle.zero_pending:  # never filled: nothing to drop, and it starts at zero when next used
             continue
+        handle.pending_clip = handle.clip_token = None  # values dropped: nothing to scale
         targets.append(handle)
     if not targets:
         return join(*tokens)

@@ -22,11 +22,22 @@ struct AdamwStep {
 // As optax.clip_by_global_norm: x is scaled by max_norm / norm when norm >= max_norm.
 JNNTILE_HD bool clips(float norm, float max_norm) { return norm >= max_norm; }
 
+// A clip that an update applies to the gradient as it reads it (jnntile.optim
+// folds clip_by_global_norm into the update: one pass over the gradients
+// fewer). norm: a scalar in the device's memory, or null for no clip.
+struct GradClip {
+  const float* norm;
+  float max_norm;
+
+  // Read once per kernel; g * factor() is what an in-place clip would have stored.
+  JNNTILE_HD float factor() const { return norm != nullptr && clips(*norm, max_norm) ? max_norm / *norm : 1.0f; }
+};
+
 template <Device D>
-void adamw(int64_t n, const AdamwStep& step, float* p, const float* g, float* m, float* v);
+void adamw(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m, float* v);
 // p -= lr * g
 template <Device D>
-void sgd(int64_t n, float lr, float* p, const float* g);
+void sgd(int64_t n, float lr, GradClip clip, float* p, const float* g);
 // x *= max_norm / *norm when clips(*norm, max_norm); norm is a scalar in the device's memory.
 template <Device D>
 void clip_by_norm(int64_t n, float max_norm, const float* norm, float* x);

@@ -3,13 +3,16 @@
 namespace jnntile {
 
 template <>
-void adamw<Device::Cpu>(int64_t n, const AdamwStep& step, float* p, const float* g, float* m, float* v) {
-  for (int64_t i = 0; i < n; ++i) step.apply(p[i], g[i], m[i], v[i]);
+void adamw<Device::Cpu>(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m,
+                        float* v) {
+  const float factor = clip.factor();
+  for (int64_t i = 0; i < n; ++i) step.apply(p[i], g[i] * factor, m[i], v[i]);
 }
 
 template <>
-void sgd<Device::Cpu>(int64_t n, float lr, float* p, const float* g) {
-  for (int64_t i = 0; i < n; ++i) p[i] -= lr * g[i];
+void sgd<Device::Cpu>(int64_t n, float lr, GradClip clip, float* p, const float* g) {
+  const float factor = clip.factor();
+  for (int64_t i = 0; i < n; ++i) p[i] -= lr * (g[i] * factor);
 }
 
 template <>

@@ -4,18 +4,20 @@
 namespace jnntile {
 namespace {
 
-// All three: one thread per element (grid-stride).
-__global__ void adamw_kernel(int64_t n, AdamwStep step, float* p, const float* g, float* m, float* v) {
+// All three: one thread per element (grid-stride); every thread reads the norm (one cached load).
+__global__ void adamw_kernel(int64_t n, AdamwStep step, GradClip clip, float* p, const float* g, float* m, float* v) {
+  const float factor = clip.factor();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    step.apply(p[i], g[i], m[i], v[i]);
+    step.apply(p[i], g[i] * factor, m[i], v[i]);
 }
 
-__global__ void sgd_kernel(int64_t n, float lr, float* p, const float* g) {
+__global__ void sgd_kernel(int64_t n, float lr, GradClip clip, float* p, const float* g) {
+  const float factor = clip.factor();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    p[i] -= lr * g[i];
+    p[i] -= lr * (g[i] * factor);
 }
 
-// Every thread reads the norm (one cached load), and none writes when it does not clip.
+// None writes when it does not clip.
 __global__ void clip_kernel(int64_t n, float max_norm, const float* norm, float* x) {
   float value = *norm;
   if (!clips(value, max_norm)) return;
@@ -27,14 +29,15 @@ __global__ void clip_kernel(int64_t n, float max_norm, const float* norm, float*
 }  // namespace
 
 template <>
-void adamw<Device::Cuda>(int64_t n, const AdamwStep& step, float* p, const float* g, float* m, float* v) {
-  adamw_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(n, step, p, g, m, v);
+void adamw<Device::Cuda>(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m,
+                         float* v) {
+  adamw_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(n, step, clip, p, g, m, v);
   cuda::check_launch("adamw");
 }
 
 template <>
-void sgd<Device::Cuda>(int64_t n, float lr, float* p, const float* g) {
-  sgd_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(n, lr, p, g);
+void sgd<Device::Cuda>(int64_t n, float lr, GradClip clip, float* p, const float* g) {
+  sgd_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(n, lr, clip, p, g);
   cuda::check_launch("sgd");
 }
 
