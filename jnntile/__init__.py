@@ -4,6 +4,7 @@ from jnntile import runtime
 from jnntile.grad import grad, value_and_grad, zero_grads
 from jnntile.tensor import (
     Tensor,
+    empty,
     from_array,
     full,
     grad_of,
@@ -15,6 +16,6 @@ from jnntile.tensor import (
 )
 
 __all__ = [
-    "Tensor", "from_array", "full", "grad", "grad_of", "value_and_grad", "zero_grads", "random_normal", "random_uniform",
+    "Tensor", "empty", "from_array", "full", "grad", "grad_of", "value_and_grad", "zero_grads", "random_normal", "random_uniform",
     "release_traced", "runtime", "to_array", "zeros",
 ]

@@ -308,6 +308,18 @@ def _dtype_name(dtype) -> str:
     return name
 
 
+def empty(shape: Sequence[int], dtype="float32", tile_shape=None) -> Tensor:
+    """A tensor whose tiles hold nothing yet, for a loader that overwrites every tile.
+
+    Nothing is computed or written (to RAM or swap) until the first write of
+    each tile; reading a tile before that raises an error.
+    """
+    from jnntile.ops import _ffi
+
+    handle = new_handle(shape, _dtype_name(dtype), tile_shape)
+    return Tensor(_ffi.after(_ffi.on_host(jnp.zeros, (), jnp.float32), handle), handle)
+
+
 def zeros(shape: Sequence[int], dtype="float32", tile_shape=None) -> Tensor:
     return full(shape, 0.0, dtype, tile_shape)
 

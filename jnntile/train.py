@@ -15,6 +15,7 @@ prints and writes (docs/distributed.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -34,7 +35,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, distributed, memory, optim
+from jnntile import checkpoint, distributed, memory, nn, optim
 from jnntile import data as data_mod
 from jnntile.models import gpt2
 from jnntile.models import gpt2_decode
@@ -368,8 +369,9 @@ def train(args) -> dict:
     if args.init_from_hf and not resume_from:
         model = gpt2.from_hf(args.init_from_hf, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
                              **{k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")})
-    else:
-        model = gpt2.GPT2(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)
+    else:  # a checkpoint to resume from overwrites every parameter: no initial values needed
+        with nn.uninitialized() if resume_from else contextlib.nullcontext():
+            model = gpt2.GPT2(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)
     tx, schedule = _make_optimizer(args)
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)

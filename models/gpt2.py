@@ -264,7 +264,8 @@ def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **config
     config, params = open_hf(directory)
     if config_overrides:
         config = dataclasses.replace(config, **config_overrides)
-    model = GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    with nn.uninitialized():  # every parameter is overwritten from the file next
+        model = GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
     model.load_hf_params(params)
     return model
 

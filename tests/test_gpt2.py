@@ -109,6 +109,17 @@ def test_loss_from_hugging_face_checkpoint_matches_reference():
     assert rel_err(loss.numpy(), ref.loss(params, config, idx, targets)) < 1e-5
 
 
+def test_a_model_built_for_loading_computes_no_initial_values():
+    config = load_hf(FIXTURE)[0]
+    jnntile.runtime.wait_all()
+    before = jnntile.runtime.stats()["tasks_submitted"]
+    with jnntile.nn.uninitialized():
+        model = gpt2.GPT2(config, batch_size=B, seq_len=T)
+    assert jnntile.runtime.stats()["tasks_submitted"] == before
+    with pytest.raises(ValueError, match="read before anything wrote it"):
+        model.named_params()["wte.weight"].get_value().numpy()
+
+
 def test_save_to_hugging_face_round_trips_exactly(tmp_path):
     model = gpt2.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_embd=12)
     gpt2.save_hf(model, tmp_path / "out")

@@ -99,6 +99,16 @@ def test_free_releases_and_use_after_free_raises():
         t.numpy()
 
 
+def test_empty_tensor_holds_nothing_until_written(rng):
+    t = jnntile.empty((6, 12), tile_shape=(4, 5))
+    with pytest.raises(ValueError, match="read before anything wrote it"):
+        t.numpy()
+    array = rng.standard_normal((6, 12)).astype(np.float32)
+    from jnntile import tensorfile
+
+    np.testing.assert_array_equal(tensorfile.load_into(t, array).numpy(), array)
+
+
 def test_unreachable_eager_tensor_is_released():
     before = jnntile.runtime.stats()["tensors"]
     t = jnntile.full((8, 8), 1.0, tile_shape=4)

@@ -8,11 +8,14 @@ which starts every parameter gradient at zero; the gradients come back as an
 
 Initial values are counter-based (`jnntile.random_normal`): a parameter's seed
 is derived from the model seed and the parameter's name, so the same seed
-gives the same weights for any tiling and any number of workers.
+gives the same weights for any tiling and any number of workers. Modules
+built inside `uninitialized()` get parameters that hold nothing yet, for a
+loader that overwrites them all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Callable
 
@@ -26,6 +29,30 @@ from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import gemm
 from jnntile.ops import layernorm as layernorm_ops
 from jnntile.tensor import Tensor
+
+
+_initialize = True
+
+
+@contextlib.contextmanager
+def uninitialized():
+    """Modules built inside hold parameters whose tiles hold nothing yet (`jnntile.empty`).
+
+    For a model about to be overwritten from a file (Hugging Face weights, a
+    checkpoint): no initial values are computed, and none are written to swap
+    only to be replaced. Every parameter must then be written before use.
+    """
+    global _initialize
+    saved, _initialize = _initialize, False
+    try:
+        yield
+    finally:
+        _initialize = saved
+
+
+def _param(initial: Callable[[], Tensor], shape, tile_shape) -> nnx.Param:
+    """A parameter with `initial()`'s values, or an empty one inside `uninitialized()`."""
+    return nnx.Param(initial() if _initialize else jnntile.empty(shape, tile_shape=tile_shape))
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -43,9 +70,12 @@ class Linear(nnx.Module):
                  std: float = 0.02, use_bias: bool = True):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         self.in_ndim = len(in_shape)
-        self.weight = nnx.Param(jnntile.random_normal(in_shape + out_shape, param_seed(seed, name + ".weight"),
-                                                      std=std, tile_shape=tuple(in_tiles) + tuple(out_tiles)))
-        self.bias = nnx.Param(jnntile.zeros(out_shape, tile_shape=tuple(out_tiles))) if use_bias else None
+        weight_tiles = tuple(in_tiles) + tuple(out_tiles)
+        self.weight = _param(lambda: jnntile.random_normal(in_shape + out_shape, param_seed(seed, name + ".weight"),
+                                                           std=std, tile_shape=weight_tiles),
+                             in_shape + out_shape, weight_tiles)
+        self.bias = _param(lambda: jnntile.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
+                           tuple(out_tiles)) if use_bias else None
 
     def __call__(self, x: Tensor) -> Tensor:
         y = gemm.matmul(x, self.weight.get_value(), ndim=self.in_ndim)
@@ -59,8 +89,8 @@ class LayerNorm(nnx.Module):
 
     def __init__(self, features: int, *, tile: int, eps: float = 1e-5):
         self.eps = float(eps)
-        self.weight = nnx.Param(jnntile.full((features,), 1.0, tile_shape=(tile,)))
-        self.bias = nnx.Param(jnntile.zeros((features,), tile_shape=(tile,)))
+        self.weight = _param(lambda: jnntile.full((features,), 1.0, tile_shape=(tile,)), (features,), (tile,))
+        self.bias = _param(lambda: jnntile.zeros((features,), tile_shape=(tile,)), (features,), (tile,))
 
     def __call__(self, x: Tensor) -> Tensor:
         return layernorm_ops.layer_norm(x, self.weight.get_value(), self.bias.get_value(), self.eps)
@@ -70,8 +100,10 @@ class Embedding(nnx.Module):
     """A (num_embeddings, features) table looked up by int32 ids."""
 
     def __init__(self, num_embeddings: int, features: int, *, tiles, seed: int, name: str, std: float = 0.02):
-        self.weight = nnx.Param(jnntile.random_normal((num_embeddings, features), param_seed(seed, name + ".weight"),
-                                                      std=std, tile_shape=tuple(tiles)))
+        self.weight = _param(lambda: jnntile.random_normal((num_embeddings, features),
+                                                           param_seed(seed, name + ".weight"), std=std,
+                                                           tile_shape=tuple(tiles)),
+                             (num_embeddings, features), tuple(tiles))
 
     def __call__(self, ids: Tensor) -> Tensor:
         return embedding_ops.embedding(ids, self.weight.get_value())
