@@ -75,13 +75,7 @@ def xla_step(config: GPT2Config, batch_size: int, seq_len: int):
 
 def best_seconds(fn, repeats: int) -> float:
     """The fastest of `repeats` calls of fn, after one warm-up call (compilation, first transfers)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(step_seconds(fn, repeats, warmup=1))
 
 
 def step_seconds(step, steps: int, warmup: int = 2) -> list[float]:

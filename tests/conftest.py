@@ -1,4 +1,4 @@
-"""Shared test helpers: tilings to sweep, a relative-error check, a small corpus."""
+"""Shared test helpers: tilings to sweep, a relative-error check, reference attention, a small corpus."""
 
 import numpy as np
 import pytest
@@ -10,6 +10,18 @@ def rel_err(actual, expected) -> float:
     expected = np.asarray(expected, dtype=np.float64)
     denom = np.linalg.norm(expected)
     return float(np.linalg.norm(actual - expected) / (denom if denom > 0 else 1.0))
+
+
+def causal_attention_reference(qkv):
+    """Softmax attention with a causal mask, in plain jnp, on qkv of shape (B, T, 3, H, D)."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    t = qkv.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(qkv.shape[-1])
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
 
 
 def counter_uniform01(seed: int, counter) -> np.ndarray:

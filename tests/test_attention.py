@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import causal_attention_reference as reference
+from conftest import rel_err
 
 import jnntile
 from jnntile.ops import attention, gemm, reduce
@@ -27,18 +29,6 @@ LONG_TILINGS = {
     "long_one_tile": (2, 70, 1, 3, 40),
     "long_uneven": (2, 36, 1, 2, 40),  # T = 36 + 34, H = 2 + 1
 }
-
-
-def rel_err(a, b):
-    return np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64)) / np.linalg.norm(b)
-
-
-def reference(qkv):
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    t = qkv.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(qkv.shape[-1])
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
 
 
 def make_data(seed=0, shape=(B, T, H, D)):

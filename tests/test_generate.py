@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import causal_attention_reference, rel_err
 from flax import nnx
 
 import jnntile
@@ -49,14 +48,6 @@ CACHE_TILINGS = {
 }
 
 
-def reference_attention(qkv):
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    t = qkv.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(qkv.shape[-1])
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-
-
 def _feed(qkv, tiles, cache_tile, chunks, jit):
     """Writes qkv chunk by chunk into a fresh cache and attends; returns the outputs and the cache."""
     b, t, _, h, d = qkv.shape
@@ -81,7 +72,7 @@ def _feed(qkv, tiles, cache_tile, chunks, jit):
 def test_cached_attention_matches_attention_over_the_sequence(tiling, jit):
     qkv = (2.0 * np.random.default_rng(0).standard_normal((B, T, 3, H, D))).astype(np.float32)
     out, cache = _feed(qkv, *CACHE_TILINGS[tiling], jit=jit)
-    assert rel_err(out, reference_attention(qkv)) <= 1e-5
+    assert rel_err(out, causal_attention_reference(qkv)) <= 1e-5
     values = cache.numpy()
     np.testing.assert_array_equal(values[:, :, 0], qkv[:, :, 1])
     np.testing.assert_array_equal(values[:, :, 1], qkv[:, :, 2])
@@ -91,7 +82,7 @@ def test_cached_attention_matches_attention_over_the_sequence(tiling, jit):
 def test_cached_attention_with_rows_longer_than_a_warp():
     qkv = np.random.default_rng(3).standard_normal((2, 70, 3, 3, 40)).astype(np.float32)
     out, _ = _feed(qkv, (2, 36, 1, 2, 40), 40, [33, 1, 36], jit=True)
-    assert rel_err(out, reference_attention(qkv)) <= 1e-5
+    assert rel_err(out, causal_attention_reference(qkv)) <= 1e-5
 
 
 @pytest.mark.usefixtures("placement")
@@ -107,7 +98,7 @@ def test_invalidated_cache_is_written_again_from_position_zero():
         cache = attention.cache_write(x, cache, pos)
         out = attention.cached_attention(x, cache, pos)
         pos += n
-    assert rel_err(out.numpy(), reference_attention(second)[:, T - chunks[-1]:]) <= 1e-5
+    assert rel_err(out.numpy(), causal_attention_reference(second)[:, T - chunks[-1]:]) <= 1e-5
 
 
 def test_cache_bad_inputs():
