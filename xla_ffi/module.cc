@@ -59,8 +59,7 @@ NB_MODULE(_xla_ffi, m) {
       },
       nb::arg("workers"), nb::arg("cuda_workers"), nb::arg("scheduler"), nb::arg("memory_limit_mb"),
       nb::arg("gpu_memory_limit_mb"), nb::arg("swap_dir"), nb::arg("swap_size_mb"), nb::arg("swap_backend"),
-      nb::arg("watchdog_s"),
-      nb::arg("placement"), nb::arg("tf32"), nb::arg("pin_host_memory"), nb::arg("distributed"));
+      nb::arg("watchdog_s"), nb::arg("placement"), nb::arg("tf32"), nb::arg("pin_host_memory"), nb::arg("distributed"));
   m.def("max_cpu_workers", &max_cpu_workers);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_device_memory_bytes", &cuda_device_memory_bytes);

@@ -563,11 +563,11 @@ void wait_until(Done done, const char* what) {
     double quiet_s = std::chrono::duration<double>(Clock::now() - s.last_progress).count();
     if (s.pending > 0 && quiet_s > s.config.watchdog_s) {
       std::ostringstream msg;
+      msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what;
       if (std::string stall = distributed_stall(); !stall.empty()) {
-        msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << ": " << stall << ".";
+        msg << ": " << stall << ".";
       } else {
-        msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what << " ("
-            << s.pending << " tasks pending, memory limit " << s.config.memory_limit_mb << " MB, "
+        msg << " (" << s.pending << " tasks pending, memory limit " << s.config.memory_limit_mb << " MB, "
             << (s.config.gpu_memory_limit_mb > 0
                     ? "GPU memory limit " + std::to_string(s.config.gpu_memory_limit_mb) + " MB, "
                     : "")

@@ -73,7 +73,11 @@ starpu_codelet* codelet(const char* name) {
 // starpu_data_unregister_submit after its last task.
 inline starpu_data_handle_t temporary_vector(int64_t n, size_t elem_size) {
   starpu_data_handle_t handle;
-  starpu_vector_data_register(&handle, -1, 0, n > 0 ? n : 1, elem_size);
+  const int64_t count = n > 0 ? n : 1;
+  starpu_vector_data_register(&handle, -1, 0, count, elem_size);
+  // Direct-I/O swap moves whole pages: tensor tiles are padded to them, a
+  // temporary of another size stays in RAM (StarPU would abort writing it to disk).
+  if ((count * elem_size) % swap_io_alignment() != 0) starpu_data_set_ooc_flag(handle, 0);
   return handle;
 }
 
@@ -83,11 +87,6 @@ void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const A
   // Before anything is submitted: a read of a tile that holds nothing is an error.
   for (const Buffer& b : buffers)
     if (b.mode & STARPU_R) check_readable(b.handle);
-  // Direct-I/O swap moves whole pages: tensor tiles are padded to them, a kernel's
-  // scratch of another size stays in RAM (StarPU would abort writing it to disk).
-  if (size_t align = swap_io_alignment(); align > 1)
-    for (const Buffer& b : buffers)
-      if (starpu_data_get_size(b.handle) % align != 0) starpu_data_set_ooc_flag(b.handle, 0);
   for (const Buffer& b : buffers)
     if (!(b.mode & STARPU_R)) mark_written(b.handle);
   starpu_task* task = starpu_task_create();

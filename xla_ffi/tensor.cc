@@ -22,15 +22,6 @@ Registry& registry() {
   return *r;
 }
 
-std::string shape_str(const Index& shape) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  if (shape.size() == 1) out << ",";
-  out << ")";
-  return out.str();
-}
-
 void unregister_locked(Registry& r, int64_t id, bool sync) {
   auto it = r.tensors.find(id);
   if (it == r.tensors.end()) return;
@@ -101,6 +92,15 @@ int64_t TiledTensor::tile_numel(int64_t linear) const {
   int64_t n = 1;
   for (int64_t e : tile_extent(tile_coord(linear))) n *= e;
   return n;
+}
+
+std::string shape_str(const Index& shape) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  if (shape.size() == 1) out << ",";
+  out << ")";
+  return out.str();
 }
 
 std::string TiledTensor::describe() const {

@@ -22,6 +22,8 @@ size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
 
 using Index = std::vector<int64_t>;
+// "(64, 48)", "(3,)": shapes, tile grids and tile coordinates in messages.
+std::string shape_str(const Index& shape);
 
 struct TiledTensor;
 

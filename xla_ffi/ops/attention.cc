@@ -220,25 +220,32 @@ CacheLayout check_cache(const OpCall& call, const TiledTensor& qkv, const TiledT
           float(1.0 / std::sqrt(double(s[4])))};
 }
 
+// Before anything is submitted: the key and value tiles j_from <= j < j_to of
+// the cache hold data, else `why` (with the cache described) is thrown.
+void require_cache_written(const TiledTensor& cache, const CacheLayout& l, int64_t j_from, int64_t j_to,
+                           const std::string& why) {
+  for (int64_t ib = 0; ib < l.gb; ++ib)
+    for (int64_t ih = 0; ih < l.gh; ++ih)
+      for (int64_t j = j_from; j < j_to; ++j)
+        for (int64_t kv = 0; kv < 2; ++kv) try {
+            check_readable(cache.tile({ib, j, kv, ih, 0}));
+          } catch (const std::invalid_argument&) {
+            throw std::invalid_argument(why + "; cache " + cache.describe());
+          }
+}
+
 // ids [qkv, cache], inputs [pos]: cache[:, pos + r, 0|1] = qkv[:, r, 1|2] for every row r of qkv.
 void cache_write_submit(const OpCall& call) {
   const TiledTensor &qkv = call.tensor(0), &cache = call.tensor(1);
   const CacheLayout l = check_cache(call, qkv, cache, "attention cache write");
   static starpu_codelet* cl = JNNTILE_CODELET(CacheCopyArgs, cache_copy_kernel, "attention_cache_copy");
-  // Before anything is submitted: the cache tile holding pos is continued
-  // unless pos is its first row (the later tiles start afresh), so its
-  // earlier positions must hold keys and values.
+  // The cache tile holding pos is continued unless pos is its first row (the
+  // later tiles start afresh), so its earlier positions must hold keys and values.
   if (l.pos % l.tc != 0)
-    for (int64_t ib = 0; ib < l.gb; ++ib)
-      for (int64_t ih = 0; ih < l.gh; ++ih)
-        for (int64_t kv = 0; kv < 2; ++kv) try {
-            check_readable(cache.tile({ib, l.pos / l.tc, kv, ih, 0}));
-          } catch (const std::invalid_argument&) {
-            throw std::invalid_argument("attention cache write: position " + std::to_string(l.pos) +
-                                        " continues a cache tile whose earlier positions hold nothing (never "
-                                        "written, or invalidated): write the positions in order from 0; cache " +
-                                        cache.describe());
-          }
+    require_cache_written(cache, l, l.pos / l.tc, l.pos / l.tc + 1,
+                          "attention cache write: position " + std::to_string(l.pos) +
+                              " continues a cache tile whose earlier positions hold nothing (never written, or "
+                              "invalidated): write the positions in order from 0");
   const int64_t end = l.pos + l.t;
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
@@ -273,17 +280,10 @@ void cached_attention_submit(const OpCall& call) {
       out.tile_shape != Index{ts[0], ts[1], ts[3], ts[4]})
     throw std::invalid_argument("cached attention: out must be float32 (B, T, H, D) tiled (tb, tt, th, D): qkv " +
                                 qkv.describe() + ", out " + out.describe());
-  // Before anything is submitted: the cache tiles up to the last position hold keys and values.
-  for (int64_t ib = 0; ib < l.gb; ++ib)
-    for (int64_t ih = 0; ih < l.gh; ++ih)
-      for (int64_t j = 0; j * l.tc < l.pos + l.t; ++j)
-        for (int64_t kv = 0; kv < 2; ++kv) try {
-            check_readable(cache.tile({ib, j, kv, ih, 0}));
-          } catch (const std::invalid_argument&) {
-            throw std::invalid_argument("cached attention: the cache holds nothing at some of the positions 0 .. " +
-                                        std::to_string(l.pos + l.t - 1) + ": write them with the cache write "
-                                        "first; cache " + cache.describe());
-          }
+  // The cache tiles up to the last position hold keys and values.
+  require_cache_written(cache, l, 0, (l.pos + l.t - 1) / l.tc + 1,
+                        "cached attention: the cache holds nothing at some of the positions 0 .. " +
+                            std::to_string(l.pos + l.t - 1) + ": write them with the cache write first");
   static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
   static starpu_codelet* finish_cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
   for (int64_t ib = 0; ib < l.gb; ++ib)

@@ -33,15 +33,9 @@ TileBox checked_box(const TiledTensor& t, const TileBox& box) {
   if (box.lo.empty() && box.hi.empty()) return TileBox{Index(t.ndim(), 0), t.grid};
   bool fits = int(box.lo.size()) == t.ndim() && int(box.hi.size()) == t.ndim();
   for (int a = 0; fits && a < t.ndim(); ++a) fits = 0 <= box.lo[a] && box.lo[a] < box.hi[a] && box.hi[a] <= t.grid[a];
-  if (!fits) {
-    auto str = [](const Index& v) {
-      std::string s = "(";
-      for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-      return s + ")";
-    };
-    throw std::invalid_argument("tiles from " + str(box.lo) + " to " + str(box.hi) + " are not a block of " +
-                                t.describe() + ", whose grid is " + str(t.grid));
-  }
+  if (!fits)
+    throw std::invalid_argument("tiles from " + shape_str(box.lo) + " to " + shape_str(box.hi) +
+                                " are not a block of " + t.describe() + ", whose grid is " + shape_str(t.grid));
   return box;
 }
 
