@@ -183,14 +183,19 @@ def _atomic_output(path: Path) -> Iterator[Path]:
 
 
 def _train_tokenizer(documents: list[str], vocab_size: int, progress: bool) -> ByteLevelBPETokenizer:
+    # The trainer's own progress bar (Rust) writes to stdout, where only a command's output belongs
+    # (bench --json output is parsed line by line): tqdm shows progress on stderr instead.
     tokenizer = ByteLevelBPETokenizer()
-    tokenizer.train_from_iterator(
-        documents,
-        vocab_size=vocab_size,
-        special_tokens=[END_OF_TEXT],
-        show_progress=progress,
-        length=len(documents),
-    )
+    with tqdm(total=1, unit="tokenizer", desc=f"training a BPE tokenizer of {vocab_size} tokens",
+              disable=not progress) as bar:
+        tokenizer.train_from_iterator(
+            documents,
+            vocab_size=vocab_size,
+            special_tokens=[END_OF_TEXT],
+            show_progress=False,
+            length=len(documents),
+        )
+        bar.update(1)
     return tokenizer
 
 
@@ -385,6 +390,30 @@ def _looks_like_text(path: Path) -> bool:
     return b"\x00" not in head and controls <= len(head) // 100
 
 
+# Token ids checked against the vocabulary per step when a file is opened (8 MB of uint16 at a time).
+_ID_CHECK_CHUNK = 1 << 22
+
+
+def _read_tokenizer(tokenizer_path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(tokenizer_path))
+    except Exception as error:  # the Rust side raises a bare Exception
+        raise ValueError(f"{tokenizer_path} is not a tokenizers file ({error}); put the tokenizer.json that made "
+                         "the token file there, or remove it to train on ids alone") from None
+
+
+def _read_meta(meta_path: Path) -> dict:
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{meta_path} is not valid JSON ({error}); prepare the dataset again with "
+                         "`python -m jnntile.data`, or remove the file") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} holds {type(meta).__name__}, not a JSON object; prepare the dataset again "
+                         "with `python -m jnntile.data`, or remove the file")
+    return meta
+
+
 class TokenDataset:
     """A uint16 token file (memory-mapped) and, if one is beside it, its tokenizer.
 
@@ -420,12 +449,15 @@ class TokenDataset:
         self.tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
 
         tokenizer_path = path.parent / TOKENIZER_FILE
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None
+        self.tokenizer = _read_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None
         meta_path = path.parent / META_FILE
-        self.meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        self.meta = _read_meta(meta_path) if meta_path.is_file() else {}
 
         if "vocab_size" in self.meta:
-            self.vocab_size = int(self.meta["vocab_size"])
+            self.vocab_size = self.meta["vocab_size"]
+            if not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
+                raise ValueError(f"{meta_path} gives vocab_size={self.vocab_size!r}, not a positive integer; "
+                                 "prepare the dataset again with `python -m jnntile.data`")
         elif self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
         else:
@@ -436,6 +468,22 @@ class TokenDataset:
                 f"{self.vocab_size}, but uint16 token files hold at most {MAX_VOCAB_SIZE} tokens; "
                 f"prepare the dataset again with --vocab-size <= {MAX_VOCAB_SIZE}"
             )
+        if "vocab_size" in self.meta or self.tokenizer is not None:
+            self._check_ids_below_vocab(meta_path if "vocab_size" in self.meta else tokenizer_path)
+
+    def _check_ids_below_vocab(self, vocab_source: Path) -> None:
+        """Refuses ids at or beyond the vocabulary: the embedding would read rows that do not exist."""
+        for start in range(0, len(self.tokens), _ID_CHECK_CHUNK):
+            chunk = self.tokens[start : start + _ID_CHECK_CHUNK]
+            bad = np.flatnonzero(chunk >= self.vocab_size)
+            if bad.size:
+                position = start + int(bad[0])
+                raise ValueError(
+                    f"{self.path} holds token id {int(self.tokens[position])} at position {position} (the first "
+                    f"of {self.vocab_size} or more), but {vocab_source} gives a vocabulary of {self.vocab_size}: "
+                    "the file was made by another tokenizer; prepare it again with `python -m jnntile.data`, or "
+                    "put the meta.json and tokenizer.json that made it beside it"
+                )
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -234,6 +234,19 @@ def test_default_dataset_is_prepared_once(tmp_path, monkeypatch):
     assert data.default_dataset_dir(512).name.endswith("-v512")
 
 
+def test_preparing_on_an_empty_cache_writes_nothing_to_stdout(tmp_path, monkeypatch, capfd):
+    """Progress goes to stderr: stdout carries only a command's output (bench --json is parsed by line).
+
+    The tokenizer's trainer writes its own progress bar to file descriptor 1 from Rust, which
+    capsys would not see; capfd does.
+    """
+    monkeypatch.setenv("JNNTILE_DATA_DIR", str(tmp_path / "empty-cache"))
+    data.ensure_default_dataset(VOCAB_SIZE, max_bytes=30_000, progress=True)
+    captured = capfd.readouterr()
+    assert captured.out == ""
+    assert "tokenizing" in captured.err
+
+
 def test_cli_prepares_input(text_file, tmp_path, capsys):
     data.main([str(text_file), "--out", str(tmp_path / "cli"), "--vocab-size", "280", "--val-fraction", "0.25"])
     meta = json.loads((tmp_path / "cli" / "meta.json").read_text())
@@ -253,3 +266,38 @@ def test_text_passed_as_token_file_says_to_tokenize_it(text_file, tmp_path, name
     path.write_bytes(text_file.read_bytes()[:4000])  # even size: it would read as 2000 token ids
     with pytest.raises(ValueError, match=rf"{name} looks like text.*python -m jnntile.data {path} --out DIR"):
         data.TokenDataset(path)
+
+
+def _copy_dataset(prepared, tmp_path) -> Path:
+    out = tmp_path / "copy"
+    out.mkdir()
+    for name in ("train.bin", "meta.json", "tokenizer.json"):
+        (out / name).write_bytes((prepared / name).read_bytes())
+    return out
+
+
+def test_ids_beyond_the_vocabulary_are_refused_naming_the_first_position(prepared, tmp_path):
+    copy = _copy_dataset(prepared, tmp_path)
+    tokens = np.fromfile(copy / "train.bin", dtype=np.uint16)
+    vocab_size = json.loads((copy / "meta.json").read_text())["vocab_size"]
+    tokens[[7, 11]] = vocab_size  # one past the last id: the embedding has no such row
+    tokens.tofile(copy / "train.bin")
+    with pytest.raises(ValueError, match=rf"train.bin holds token id {vocab_size} at position 7 .*meta.json gives "
+                                         rf"a vocabulary of {vocab_size}"):
+        data.TokenDataset(copy)
+
+
+@pytest.mark.parametrize("content, problem", [("{not json", "is not valid JSON"), ("[1, 2]", "not a JSON object"),
+                                               ('{"vocab_size": "many"}', "not a positive integer")])
+def test_corrupt_meta_json_is_named(prepared, tmp_path, content, problem):
+    copy = _copy_dataset(prepared, tmp_path)
+    (copy / "meta.json").write_text(content)
+    with pytest.raises(ValueError, match=rf"{copy / 'meta.json'}.*{problem}"):
+        data.TokenDataset(copy)
+
+
+def test_corrupt_tokenizer_json_is_named(prepared, tmp_path):
+    copy = _copy_dataset(prepared, tmp_path)
+    (copy / "tokenizer.json").write_text("garbage")
+    with pytest.raises(ValueError, match=rf"{copy / 'tokenizer.json'} is not a tokenizers file"):
+        data.TokenDataset(copy)

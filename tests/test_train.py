@@ -179,6 +179,21 @@ def test_main_reports_errors_without_traceback(dataset, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error:")
 
 
+def test_token_ids_beyond_the_vocabulary_are_refused_before_training(dataset, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in ("meta.json", "tokenizer.json"):
+        (bad / name).write_bytes((dataset.parent / name).read_bytes())
+    tokens = np.fromfile(dataset, dtype=np.uint16)
+    tokens[100] = json.loads((bad / "meta.json").read_text())["vocab_size"] + 5
+    tokens.tofile(bad / "train.bin")
+    code = train_mod.main(["--data", str(bad / "train.bin"), "--out", str(tmp_path / "out"), *SMALL])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "train.bin holds token id" in err and "at position 100" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_memory_limit_with_disk_swap_gives_the_same_losses(dataset, tmp_path):
     common = ["--steps", "3", "--eval-interval", "0", "--samples", "0", "--batch-size", "4", "--seq-len", "32"]
     _run(dataset, tmp_path / "unlimited", *common)
