@@ -4,6 +4,25 @@ import numpy as np
 import pytest
 
 
+# The suite's one default, for tests that do not ask for a placement: kernels on CPU workers and FP32
+# products. Under the GPU defaults (CUDA workers, dmdas, TF32) the scheduler moves each GEMM between
+# FP32 OpenBLAS and TF32 cuBLAS while it calibrates, and neither 1e-5 comparisons nor bitwise run-to-run
+# comparisons could hold. GPU tests opt in with the `placement` fixture or restart_runtime(placement=...).
+SUITE_RUNTIME = {"placement": "cpu", "matmul_precision": "highest"}
+# References in plain JAX compute their products in FP32 too: on Ampere and Hopper JAX's default is TF32,
+# 1e-4 to 1e-3 off.
+REFERENCE_MATMUL_PRECISION = "highest"
+
+
+def pytest_configure(config):
+    import jax
+
+    from jnntile import runtime
+
+    jax.config.update("jax_default_matmul_precision", REFERENCE_MATMUL_PRECISION)
+    runtime.configure(**SUITE_RUNTIME)
+
+
 def rel_err(actual, expected) -> float:
     """Relative Frobenius error ||actual - expected|| / ||expected||."""
     actual = np.asarray(actual, dtype=np.float64)

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import cuda_skip_reason, rel_err, restart_runtime, train_steps
+from conftest import SUITE_RUNTIME, cuda_skip_reason, rel_err, restart_runtime, train_steps
 
 import jnntile
 from jnntile.models.config import GPT2Config
@@ -98,6 +98,15 @@ def test_tile_larger_than_the_gpu_limit_is_refused(restore_runtime):
     restart_runtime(gpu_memory_limit_mb=4)
     with pytest.raises(ValueError, match="GPU memory limit of 4 MB"):
         jnntile.zeros((2048, 1024), tile_shape=(2048, 1024))  # 8 MB tiles
+
+
+def test_the_suite_compares_fp32_products_on_cpu_workers_unless_a_test_opts_in():
+    """Plain-JAX references compute FP32 products (JAX's GPU default is TF32), and tests without a placement
+    run every kernel on CPU workers in FP32, so 1e-5 and bitwise comparisons hold on a GPU machine too."""
+    assert jax.config.jax_default_matmul_precision == "highest"
+    config = jnntile.runtime.config()
+    assert {name: getattr(config, name) for name in SUITE_RUNTIME} == {"placement": "cpu",
+                                                                       "matmul_precision": "highest"}
 
 
 def test_describe_states_the_hardware():

@@ -1,5 +1,6 @@
 """The StarPU runtime: configuration, statistics, idle behaviour, failures."""
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -23,7 +24,8 @@ def test_statistics_count_tasks_workers_and_memory():
     # 16 random tiles + 16 C tiles x 4 K tiles + 16 reads
     assert after["tasks_completed"] - before["tasks_completed"] >= 16 + 64 + 16
     assert after["tasks_pending"] == 0
-    assert len(after["workers"]) == jnntile.runtime.config().workers
+    cpu_workers = [w for w in after["workers"] if w["name"].startswith("CPU")]  # CUDA workers come on top
+    assert len(cpu_workers) == jnntile.runtime.config().workers
     assert sum(w["busy_s"] for w in after["workers"]) > 0
     assert sum(w["tasks"] for w in after["workers"]) > 0
     ram = [n for n in after["nodes"] if n["kind"] == "RAM"][0]
@@ -128,3 +130,47 @@ def test_stuck_tasks_raise_instead_of_hanging():
     assert "no StarPU task completed" in result.stderr
     assert "memory limit 2 MB" in result.stderr
     assert time.perf_counter() - started < 60
+
+
+def _run_stuck(submit_stuck_work: str) -> list[str]:
+    """Runs `submit_stuck_work` under a 2 MB limit without swap, then stop() and a fresh start; the lines printed."""
+    script = textwrap.dedent("""
+        import numpy as np, jnntile
+        from jnntile.ops import gemm
+        jnntile.runtime.start(memory_limit_mb=2, watchdog_s=2)
+        try:
+            {work}
+        except RuntimeError as e:
+            print("watchdog:", "no StarPU task completed" in str(e))
+        jnntile.runtime.stop()
+        print("stopped:", not jnntile.runtime.is_running())
+        try:
+            jnntile.runtime.start(memory_limit_mb=64)
+            print("restarted:", jnntile.from_array(np.ones((4, 4), np.float32)).numpy().sum() == 16)
+        except RuntimeError as e:
+            print("restart refused:", "cannot start again in this process" in str(e) and "memory limit 2 MB" in str(e))
+    """).format(work=submit_stuck_work)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.splitlines()
+
+
+def test_after_the_watchdog_the_stuck_tasks_drain_and_the_runtime_starts_again():
+    # The last two 1 MB writes wait for memory; once stop() releases the first tiles they run, as no-ops
+    # (their host array is gone), and StarPU shuts down cleanly.
+    lines = _run_stuck("jnntile.from_array(np.ones((1024, 1024), np.float32), (256, 1024))")
+    assert lines == ["watchdog: True", "stopped: True", "restarted: True"]
+
+
+def test_tasks_that_can_never_run_leave_a_clear_refusal_to_start_again():
+    # One product of three 1 MB tiles can never fit a 2 MB limit, even with everything else released.
+    lines = _run_stuck("a, b = jnntile.full((512, 512), 1.0), jnntile.full((512, 512), 2.0); gemm.matmul(a, b).numpy()")
+    assert lines == ["watchdog: True", "stopped: True", "restart refused: True"]
+
+
+def test_starpu_environment_disables_the_sub_allocator():
+    """StarPU 1.4's 32 MiB chunks for small buffers would break limits below 32 MB (xla_ffi/runtime.cc)."""
+    jnntile.runtime.ensure_started()
+    libc = ctypes.CDLL(None)  # StarPU reads the C environment, which os.environ does not reflect
+    libc.getenv.restype = ctypes.c_char_p
+    assert libc.getenv(b"STARPU_SUBALLOCATOR") == b"0"

@@ -33,6 +33,8 @@ using Clock = std::chrono::steady_clock;
 // Workers keep spinning this long after the last task before they are paused:
 // a blocking read followed by the next submission then costs no wake-up.
 constexpr auto kPauseGrace = std::chrono::milliseconds(2);
+// How long a stop after a watchdog failure waits for the stuck tasks to drain.
+constexpr double kDrainAfterFailureS = 10.0;
 
 struct RuntimeState {
   std::mutex mutex;
@@ -43,7 +45,12 @@ struct RuntimeState {
   bool running = false;
   bool paused = false;
   bool failed = false;  // a watchdog fired: tasks are stuck, refuse new work
+  std::atomic<bool> skip_kernels{false};  // = failed, read by every task without the mutex
   std::string failure;
+  // Set when a failed runtime stops: its stuck tasks still hold StarPU, which can
+  // neither shut down nor start afresh in this process (a second starpu_init
+  // only counts a reference and keeps the old instance with its settings).
+  std::string abandoned;
   RuntimeConfig config;
   std::string swap_subdir;  // created by us, removed at stop
   int64_t pending = 0;
@@ -286,6 +293,9 @@ void runtime_start(const RuntimeConfig& config) {
   RuntimeState& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (s.running) throw std::runtime_error("jnntile runtime is already running; call stop() first");
+  if (!s.abandoned.empty())
+    throw std::runtime_error("StarPU cannot start again in this process: tasks of its earlier run are stuck (" +
+                             s.abandoned + "). Start a new process.");
   if (config.workers < 1)
     throw std::invalid_argument("workers must be >= 1, got " + std::to_string(config.workers));
   if (config.memory_limit_mb <= 0)
@@ -305,6 +315,13 @@ void runtime_start(const RuntimeConfig& config) {
   setenv("STARPU_LIMIT_CPU_MEM", std::to_string(config.memory_limit_mb).c_str(), 1);
   if (config.gpu_memory_limit_mb > 0)
     setenv("STARPU_LIMIT_CUDA_MEM", std::to_string(config.gpu_memory_limit_mb).c_str(), 1);
+  // StarPU 1.4 serves buffers of at most 4 MiB from 32 MiB chunks on the GPU, and in
+  // RAM when pinned (_starpu_malloc_should_suballoc, src/datawizard/malloc.c), and
+  // charges whole chunks against the limits: under a limit below 32 MB nothing could
+  // be allocated, and the planner's per-tile accounting would be off. Every tile is
+  // allocated on its own instead (through tile_malloc in RAM). StarPU 1.3 has no
+  // sub-allocator and ignores the variable.
+  setenv("STARPU_SUBALLOCATOR", "0", 1);
   setenv("STARPU_SILENT", "1", 0);
   setenv("STARPU_NOPENCL", "0", 0);
 
@@ -380,6 +397,7 @@ void runtime_start(const RuntimeConfig& config) {
   s.stopping = false;
   s.pauser = std::thread(pauser_loop);
   s.failed = false;
+  s.skip_kernels = false;
   s.failure.clear();
   s.config = config;
   s.pending = 0;
@@ -425,12 +443,20 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
   // GPT-2 with swap). Awake workers finish them while every tile is
   // unregistered synchronously.
   if (release_data) release_data(!s.failed);
-  std::lock_guard<std::mutex> lock(s.mutex);
+  std::unique_lock<std::mutex> lock(s.mutex);
   s.running = false;
-  // After a watchdog failure tasks are stuck and starpu_shutdown would wait
-  // for them forever: leave StarPU as it is and let the process exit.
+  // After a watchdog failure the stuck tasks run as no-ops once they get their
+  // memory (codelet_entry), which the data just released may give them: when
+  // they all finish, StarPU shuts down cleanly and can start again. Tasks that
+  // stay stuck would make starpu_shutdown wait forever: StarPU is then left as
+  // it is, and this process cannot start it again (runtime_start says so).
+  bool drained = !s.failed;
+  if (s.failed && !s.config.distributed) {
+    auto deadline = Clock::now() + std::chrono::duration<double>(std::min(s.config.watchdog_s, kDrainAfterFailureS));
+    drained = s.progress.wait_until(lock, deadline, [&] { return s.pending == 0; });
+  }
   std::string peer_failure;  // the other ranks did not come to stop with this one
-  if (!s.failed) {
+  if (drained) {
 #if JNNTILE_CUDA
     cuda::stop_workers();
 #endif
@@ -443,8 +469,9 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
         peer_failure = e.what();
       }
     }
-  } else if (s.config.distributed) {
-    distributed_abandon();
+  } else {
+    s.abandoned = s.failure;
+    if (s.config.distributed) distributed_abandon();
   }
   if (!s.swap_subdir.empty()) {
     remove_tree(s.swap_subdir);
@@ -455,12 +482,15 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
 
 bool runtime_running() { return state().running; }
 
+bool kernels_skipped() { return state().skip_kernels.load(std::memory_order_relaxed); }
+
 void runtime_fail(const std::string& why) {
   RuntimeState& s = state();
   if (!s.running) return;  // stopped, or stopping: runtime_stop holds the mutex while it meets the other ranks
   std::lock_guard<std::mutex> lock(s.mutex);
   if (s.failed) return;
   s.failed = true;
+  s.skip_kernels = true;
   s.failure = why;
 }
 
@@ -577,6 +607,7 @@ void wait_until(Done done, const char* what) {
                "tells what fits). Raise watchdog_s if tasks are just slow.";
       }
       s.failed = true;
+      s.skip_kernels = true;
       s.failure = msg.str();
       throw std::runtime_error(s.failure);
     }

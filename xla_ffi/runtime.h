@@ -106,6 +106,9 @@ bool runtime_running();
 // Marks the runtime failed (as the watchdog does): waits and stops no longer
 // wait for tasks, which will never complete (e.g. another rank is gone).
 void runtime_fail(const std::string& why);
+// True after a failure: tasks still queued complete without running their
+// kernels, so that a stop can drain them (their host buffers may be gone).
+bool kernels_skipped();
 const RuntimeConfig& runtime_config();
 // Throws std::runtime_error naming the problem when the runtime is not usable.
 void require_runtime();
