@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -67,8 +68,10 @@ def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not e.filename:  # a full disk: say where (writes go through descriptors)
+            e.filename = str(final)
         raise
     pointer = out_dir / f".{LATEST}.tmp"
     pointer.write_text(final.name)
@@ -79,13 +82,37 @@ def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict
     return final
 
 
+def _complete(out_dir: Path) -> list[Path]:
+    """The complete checkpoints of `out_dir` (those with their state file), oldest first."""
+    return sorted(p for p in out_dir.glob("ckpt-*") if (p / STATE_FILE).is_file())
+
+
 def latest(out_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint of `out_dir`, or None."""
-    pointer = Path(out_dir) / LATEST
-    if not pointer.exists():
+    """The checkpoint `latest` points at, or None when `out_dir` holds no complete checkpoint.
+
+    When that checkpoint is incomplete (its state file lost) or `latest` is missing, the newest
+    complete checkpoint is taken instead, and stderr says so.
+    """
+    out_dir = Path(out_dir)
+    pointer = out_dir / LATEST
+    named = out_dir / pointer.read_text().strip() if pointer.is_file() else None
+    if named is not None and (named / STATE_FILE).is_file():
+        return named
+    complete = _complete(out_dir)
+    if not complete:
         return None
-    path = Path(out_dir) / pointer.read_text().strip()
-    return path if (path / STATE_FILE).exists() else None
+    why = f"{named / STATE_FILE} is missing" if named is not None else f"{pointer} is missing"
+    print(f"note: {why}; using the newest complete checkpoint, {complete[-1]}", file=sys.stderr)
+    return complete[-1]
+
+
+def remove_stale_temporaries(out_dir: str | os.PathLike) -> list[Path]:
+    """Removes what checkpoint writes killed mid-way left in `out_dir`; call it while holding the directory's
+    lock (`train.lock_out_dir`), so that no live run is writing them. Returns what was removed."""
+    stale = [p for p in Path(out_dir).glob(".ckpt-*.tmp-*") if p.is_dir()]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def read_state(path: str | os.PathLike) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -81,14 +81,10 @@ def _weights_dir(args) -> Path:
 
 
 def _read_config(weights: Path, args):
-    from jnntile.models.config import GPT2Config
-    from jnntile.models.hf_checkpoint import CONFIG_FILE
+    from jnntile.models.hf_checkpoint import read_config
 
-    path = weights / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {weights} is not a GPT-2 checkpoint")
     tiles = {f"tile_{a}": getattr(args, f"tile_{a}") for a in TILE_AXES if getattr(args, f"tile_{a}") is not None}
-    return GPT2Config.from_hf_dict(json.loads(path.read_text()), **tiles)
+    return read_config(weights, **tiles)
 
 
 def _tokenizer_candidates(args, weights: Path) -> list[Path]:
@@ -129,7 +125,7 @@ def load_tokenizer(args, weights: Path):
 def _check_args(args) -> None:
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be positive")
-    if args.temperature < 0:
+    if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature={args.temperature} must be 0 (greedy) or positive")
     if args.top_k < 0:
         raise ValueError(f"--top-k={args.top_k} must be positive, or 0 for the whole vocabulary")

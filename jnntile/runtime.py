@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 
 # With jax[cuda] installed, XLA would take 75% of the GPU's memory when it first
@@ -180,6 +181,30 @@ def _register_ffi_targets() -> None:
 _register_ffi_targets()
 
 
+def _prepare_swap_dir(config: RuntimeConfig) -> None:
+    """Creates the swap directory and checks that its file system can hold `swap_size_mb`.
+
+    StarPU aborts the process when a swap write fails (a full disk included), so a swap the disk
+    cannot hold is refused here, before any tile is written.
+    """
+    if not config.swap_dir:
+        return
+    path = Path(config.swap_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"swap directory {path} cannot be created ({e.strerror}); choose another "
+                         "--swap-dir (swap_dir)") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"swap directory {path} is not writable; choose another --swap-dir (swap_dir)")
+    free_mb = shutil.disk_usage(path).free // 2**20
+    if free_mb < config.swap_size_mb:
+        raise ValueError(
+            f"swap directory {path} has {free_mb} MB free, less than the swap size of {config.swap_size_mb} MB: "
+            f"StarPU would abort the run when the disk fills. Give --swap-size-mb (swap_size_mb) at most {free_mb} "
+            "(python -m jnntile.memory says how much the step needs), free space there, or choose another --swap-dir")
+
+
 def configure(**settings) -> RuntimeConfig:
     """Sets fields of the configuration used by the next start (see RuntimeConfig)."""
     global _config
@@ -203,6 +228,7 @@ def start(**settings) -> None:
     if is_running():
         return
     _config.validate()
+    _prepare_swap_dir(_config)
     # Bus calibration and performance models go here instead of ~/.starpu; StarPU reads it at init.
     os.environ.setdefault("STARPU_HOME", str(Path.home() / ".cache" / "jnntile" / "starpu"))
     if _config.perf_model_dir:

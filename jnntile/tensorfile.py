@@ -278,12 +278,21 @@ def _blocks(entries, data_start):
             del block  # one chunk in memory at a time
 
 
+def _finite(source: FileTensor, block: np.ndarray) -> np.ndarray:
+    """`block` of `source`, refused when it holds NaN or infinities: training or sampling from them would
+    only produce NaN, far from the file that caused it."""
+    if block.dtype.kind == "f" and not np.isfinite(block).all():
+        raise ValueError(f"{source} holds NaN or infinite values: the file is damaged, or was written by a run "
+                         "that diverged; use another checkpoint")
+    return block
+
+
 def load_into(t: Tensor, source) -> Tensor:
     """Overwrites every tile of `t` from `source` of the same size (any row-major shape): a FileTensor, read
     chunk by chunk, or an array; returns `t` with the token of the write. Blocks."""
     if math.prod(np.shape(source)) != t.size:
         raise ValueError(f"{source!r} cannot fill {t!r}: the sizes differ")
     if isinstance(source, FileTensor):
-        return data_ops.write_chunks(t, lambda chunk: source.read(t.shape, chunk.start, chunk.stop))
+        return data_ops.write_chunks(t, lambda chunk: _finite(source, source.read(t.shape, chunk.start, chunk.stop)))
     array = np.asarray(source).reshape(t.shape)
     return data_ops.write_chunks(t, lambda chunk: array[chunk.slices])

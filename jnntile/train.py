@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -98,24 +99,53 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- set-up ------------------------------------------------------------------------
 
 def _check_args(args) -> None:
-    for name in ("batch_size", "grad_accum_steps", "seq_len", "steps"):
+    def flag(name):
+        return f"--{name.replace('_', '-')}={getattr(args, name)}"
+
+    for name in ("lr", "weight_decay", "grad_clip", "dropout"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{flag(name)} must be a finite number")
+    for name in ("batch_size", "grad_accum_steps", "seq_len", "steps", "eval_batches", "sample_tokens"):
         if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+            hint = {"eval_batches": " (--eval-interval 0 turns evaluation off)",
+                    "sample_tokens": " (--samples 0 turns samples off)"}.get(name, "")
+            raise ValueError(f"{flag(name)} must be positive{hint}")
     for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip", "weight_decay", "samples"):
         if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must not be negative")
+            raise ValueError(f"{flag(name)} must not be negative")
     if args.lr <= 0:
-        raise ValueError(f"--lr={args.lr} must be positive")
+        raise ValueError(f"{flag('lr')} must be positive")
 
 
-def _prepare_out_dir(path: Path) -> None:
+LOCK_FILE = ".lock"
+
+
+def _prepare_out_dir(path: Path):
+    """Creates --out and locks it for this run; returns the open lock file (held until it is closed).
+
+    Two runs writing one directory would interleave their metrics and replace each other's
+    checkpoints. The lock is advisory (flock): the system drops it when the process ends, however it
+    ends, so a crashed run leaves no stale lock behind.
+    """
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        lock = open(path / LOCK_FILE, "a+")
     except OSError as e:
         raise ValueError(f"output directory {path} is not writable ({e.strerror}); choose another --out") from e
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ValueError(f"output directory {path} is in use by another training run (PID {holder}); wait for it "
+                         "to finish, or choose another --out") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | None]:
@@ -321,6 +351,11 @@ def generate_samples(model: gpt2.GPT2, dataset, args) -> list[str]:
 
 def train(args) -> dict:
     """Runs training as configured by `args`; returns a summary. Raises ValueError on bad input."""
+    with contextlib.ExitStack() as held:  # the lock of --out, for as long as the run lasts
+        return _train(args, held)
+
+
+def _train(args, held: contextlib.ExitStack) -> dict:
     if distributed.launched_ranks() > 1 and not jnntile.runtime.config().distributed:
         if not jnntile.runtime.HAS_MPI:  # said by every rank
             raise ValueError(f"{distributed.launched_ranks()} processes were launched to train one model, but "
@@ -336,7 +371,9 @@ def train(args) -> dict:
         rows = distributed.DEFAULT_OWNERSHIP.batch_rows(args.batch_size, rank, ranks)
         batch_size = rows.stop - rows.start  # this rank's sequences per micro-batch
         if lead:
-            _prepare_out_dir(out)
+            held.enter_context(_prepare_out_dir(out))
+            for stale in checkpoint.remove_stale_temporaries(out):
+                print(f"note: removed {stale}, left by a checkpoint write that was cut short", file=sys.stderr)
         if args.data is None and ranks > 1:  # rank 0 prepares the built-in corpus (once), the others wait
             try:
                 if lead:
@@ -360,7 +397,13 @@ def train(args) -> dict:
         resume_from = checkpoint.latest(out) if args.resume else None
         if args.resume and resume_from is None:
             raise ValueError(f"--resume: no checkpoint in {out}")
+        resumed_step = checkpoint.read_state(resume_from)["step"] if resume_from else 0
         same.update(_same_on_every_rank(args, config, train_data))
+    if resumed_step >= args.steps:
+        if lead:
+            print(f"nothing to do: {resume_from} is at step {resumed_step} and --steps is {args.steps}; give a larger "
+                  "--steps to train further", flush=True)
+        return {"interrupted": False, "step": resumed_step, "losses": []}
     if runtime_settings and runtime_config != jnntile.runtime.config():
         jnntile.runtime.stop()
         jnntile.runtime.configure(**runtime_settings)
@@ -422,7 +465,8 @@ def train(args) -> dict:
             raise KeyboardInterrupt
         stop_requested.append(signum)
 
-    previous_handler = signal.signal(signal.SIGINT, request_stop)
+    # SIGTERM, which batch schedulers and container runtimes send, stops the run the same way.
+    previous_handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with (metrics_path if lead else Path(os.devnull)).open("a") as metrics:
             stopping = False
@@ -454,15 +498,21 @@ def train(args) -> dict:
                         save(step)
                     # Rank 0 alone writes it, longer than a watchdog for a large model: the others wait here.
                     distributed.wait_for_every_rank("a checkpoint")
+    except OSError as e:  # a full disk; writes through a file object do not name their file
+        e.filename = e.filename or str(metrics_path)
+        raise
     finally:
-        signal.signal(signal.SIGINT, previous_handler)
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         bar.close()
     if not lead:
         return {"interrupted": stopping, "step": step, "losses": losses}
     if stopping:
         path = save(step)
-        print(f"\ninterrupted at step {step}: checkpoint saved to {path}; continue with --resume", flush=True)
-        return {"interrupted": True, "step": step, "losses": losses}
+        name = signal.Signals(stop_requested[0]).name if stop_requested else "another rank"
+        print(f"\ninterrupted ({name}) at step {step}: checkpoint saved to {path}; continue with --resume", flush=True)
+        return {"interrupted": True, "signal": stop_requested[0] if stop_requested else signal.SIGINT, "step": step,
+                "losses": losses}
     path = save(step)
     plot_losses(metrics_path, out / "loss.png")
     final_model = nnx.merge(graphdef, params)
@@ -483,14 +533,33 @@ def train(args) -> dict:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Keeps the metrics of steps before `step` (a resumed run rewrites the rest)."""
+    """Keeps the metrics of steps before `step` (a resumed run rewrites the rest).
+
+    A line that does not parse (what a kill in the middle of its write leaves, always the last) is
+    dropped with a warning: the resumed run writes that step again.
+    """
     if not path.exists():
         return
-    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            print(f"warning: dropped line {number} of {path}, which is cut short: {line[:60]!r}", file=sys.stderr)
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+            rows.append(line)
     path.write_text("".join(r + "\n" for r in rows))
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
+    # Outside the training loop (which checkpoints first), SIGTERM exits through Python's own exit, so
+    # that the runtime's exit handler stops StarPU and removes the swap files.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parse_args(argv)
     try:
         summary = train(args)
@@ -501,12 +570,18 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, FloatingPointError) as e:
         print(f"error{_on_rank()}: {e}", file=sys.stderr)
         return _end_every_rank(2)
+    except OSError as e:  # a full or read-only disk under --out, --swap-dir or --export-hf
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error{_on_rank()}: {e.strerror or e}{where}: free space there or choose another directory",
+              file=sys.stderr)
+        return _end_every_rank(2)
     except BaseException:
         if jnntile.runtime.world_size() > 1:
             traceback.print_exc()
             _end_every_rank(1)
         raise
-    return 130 if summary.get("interrupted") else 0
+    # As a shell reports a process ended by a signal: 130 after SIGINT, 143 after SIGTERM.
+    return 128 + int(summary.get("signal", signal.SIGINT)) if summary.get("interrupted") else 0
 
 
 def _on_rank() -> str:

@@ -38,8 +38,8 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 _LM_HEAD = "lm_head.weight"
 
 
-def read_config(directory) -> GPT2Config:
-    """The GPT2Config of a Hugging Face GPT-2 checkpoint directory (its config.json)."""
+def read_config(directory, **tiles) -> GPT2Config:
+    """The GPT2Config of a Hugging Face GPT-2 checkpoint directory (its config.json), with `tiles` (tile_* sizes)."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a Hugging Face GPT-2 checkpoint needs "
@@ -51,7 +51,7 @@ def read_config(directory) -> GPT2Config:
     if not isinstance(hf, dict):
         raise ValueError(f"{path} is not a JSON object: the checkpoint is damaged")
     try:
-        return GPT2Config.from_hf_dict(hf)
+        return GPT2Config.from_hf_dict(hf, **tiles)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 

@@ -72,6 +72,21 @@ def dataset(tmp_path_factory):
 
 
 @pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 17 MB file system (a tmpfs), for disks that fill up; skipped with the reason where none can be mounted."""
+    import subprocess
+
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=17m", "tmpfs", str(mount)], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(1234)
 

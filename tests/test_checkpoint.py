@@ -226,6 +226,14 @@ CORRUPTIONS = {
 }
 
 
+def test_nan_weights_are_refused_naming_the_tensor(tmp_path):
+    path, tx = _saved_checkpoint(tmp_path)
+    _rewrite(path / "model.safetensors", lambda t: t["transformer.h.0.ln_1.weight"].__setitem__(3, np.nan))
+    model = gpt2.GPT2(SMALL, batch_size=B, seq_len=T, seed=3)
+    with pytest.raises(ValueError, match=r"'transformer.h.0.ln_1.weight' .*model.safetensors holds NaN or infinite"):
+        checkpoint.restore(path, model=model, opt_state=tx.init(nnx.state(model, nnx.Param)))
+
+
 @pytest.mark.parametrize("corruption", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
 def test_damaged_checkpoint_is_refused_before_anything_is_overwritten(tmp_path, corruption):
     damage, message = corruption

@@ -12,6 +12,7 @@
 """
 
 import dataclasses
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -327,6 +328,14 @@ def test_cli_from_a_training_checkpoint(tmp_path):
     assert result.stdout.startswith("alpha beta") and result.stdout.count("\n") >= 1
     assert "ckpt-0000003" in result.stderr
 
+    # With the state of the checkpoint `latest` names lost, the newest complete one is used, and said.
+    older = tmp_path / "run" / "ckpt-0000002"
+    shutil.copytree(tmp_path / "run" / "ckpt-0000003", older)
+    (tmp_path / "run" / "ckpt-0000003" / "state.json").unlink()
+    result = _run_cli("--checkpoint", str(tmp_path / "run"), "--prompt", "alpha", "--max-new-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    assert f"using the newest complete checkpoint, {older}" in result.stderr
+
 
 @pytest.mark.parametrize("argv, message", [
     (["--hf", str(FIXTURE)], "the following arguments are required: --prompt"),
@@ -334,12 +343,19 @@ def test_cli_from_a_training_checkpoint(tmp_path):
      "need 41 positions, beyond the model's n_positions=32: use --max-new-tokens 31 or less"),
     (["--hf", str(FIXTURE), "--prompt", "", "--max-new-tokens", "4"], "gives no tokens"),
     (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0 must be positive"),
+    (["--hf", str(FIXTURE), "--prompt", "hi", "--temperature", "nan"], "--temperature=nan must be 0 (greedy)"),
+    (["--hf", "GARBAGE_CONFIG", "--prompt", "hi"], "config.json does not parse as JSON"),
     (["--checkpoint", str(FIXTURE), "--prompt", "hi"], "is not a jnntile checkpoint"),
     (["--hf", str(FIXTURE), "--prompt", "hi"], "no tokenizer in"),
     (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "4", "--tokenizer", "TOKENIZER_300"],
      "outside the model's vocabulary of 96"),
 ])
 def test_cli_bad_input(argv, message, capsys, tmp_path):
+    if "GARBAGE_CONFIG" in argv:
+        garbage = tmp_path / "garbage"
+        shutil.copytree(FIXTURE, garbage)
+        (garbage / "config.json").write_text("<html>not a config</html>")
+        argv = [str(garbage) if a == "GARBAGE_CONFIG" else a for a in argv]
     if "TOKENIZER_300" in argv:  # byte-level BPE: ids up to 300 for a model of 96
         from tokenizers import ByteLevelBPETokenizer
 

@@ -37,6 +37,14 @@ def test_zeros_full_and_scalar():
     assert jnntile.full((), 3.0).numpy() == 3.0
 
 
+@pytest.mark.parametrize("tile_shape", TILINGS.values(), ids=TILINGS.keys())
+@pytest.mark.parametrize("dtype, value", [("int32", -3), ("int64", 2**40 + 3)])
+def test_integer_fills(tile_shape, dtype, value):
+    t = jnntile.full((6, 12), value, dtype=dtype, tile_shape=tile_shape)
+    assert t.numpy().dtype == dtype
+    np.testing.assert_array_equal(t.numpy(), np.full((6, 12), value, dtype))
+
+
 def test_int64_tensor_round_trip():
     array = np.arange(10, dtype=np.int64) * (2**40)
     np.testing.assert_array_equal(jnntile.from_array(array, 3).numpy(), array)

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +142,10 @@ def test_unknown_preset_is_refused(capsys):
     (["--n-head", "3"], "does not divide"),
     (["--batch-size", "1000", "--seq-len", "512", "--data-order", "sequential"], "fewer than one batch"),
     (["--resume"], "no checkpoint"),
+    (["--eval-batches", "0"], "--eval-batches=0 must be positive .--eval-interval 0 turns evaluation off"),
+    (["--sample-tokens", "0"], "--sample-tokens=0 must be positive .--samples 0 turns samples off"),
+    (["--lr", "nan"], "--lr=nan must be a finite number"),
+    (["--weight-decay", "inf"], "--weight-decay=inf must be a finite number"),
 ])
 def test_bad_input_is_refused_before_training(dataset, tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
@@ -246,3 +251,101 @@ def test_automatic_tiles_shrink_to_fit_the_memory_limit(ids_4096, tmp_path):
     assert explicit.returncode == 2
     assert "cannot run: a single task" in explicit.stderr and "e.g. --tile-vocab 1024" in explicit.stderr
     assert not (tmp_path / "explicit" / "metrics.jsonl").exists()
+
+
+def _cli(*argv, **kwargs):
+    return subprocess.run([sys.executable, "-m", "jnntile.train", *argv], capture_output=True, text=True,
+                          timeout=300, **kwargs)
+
+
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(dataset, tmp_path):
+    with train_mod._prepare_out_dir(tmp_path):  # as a running training process holds it
+        with pytest.raises(ValueError, match=rf"{tmp_path} is in use by another training run \(PID {os.getpid()}\)"):
+            _run(dataset, tmp_path, "--steps", "1")
+    assert not (tmp_path / "metrics.jsonl").exists()
+    _run(dataset, tmp_path, "--steps", "1", "--eval-interval", "0", "--samples", "0")  # free again
+
+
+def test_sigterm_checkpoints_removes_the_swap_and_exits_143(dataset, tmp_path):
+    swap = tmp_path / "swap"
+    proc = subprocess.Popen([sys.executable, "-m", "jnntile.train", "--data", str(dataset), "--out",
+                             str(tmp_path / "out"), *SMALL, "--steps", "100000", "--eval-interval", "0",
+                             "--memory-limit-mb", "64", "--swap-dir", str(swap), "--swap-size-mb", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out + err
+    assert "interrupted (SIGTERM)" in out
+    step = int((tmp_path / "out" / "latest").read_text().removeprefix("ckpt-"))
+    assert step == len(metrics.read_text().splitlines()) >= 2  # every step recorded is in the checkpoint
+    assert list(swap.iterdir()) == []  # StarPU's swap files were removed
+
+
+def test_swap_larger_than_the_free_disk_is_refused_before_start(dataset, tmp_path, small_tmpfs):
+    result = _cli("--data", str(dataset), "--out", str(tmp_path / "out"), *SMALL, "--steps", "2",
+                  "--memory-limit-mb", "4", "--swap-dir", str(small_tmpfs), "--swap-size-mb", "64")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"swap directory {small_tmpfs} has 17 MB free, less than the swap size of 64 MB" in result.stderr
+    assert list(small_tmpfs.iterdir()) == []
+
+
+@pytest.mark.parametrize("swap_dir", ["/proc/jnntile-swap", "FILE/swap"])
+def test_swap_dir_that_cannot_be_created_is_named(dataset, tmp_path, swap_dir):
+    (tmp_path / "file").write_text("")
+    swap_dir = swap_dir.replace("FILE", str(tmp_path / "file"))
+    result = _cli("--data", str(dataset), "--out", str(tmp_path / "out"), *SMALL, "--steps", "1",
+                  "--swap-dir", swap_dir)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"swap directory {swap_dir} cannot be created" in result.stderr
+
+
+def test_out_on_a_full_disk_is_an_error_without_traceback(dataset, small_tmpfs):
+    (small_tmpfs / "filler").write_bytes(b"\0" * (17 * 2**20 - 4096))
+    result = _cli("--data", str(dataset), "--out", str(small_tmpfs / "out"), *SMALL, "--steps", "3",
+                  "--eval-interval", "0", "--samples", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "No space left on device" in result.stderr and str(small_tmpfs / "out") in result.stderr
+
+
+def test_resume_drops_a_metrics_line_cut_short(dataset, tmp_path, capsys):
+    args = ["--steps", "2", "--eval-interval", "0", "--samples", "0"]
+    _run(dataset, tmp_path, *args)
+    with (tmp_path / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 2, "lo')  # a kill during the write of step 2's line
+    _run(dataset, tmp_path, "--steps", "3", "--eval-interval", "0", "--samples", "0", "--resume")
+    assert "dropped line 3 of" in capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+def test_resume_falls_back_to_the_newest_complete_checkpoint(dataset, tmp_path, capsys):
+    _run(dataset, tmp_path, "--steps", "4", "--checkpoint-interval", "2", "--eval-interval", "0", "--samples", "0")
+    (tmp_path / "ckpt-0000004" / "state.json").unlink()  # lost
+    summary = _run(dataset, tmp_path, "--steps", "5", "--eval-interval", "0", "--samples", "0", "--resume")
+    err = capsys.readouterr().err
+    assert "ckpt-0000004/state.json is missing; using the newest complete checkpoint" in err
+    assert str(tmp_path / "ckpt-0000002") in err
+    assert summary["losses"] and len(_losses(tmp_path)) == 5  # steps 2, 3 and 4 trained again
+
+
+def test_stale_checkpoint_temporaries_are_removed_at_start(dataset, tmp_path, capsys):
+    stale = tmp_path / ".ckpt-0000003.tmp-abc123"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    _run(dataset, tmp_path, "--steps", "1", "--eval-interval", "0", "--samples", "0")
+    assert not stale.exists()
+    assert f"removed {stale}" in capsys.readouterr().err
+
+
+def test_resume_at_or_past_the_last_step_has_nothing_to_do(dataset, tmp_path, capsys):
+    _run(dataset, tmp_path, "--steps", "3", "--eval-interval", "0", "--samples", "0")
+    saved = (tmp_path / "ckpt-0000003" / "optimizer.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    summary = _run(dataset, tmp_path, "--steps", "2", "--resume")
+    assert "nothing to do" in capsys.readouterr().out and summary["losses"] == []
+    assert (tmp_path / "ckpt-0000003" / "optimizer.safetensors").stat().st_mtime_ns == saved
+    assert len(_losses(tmp_path)) == 3

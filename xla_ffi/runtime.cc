@@ -20,6 +20,7 @@ extern "C" {
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 #include <thread>
@@ -211,10 +212,36 @@ std::atomic<bool> pin_tiles{false};
 // which these hooks must honour themselves.
 std::atomic<size_t> io_alignment{1};
 
+struct MappedRegion {
+  size_t size;
+  bool pinned;  // only pinned regions are unpinned: a failed unpin would leave a CUDA error behind
+};
+
 struct MappedRegions {
   std::mutex mutex;
-  std::unordered_map<void*, size_t> sizes;
+  std::unordered_map<void*, MappedRegion> regions;
 };
+
+// Page-locks a tile. A failure (the system's limit on locked memory, say) leaves the
+// tile pageable, slower to copy but correct; CUDA keeps the error of a failed
+// cudaHostRegister as the thread's last error, which the next kernel launch check
+// would report as its own failure, so it is cleared here and reported once.
+bool pin_tile(void* p, size_t size) {
+  if (starpu_memory_pin(p, size) == 0) return true;
+#if JNNTILE_CUDA
+  const char* error = cuda::take_last_error();
+#else
+  const char* error = "unknown error";
+#endif
+  static std::atomic<bool> reported{false};
+  if (!reported.exchange(true))
+    std::fprintf(stderr,
+                 "jnntile: could not page-lock a %zu-byte tile in RAM (%s); such tiles stay pageable, so their "
+                 "copies to and from the GPU are synchronous. Raise the locked-memory limit (ulimit -l) or set "
+                 "pin_host_memory=False.\n",
+                 size, error);
+  return false;
+}
 
 MappedRegions& mapped() {
   static MappedRegions* m = new MappedRegions();
@@ -225,10 +252,10 @@ int tile_malloc(unsigned, void** out, size_t size, int) {
   if (size >= kMmapThreshold) {
     void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return -ENOMEM;
-    if (pin_tiles) starpu_memory_pin(p, size);
+    bool pinned = pin_tiles && pin_tile(p, size);
     MappedRegions& m = mapped();
     std::lock_guard<std::mutex> lock(m.mutex);
-    m.sizes.emplace(p, size);
+    m.regions.emplace(p, MappedRegion{size, pinned});
     *out = p;
     return 0;
   }
@@ -240,19 +267,23 @@ int tile_malloc(unsigned, void** out, size_t size, int) {
 
 int tile_free(unsigned, void* ptr, size_t, int) {
   if (ptr == nullptr) return 0;
-  size_t size = 0;
+  MappedRegion region{0, false};
   {
     MappedRegions& m = mapped();
     std::lock_guard<std::mutex> lock(m.mutex);
-    auto it = m.sizes.find(ptr);
-    if (it != m.sizes.end()) {
-      size = it->second;
-      m.sizes.erase(it);
+    auto it = m.regions.find(ptr);
+    if (it != m.regions.end()) {
+      region = it->second;
+      m.regions.erase(it);
     }
   }
-  if (size > 0) {
-    if (pin_tiles) starpu_memory_unpin(ptr, size);
-    munmap(ptr, size);
+  if (region.size > 0) {
+    if (region.pinned && starpu_memory_unpin(ptr, region.size) != 0) {
+#if JNNTILE_CUDA
+      std::fprintf(stderr, "jnntile: could not unpin a %zu-byte tile (%s)\n", region.size, cuda::take_last_error());
+#endif
+    }
+    munmap(ptr, region.size);
   } else {
     free(ptr);
   }

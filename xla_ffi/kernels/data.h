@@ -80,9 +80,6 @@ void fill(int64_t n, T value, T* dst);
 // Every element of the tile gets random_value(seed, its global index, normal, a, b).
 template <Device D>
 void fill_random(const TileGeometry& g, uint64_t seed, bool normal, float a, float b, float* tile);
-// dst = src, whole tiles of nbytes.
-template <Device D>
-void copy(int64_t nbytes, const void* src, void* dst);
 
 // CPU only, they touch host arrays: copies between a tile and its part of a
 // whole row-major array (to_tile picks the direction), and adds its part of a

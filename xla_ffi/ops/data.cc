@@ -142,27 +142,6 @@ void random_submit(const OpCall& call) {
 }
 JNNTILE_OP(random, random_submit);
 
-struct CopyArgs {
-  int64_t nbytes;
-};
-
-template <Device D>
-void copy_kernel(void** buffers, const CopyArgs& a) {
-  copy<D>(a.nbytes, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
-}
-
-void copy_submit(const OpCall& call) {
-  TiledTensor& src = call.tensor(0);
-  TiledTensor& dst = call.tensor(1);
-  check_same_tiling(src, dst, "copy");
-  if (src.dtype != dst.dtype) throw std::invalid_argument("copy: dtypes differ: " + src.describe() + " vs " + dst.describe());
-  static starpu_codelet* cl = JNNTILE_CODELET(CopyArgs, copy_kernel, "copy");
-  for (int64_t tile = 0; tile < src.num_tiles(); ++tile)
-    submit_task(cl, {{src.tiles[tile], STARPU_R}, {dst.tiles[tile], STARPU_W}},
-                CopyArgs{src.tile_numel(tile) * int64_t(dtype_size(src.dtype))});
-}
-JNNTILE_OP(copy, copy_submit);
-
 // Marks every tile of the given tensors as holding nothing: StarPU frees their
 // memory (in RAM and on disk) after the tasks already submitted on them, and
 // never writes them back (DESIGN invariant 7). The next access must be a write.

@@ -28,11 +28,6 @@ void fill_random<Device::Cpu>(const TileGeometry& g, uint64_t seed, bool normal,
   });
 }
 
-template <>
-void copy<Device::Cpu>(int64_t nbytes, const void* src, void* dst) {
-  std::memcpy(dst, src, size_t(nbytes));
-}
-
 void copy_tile(const TileGeometry& g, size_t elem_size, bool to_tile, void* tile, void* array) {
   size_t row_bytes = size_t(g.row_length()) * elem_size;
   char* t = static_cast<char*>(tile);

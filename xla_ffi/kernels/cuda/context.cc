@@ -24,6 +24,8 @@ void check(cublasStatus_t status, const char* what) {
   std::abort();
 }
 
+const char* take_last_error() { return cudaGetErrorString(cudaGetLastError()); }
+
 namespace {
 void set_math_mode(void* tf32) {
   cublasMath_t mode = *static_cast<bool*>(tf32) ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH;

@@ -19,8 +19,12 @@ cublasHandle_t cublas();
 // report an error through StarPU, and a wrong result must not pass silently.
 void check(cudaError_t status, const char* what);
 void check(cublasStatus_t status, const char* what);
-// Checks the launch that just happened.
+// Checks the launch that just happened. CUDA reports an earlier failure of the
+// same thread here too, so host-side CUDA calls that may fail without aborting
+// (page-locking tiles) clear theirs with take_last_error.
 inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
+// The name of the thread's last CUDA error, which this clears.
+const char* take_last_error();
 
 // Blocks for a grid-stride loop over n items.
 constexpr int kThreads = 256;
@@ -31,11 +35,14 @@ inline unsigned blocks_for(int64_t n, int threads = kThreads) {
 
 // Entry points that read many partial tiles (combine tasks) get a host array of
 // their pointers and a STARPU_SCRATCH buffer of as many pointers on the GPU:
-// this copies the array there and returns it. A copy from pageable memory
-// returns once the array is staged, so the caller's array may go away.
+// this stores the array there and returns it. The pointers travel as kernel
+// parameters (pointers.cu), which CUDA copies at launch: a cudaMemcpyAsync from
+// the caller's pageable array would make the stream wait at every combine task,
+// and one from pinned memory would need that memory to outlive the copy.
+void store_pointers(const void* const* host, int64_t count, void* scratch, const char* what);
 template <class T>
 const T* const* device_pointers(const T* const* host, int64_t count, void* scratch, const char* what) {
-  check(cudaMemcpyAsync(scratch, host, size_t(count) * sizeof(T*), cudaMemcpyHostToDevice, stream()), what);
+  store_pointers(reinterpret_cast<const void* const*>(host), count, scratch, what);
   return static_cast<const T* const*>(scratch);
 }
 

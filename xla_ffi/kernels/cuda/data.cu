@@ -38,9 +38,4 @@ void fill_random<Device::Cuda>(const TileGeometry& g, uint64_t seed, bool normal
   cuda::check_launch("random");
 }
 
-template <>
-void copy<Device::Cuda>(int64_t nbytes, const void* src, void* dst) {
-  cuda::check(cudaMemcpyAsync(dst, src, size_t(nbytes), cudaMemcpyDeviceToDevice, cuda::stream()), "copy");
-}
-
 }  // namespace jnntile
