@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jnntile import tensorfile
+from jnntile.models.gpt2 import save_hf
+from jnntile.models.hf_checkpoint import open_hf
 from jnntile.tensor import Tensor
 
 LATEST = "latest"
@@ -55,8 +57,6 @@ def _optimizer_values(opt_state) -> dict:
 
 def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict, keep: int = 2) -> Path:
     """Writes checkpoint `ckpt-<step>` atomically and returns its path."""
-    from jnntile.models.gpt2 import save_hf
-
     out_dir = Path(out_dir)
     final = out_dir / f"ckpt-{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=out_dir))
@@ -141,8 +141,6 @@ def restore(path: str | os.PathLike, *, model, opt_state):
     of another model or optimizer, or a damaged one, raises ValueError naming
     the file and what differs, before any tile is overwritten.
     """
-    from jnntile.models.hf_checkpoint import open_hf
-
     path = Path(path)
     record = read_state(path)
     mine = dataclasses.asdict(model.config)

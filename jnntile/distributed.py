@@ -135,6 +135,15 @@ def require_same(what: str, description: dict) -> None:
                          "command, with the same model, batch, tiles, optimizer and data")
 
 
+def _agree_on_the_runtime() -> None:
+    # Every rank must sum gradients the same way; this also waits for every rank to start.
+    if runtime.config().distributed:
+        require_same("the runtime", {"allreduce": runtime.config().allreduce})
+
+
+runtime.after_start(_agree_on_the_runtime)
+
+
 @contextlib.contextmanager
 def checked_together(what: str):
     """Runs a set-up block on every rank; an error on any rank is raised on every rank.

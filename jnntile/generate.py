@@ -23,7 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
+
+import jnntile
+from jnntile import checkpoint, memory
+from jnntile import data as data_mod
+from jnntile.models import gpt2, gpt2_decode, hf_checkpoint
 
 DEFAULTS = dict(max_new_tokens=50, temperature=0.8, top_k=40, seed=0)
 TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
@@ -65,8 +71,6 @@ def _weights_dir(args) -> Path:
         if not path.is_dir():
             raise FileNotFoundError(f"--hf {path}: no such directory")
         return path
-    from jnntile import checkpoint
-
     path = Path(args.checkpoint)
     if not path.is_dir():
         raise FileNotFoundError(f"--checkpoint {path}: no such directory")
@@ -81,10 +85,8 @@ def _weights_dir(args) -> Path:
 
 
 def _read_config(weights: Path, args):
-    from jnntile.models.hf_checkpoint import read_config
-
     tiles = {f"tile_{a}": getattr(args, f"tile_{a}") for a in TILE_AXES if getattr(args, f"tile_{a}") is not None}
-    return read_config(weights, **tiles)
+    return hf_checkpoint.read_config(weights, **tiles)
 
 
 def _tokenizer_candidates(args, weights: Path) -> list[Path]:
@@ -92,9 +94,6 @@ def _tokenizer_candidates(args, weights: Path) -> list[Path]:
         return [Path(args.tokenizer)]
     if args.hf:
         return [weights]
-    from jnntile import checkpoint
-    from jnntile import data as data_mod
-
     # The training data's tokenizer lies beside its token file (or in its dataset directory).
     data = checkpoint.read_state(weights).get("args", {}).get("data")
     if data is None:
@@ -105,8 +104,6 @@ def _tokenizer_candidates(args, weights: Path) -> list[Path]:
 
 def load_tokenizer(args, weights: Path):
     """A `tokenizers` tokenizer (encode(text).ids, decode(ids)); raises naming where it looked."""
-    from tokenizers import ByteLevelBPETokenizer, Tokenizer
-
     looked = []
     for path in _tokenizer_candidates(args, weights):
         if path.is_file():
@@ -169,10 +166,6 @@ def generate(args) -> list[str]:
     tokenizer = load_tokenizer(args, weights)
     prompts = [tokenizer.encode(text).ids for text in args.prompt]
     length = _check_lengths(prompts, args, config)
-
-    import jnntile
-    from jnntile import memory
-    from jnntile.models import gpt2, gpt2_decode
 
     settings = memory.runtime_settings(args)
     runtime_config = dataclasses.replace(jnntile.runtime.config(), **settings)

@@ -34,6 +34,10 @@ import dataclasses
 import math
 import sys
 
+from jnntile import runtime
+from jnntile.models.config import GPT2Config
+from jnntile.models.gpt2 import Tiles, resolve_tiles
+
 MB = 2 ** 20
 F32 = 4
 I32 = 4
@@ -269,9 +273,8 @@ class MemoryPlan:
         host = self.host_bytes(gpu_mb)
         if host <= memory_limit_mb * MB:
             return 0
-        from jnntile.runtime import MIN_SWAP_MB
 
-        return max(MIN_SWAP_MB, math.ceil(1.1 * host / MB))
+        return max(runtime.MIN_SWAP_MB, math.ceil(1.1 * host / MB))
 
     def _task_reason(self, memory_limit_mb: float) -> str | None:
         """Why the tasks running at once do not fit in RAM, or None when they do."""
@@ -415,8 +418,6 @@ def _step_for(config, batch_size, seq_len, tiles) -> _Step:
 
 
 def _largest_task(config, batch_size, seq_len, tiles: dict, optimizer: str):
-    from jnntile.models.gpt2 import Tiles
-
     step = _step_for(config, batch_size, seq_len, Tiles(**tiles))
     return _largest_of(step, optimizer)
 
@@ -485,15 +486,11 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
     the one of a micro-batch that adds to gradients already there (the state
     is the same, activations are one micro-batch's).
     """
-    from jnntile.models.gpt2 import resolve_tiles
-
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
     if seq_len > config.n_positions:
         raise ValueError(f"seq_len={seq_len} is longer than n_positions={config.n_positions}")
     if workers is None:
-        from jnntile import runtime
-
         workers = runtime.config().workers
     tiles = resolve_tiles(config, batch_size, seq_len)
     step = _step_for(config, batch_size, seq_len, tiles)
@@ -568,17 +565,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_swap_backend_argument(parser: argparse.ArgumentParser) -> None:
-    from jnntile.runtime import SWAP_BACKENDS, RuntimeConfig
-
-    parser.add_argument("--swap-backend", choices=sorted(SWAP_BACKENDS), default=None,
+    parser.add_argument("--swap-backend", choices=sorted(runtime.SWAP_BACKENDS), default=None,
                         help="how tiles go to --swap-dir: unistd_o_direct bypasses the page cache, unistd goes "
-                             f"through it (default: the runtime's, {RuntimeConfig.swap_backend})")
+                             f"through it (default: the runtime's, {runtime.RuntimeConfig.swap_backend})")
 
 
 def config_from_args(args):
     """The GPT2Config the flags describe (preset, size overrides and tiles)."""
-    from jnntile.models.config import GPT2Config
-
     overrides = {}
     for field in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "dropout"):
         value = getattr(args, field, None)
@@ -628,8 +621,6 @@ def limits_from_args(args) -> tuple[int, int, int]:
     --swap-size-mb without --swap-dir plans with that much swap, and
     --gpu-memory-limit-mb with that much GPU memory (what-if).
     """
-    from jnntile import runtime
-
     config = runtime.config()
     limit = args.memory_limit_mb if getattr(args, "memory_limit_mb", None) is not None else config.memory_limit_mb
     swap = getattr(args, "swap_size_mb", None)
@@ -658,7 +649,6 @@ def main(argv=None) -> int:
         memory_plan = plan_from_args(args)
     except ValueError as error:
         parser.error(str(error))
-    from jnntile import runtime
 
     limit, swap_mb, gpu_mb = limits_from_args(args)
     config = memory_plan.config

@@ -170,6 +170,28 @@ class RuntimeConfig:
 
 _config = RuntimeConfig()
 _started = False
+
+# What modules above the runtime do at its transitions: jnntile.tensor forgets every tile id at stop and
+# frees the tiles of unreachable tensors at safe points (stats, wait_all); jnntile.distributed checks
+# that every rank agrees on its settings at start. The runtime itself knows nothing of tensors or ranks.
+_after_start: list = []
+_before_stop: list = []
+_at_safe_point: list = []
+
+
+def after_start(hook) -> None:
+    """Runs `hook()` each time the runtime has started."""
+    _after_start.append(hook)
+
+
+def before_stop(hook) -> None:
+    """Runs `hook()` each time before the runtime stops (every tile id becomes invalid)."""
+    _before_stop.append(hook)
+
+
+def at_safe_point(hook) -> None:
+    """Runs `hook()` where waiting for tasks is safe: before `wait_all` and `stats`."""
+    _at_safe_point.append(hook)
 _started_gpu_limit_mb = 0  # the GPU memory limit StarPU started with
 
 
@@ -260,11 +282,8 @@ def start(**settings) -> None:
     )
     _started = True
     _started_gpu_limit_mb = gpu_limit_mb
-    if _config.distributed:
-        # Every rank must sum gradients the same way; this also waits for every rank to start.
-        from jnntile import distributed
-
-        distributed.require_same("the runtime", {"allreduce": _config.allreduce})
+    for hook in _after_start:
+        hook()
 
 
 def ensure_started() -> None:
@@ -278,11 +297,10 @@ def is_running() -> bool:
 
 def stop() -> None:
     """Waits for pending tasks, frees every tensor and stops StarPU."""
-    from jnntile import tensor  # tensor imports runtime
-
     if not is_running():
         return
-    tensor._forget_all()
+    for hook in _before_stop:
+        hook()
     _xla_ffi.runtime_stop()
 
 
@@ -315,10 +333,9 @@ def abort(code: int) -> None:
 
 def wait_all() -> None:
     """Blocks until every submitted task has completed (with the watchdog)."""
-    from jnntile import tensor  # tensor imports runtime
-
     if is_running():
-        tensor.free_unreachable()
+        for hook in _at_safe_point:
+            hook()
         _xla_ffi.wait_all()
 
 
@@ -363,9 +380,8 @@ def stats() -> dict:
     call `wait_all()` first to count the transfers of tasks still running.
     `mpi_bytes_sent` counts the tile bytes this rank sent to other ranks since start.
     """
-    from jnntile import tensor  # tensor imports runtime
-
-    tensor.free_unreachable()  # a safe point: the tensor count then counts live tensors
+    for hook in _at_safe_point:  # the tensor count then counts live tensors
+        hook()
     stats = _xla_ffi.runtime_stats()
     stats["mpi_bytes_sent"] = _xla_ffi.mpi_bytes_sent()
     return stats

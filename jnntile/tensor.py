@@ -127,6 +127,10 @@ def _forget_all():
     _unreachable.clear()
 
 
+runtime.before_stop(_forget_all)
+runtime.at_safe_point(free_unreachable)
+
+
 def release_traced() -> int:
     """Unpins tensors created while tracing, and clears JAX's caches that use them.
 
@@ -139,13 +143,22 @@ def release_traced() -> int:
     return count
 
 
+def ready_on_host(t: "Tensor", under_jit: str) -> None:
+    """Waits until every op on `t` is submitted, so that host reads and writes submitted next follow them."""
+    t.handle.check_alive()
+    if isinstance(t.token, jax.core.Tracer):
+        raise TypeError(f"{t!r} is being traced: use {under_jit} inside jax.jit")
+    if t.token is not None:
+        jax.block_until_ready(t.token)
+
+
 def _is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
 @jax.tree_util.register_pytree_node_class
 class Tensor:
-    """A tiled tensor. Create with `zeros`, `full`, `from_array`, `random_normal`..."""
+    """A tiled tensor. Create with `jnntile.zeros`, `full`, `from_array`, `random_normal`... (jnntile.ops.data)."""
 
     __slots__ = ("token", "handle")
 
@@ -195,10 +208,16 @@ class Tensor:
 
     # ---- data
     def numpy(self) -> np.ndarray:
-        """Blocks until the tensor is computed and returns a copy of its values."""
-        from jnntile.ops import data
+        """Blocks until the tensor is computed and returns a copy of its values. Eager only (use
+        `jnntile.to_array` under jit).
 
-        return data.to_numpy(self)
+        Raises ValueError when the tiles were invalidated (the native check knows
+        what the last executed program did, so it is the one asked here).
+        """
+        ready_on_host(self, "jnntile.to_array")
+        out = np.empty(self.shape, dtype=self.dtype)
+        _xla_ffi.tensor_read(self.id, out)
+        return out
 
     def __array__(self, dtype=None, copy=None):
         out = self.numpy()
@@ -297,65 +316,3 @@ def grad_of(t: Tensor) -> Tensor:
         raise ValueError(f"{t.handle!r} has no gradient: differentiate with jnntile.grad or "
                          "jnntile.value_and_grad, which start its gradient at zero")
     return Tensor(t.token, grad_handle(t.handle))
-
-
-# ---- constructors and conversions (ops in jnntile.ops.data do the work) ------
-
-def _dtype_name(dtype) -> str:
-    name = np.dtype(dtype).name
-    if name not in DTYPES:
-        raise TypeError(f"dtype {name!r} is not supported; use one of {sorted(DTYPES)}")
-    return name
-
-
-def empty(shape: Sequence[int], dtype="float32", tile_shape=None) -> Tensor:
-    """A tensor whose tiles hold nothing yet, for a loader that overwrites every tile.
-
-    Nothing is computed or written (to RAM or swap) until the first write of
-    each tile; reading a tile before that raises an error.
-    """
-    from jnntile.ops import _ffi
-
-    handle = new_handle(shape, _dtype_name(dtype), tile_shape)
-    return Tensor(_ffi.after(_ffi.on_host(jnp.zeros, (), jnp.float32), handle), handle)
-
-
-def zeros(shape: Sequence[int], dtype="float32", tile_shape=None) -> Tensor:
-    return full(shape, 0.0, dtype, tile_shape)
-
-
-def full(shape: Sequence[int], value: float, dtype="float32", tile_shape=None) -> Tensor:
-    from jnntile.ops import data
-
-    return data.full(tuple(shape), value, _dtype_name(dtype), tile_shape)
-
-
-def from_array(array, tile_shape=None, dtype=None) -> Tensor:
-    """A new tensor holding `array` (numpy or JAX), cut into tiles of `tile_shape`."""
-    from jnntile.ops import data
-
-    if dtype is not None:
-        array = jnp.asarray(array, dtype=dtype)
-    elif not isinstance(array, jax.Array):
-        array = np.asarray(array)
-    return data.from_array(array, tile_shape)
-
-
-def random_normal(shape, seed: int, std=1.0, mean=0.0, tile_shape=None) -> Tensor:
-    """Normal values that depend only on (seed, element index): same for any tiling."""
-    from jnntile.ops import data
-
-    return data.random(tuple(shape), seed, True, mean, std, tile_shape)
-
-
-def random_uniform(shape, seed: int, low=0.0, high=1.0, tile_shape=None) -> Tensor:
-    from jnntile.ops import data
-
-    return data.random(tuple(shape), seed, False, low, high, tile_shape)
-
-
-def to_array(t: Tensor) -> jax.Array:
-    """The tensor's values as a JAX array (blocks in the compiled program)."""
-    from jnntile.ops import data
-
-    return data.read(t)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 import jnntile
 from jnntile import checkpoint, distributed, memory, nn, optim
 from jnntile import data as data_mod
-from jnntile.models import gpt2
+from jnntile.models import gpt2, hf_checkpoint
 from jnntile.models import gpt2_decode
 from jnntile.models.config import PRESETS, GPT2Config
 
@@ -163,9 +163,7 @@ def _config(args, data_vocab: int) -> GPT2Config:
     tiles = {f"tile_{a}": getattr(args, f"tile_{a}") for a in ("batch", "seq", "embd", "heads", "hidden", "vocab")}
     tiles = {k: v for k, v in tiles.items() if v is not None}
     if args.init_from_hf:
-        from jnntile.models.hf_checkpoint import open_hf
-
-        config, _ = open_hf(args.init_from_hf)  # checks both files before anything starts
+        config, _ = hf_checkpoint.open_hf(args.init_from_hf)  # checks both files before anything starts
         if data_vocab > config.vocab_size:
             raise ValueError(f"the data uses {data_vocab} token ids but {args.init_from_hf} has a vocabulary of "
                              f"{config.vocab_size}")

@@ -8,6 +8,7 @@ model; None lets jnntile choose a tile size for that logical axis.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Optional
 
@@ -73,22 +74,33 @@ class GPT2Config:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every parameter, with Hugging Face's names and layouts, in its state-dict order."""
+        C, V, P = self.n_embd, self.vocab_size, self.n_positions
+        shapes = {"wte.weight": (V, C), "wpe.weight": (P, C)}
+        for i in range(self.n_layer):
+            h = f"h.{i}."
+            shapes.update({
+                h + "ln_1.weight": (C,),
+                h + "ln_1.bias": (C,),
+                h + "attn.c_attn.weight": (C, 3 * C),
+                h + "attn.c_attn.bias": (3 * C,),
+                h + "attn.c_proj.weight": (C, C),
+                h + "attn.c_proj.bias": (C,),
+                h + "ln_2.weight": (C,),
+                h + "ln_2.bias": (C,),
+                h + "mlp.c_fc.weight": (C, 4 * C),
+                h + "mlp.c_fc.bias": (4 * C,),
+                h + "mlp.c_proj.weight": (4 * C, C),
+                h + "mlp.c_proj.bias": (C,),
+            })
+        shapes.update({"ln_f.weight": (C,), "ln_f.bias": (C,)})
+        return shapes
+
     def n_params(self) -> int:
         """Number of parameters, counting the tied LM head once (as GPT-2 does)
         and including LayerNorm weights and all biases. GPT-2 small: 124,439,808."""
-        C = self.n_embd
-        per_layer = (
-            2 * C  # ln_1
-            + C * 3 * C + 3 * C  # attn.c_attn
-            + C * C + C  # attn.c_proj
-            + 2 * C  # ln_2
-            + C * 4 * C + 4 * C  # mlp.c_fc
-            + 4 * C * C + C  # mlp.c_proj
-        )
-        embeddings = self.vocab_size * C + self.n_positions * C
-        return embeddings + self.n_layer * per_layer + 2 * C  # + ln_f
-
-    # ----------------------------------------------------------- Hugging Face
+        return sum(math.prod(shape) for shape in self.param_shapes().values())
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face `config.json` content of this model (tile sizes are

@@ -1,6 +1,6 @@
 """GPT-2 on jnntile: Flax NNX modules whose every operation is tiled StarPU tasks.
 
-Parameter names follow Hugging Face GPT-2 (see models/gpt2_reference.py); the
+Parameter names follow Hugging Face GPT-2 (`GPT2Config.param_shapes`); the
 layouts differ where tiling wants more axes, and `to_hf_params` /
 `load_hf_params` convert exactly:
 
@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 import jnntile
-from jnntile import nn, tensorfile
+from jnntile import nn, runtime, tensorfile
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import elementwise as ew
 from jnntile.ops import embedding as embedding_ops
@@ -32,6 +32,7 @@ from jnntile.ops import gemm
 from jnntile.ops import loss as loss_ops
 from jnntile.tensor import Tensor
 
+from . import hf_checkpoint
 from .config import GPT2Config
 
 
@@ -66,8 +67,6 @@ def resolve_tiles(config: GPT2Config, batch_size: int, seq_len: int) -> Tiles:
     """Tile sizes: the config's where given, else automatic ones: even splits of every axis, about
     CPU_TILES["rows"] token rows per tile (GPU_TILES with a CUDA worker). Raises naming the field that
     does not fit."""
-    from jnntile import runtime
-
     C, H = config.n_embd, config.n_head
     head_dim = config.head_dim
     largest = GPU_TILES if runtime.gpu_memory_mb() else CPU_TILES
@@ -259,9 +258,7 @@ def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **config
 
     `config_overrides` sets fields config.json does not hold, such as tile sizes.
     """
-    from .hf_checkpoint import open_hf
-
-    config, params = open_hf(directory)
+    config, params = hf_checkpoint.open_hf(directory)
     if config_overrides:
         config = dataclasses.replace(config, **config_overrides)
     with nn.uninitialized():  # every parameter is overwritten from the file next
@@ -272,6 +269,4 @@ def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **config
 
 def save_hf(model: GPT2, directory) -> None:
     """Writes the model as a Hugging Face GPT-2 checkpoint directory."""
-    from .hf_checkpoint import save_hf as save
-
-    save(directory, model.config, model.to_hf_params())
+    hf_checkpoint.save_hf(directory, model.config, model.to_hf_params())

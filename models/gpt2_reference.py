@@ -25,30 +25,6 @@ from .config import GPT2Config
 _INIT_STD = 0.02
 
 
-def param_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter, in Hugging Face state-dict order."""
-    C, V, P = config.n_embd, config.vocab_size, config.n_positions
-    shapes = {"wte.weight": (V, C), "wpe.weight": (P, C)}
-    for i in range(config.n_layer):
-        h = f"h.{i}."
-        shapes.update({
-            h + "ln_1.weight": (C,),
-            h + "ln_1.bias": (C,),
-            h + "attn.c_attn.weight": (C, 3 * C),
-            h + "attn.c_attn.bias": (3 * C,),
-            h + "attn.c_proj.weight": (C, C),
-            h + "attn.c_proj.bias": (C,),
-            h + "ln_2.weight": (C,),
-            h + "ln_2.bias": (C,),
-            h + "mlp.c_fc.weight": (C, 4 * C),
-            h + "mlp.c_fc.bias": (4 * C,),
-            h + "mlp.c_proj.weight": (4 * C, C),
-            h + "mlp.c_proj.bias": (C,),
-        })
-    shapes.update({"ln_f.weight": (C,), "ln_f.bias": (C,)})
-    return shapes
-
-
 def init_params(config: GPT2Config, seed: int) -> dict[str, jax.Array]:
     """GPT-2 initialisation in float32: weights and embeddings ~ N(0, 0.02),
     the two residual projections (c_proj) scaled by 1/sqrt(2 * n_layer) so the
@@ -63,7 +39,7 @@ def _init_params(config: GPT2Config, seed) -> dict[str, jax.Array]:
     key = jax.random.key(seed)
     residual_std = _INIT_STD / math.sqrt(2 * config.n_layer)
     params = {}
-    for index, (name, shape) in enumerate(param_shapes(config).items()):
+    for index, (name, shape) in enumerate(config.param_shapes().items()):
         if ".ln_" in name or name.startswith("ln_f."):
             value = 1.0 if name.endswith(".weight") else 0.0
             params[name] = jnp.full(shape, value, jnp.float32)

@@ -4,14 +4,14 @@ The files are those of `GPT2LMHeadModel.save_pretrained(safe_serialization=True)
 tensors named "transformer.<name>" in Conv1D layout, the LM head omitted
 because it is tied to wte. Loading also accepts the unprefixed names of older
 checkpoints (e.g. openai-community/gpt2) and skips the causal-mask buffers
-they carry. Parameters use the names of `models.gpt2_reference`.
+they carry. Parameters use the unprefixed names of `GPT2Config.param_shapes`.
 
 Nothing here needs a whole checkpoint in RAM: `open_hf` checks both files and
 returns the tensors unread (`jnntile.tensorfile.FileTensor`), which
 `GPT2.load_hf_params` streams into tiles chunk by chunk, and `save_hf` writes
 tiled parameters (`jnntile.tensorfile.Reshaped`, from `GPT2.to_hf_params`)
-straight from their tiles. `load_hf` reads every tensor into numpy, for the
-pure-JAX reference.
+straight from their tiles. `load_hf` reads every tensor into numpy (for tests and
+benchmarks that run the pure-JAX reference).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from jnntile.ops import data as data_ops
 from jnntile.tensorfile import FileTensor, Reshaped, SafetensorsFile, write_file
 
 from .config import GPT2Config
-from .gpt2_reference import param_shapes
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -118,7 +117,7 @@ def save_hf(directory, config: GPT2Config, params: dict) -> None:
 def _checked(tensors: dict, config: GPT2Config, source) -> dict:
     """Check that tensors holds exactly the parameters of config, with the right
     shapes and floating-point dtypes, and return them in reference order."""
-    expected = param_shapes(config)
+    expected = config.param_shapes()
     for name, shape in expected.items():
         if name not in tensors:
             raise ValueError(f"tensor {name!r} (expected shape {shape}) is missing from {source}")

@@ -143,7 +143,7 @@ def weights():
     """Weights of O(1) scale: GPT-2's own init gives nearly flat logits, whose argmax a rounding could flip."""
     rng = np.random.default_rng(0)
     params = {}
-    for name, shape in ref.param_shapes(CONFIG).items():
+    for name, shape in CONFIG.param_shapes().items():
         base = 1.0 if name.endswith("weight") and (".ln_" in name or name.startswith("ln_f.")) else 0.0
         params[name] = (base + 0.3 * rng.standard_normal(shape)).astype(np.float32)
     return params

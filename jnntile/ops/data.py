@@ -1,10 +1,10 @@
-"""Creating, filling and reading tensors (no gradients flow through these)."""
+"""Creating, filling, writing and reading tensors (gradients flow only through `to_array`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +17,34 @@ from jnntile.ops._ffi import after, call, differentiable, grad_target
 from jnntile.tensor import Tensor
 
 
-def full(shape, value, dtype, tile_shape) -> Tensor:
-    handle = tensor_mod.new_handle(shape, dtype, tile_shape)
+def dtype_name(dtype) -> str:
+    name = np.dtype(dtype).name
+    if name not in tensor_mod.DTYPES:
+        raise TypeError(f"dtype {name!r} is not supported; use one of {sorted(tensor_mod.DTYPES)}")
+    return name
+
+
+def empty(shape: Sequence[int], dtype="float32", tile_shape=None) -> Tensor:
+    """A tensor whose tiles hold nothing yet, for a loader that overwrites every tile.
+
+    Nothing is computed or written (to RAM or swap) until the first write of
+    each tile; reading a tile before that raises an error.
+    """
+    handle = tensor_mod.new_handle(shape, dtype_name(dtype), tile_shape)
+    return Tensor(after(_ffi.on_host(jnp.zeros, (), jnp.float32), handle), handle)
+
+
+def full(shape: Sequence[int], value: float, dtype="float32", tile_shape=None) -> Tensor:
+    handle = tensor_mod.new_handle(tuple(shape), dtype_name(dtype), tile_shape)
     return Tensor(call("fill", [handle], [], value=float(value)), handle)
 
 
-def random(shape, seed, normal, a, b, tile_shape) -> Tensor:
-    handle = tensor_mod.new_handle(shape, "float32", tile_shape)
+def zeros(shape: Sequence[int], dtype="float32", tile_shape=None) -> Tensor:
+    return full(shape, 0.0, dtype, tile_shape)
+
+
+def _random(shape, seed, normal, a, b, tile_shape) -> Tensor:
+    handle = tensor_mod.new_handle(tuple(shape), "float32", tile_shape)
     # The seed is data, not an attribute: one compiled call serves every seed. As an
     # attribute, each parameter of a model compiled its own program (1.6 MB of RSS each).
     seed = int(seed) % 2**64
@@ -32,8 +53,22 @@ def random(shape, seed, normal, a, b, tile_shape) -> Tensor:
     return Tensor(token, handle)
 
 
-def from_array(array, tile_shape) -> Tensor:
-    handle = tensor_mod.new_handle(array.shape, tensor_mod._dtype_name(array.dtype), tile_shape)
+def random_normal(shape, seed: int, std=1.0, mean=0.0, tile_shape=None) -> Tensor:
+    """Normal values that depend only on (seed, element index): same for any tiling."""
+    return _random(shape, seed, True, mean, std, tile_shape)
+
+
+def random_uniform(shape, seed: int, low=0.0, high=1.0, tile_shape=None) -> Tensor:
+    return _random(shape, seed, False, low, high, tile_shape)
+
+
+def from_array(array, tile_shape=None, dtype=None) -> Tensor:
+    """A new tensor holding `array` (numpy or JAX), cut into tiles of `tile_shape`."""
+    if dtype is not None:
+        array = jnp.asarray(array, dtype=dtype)
+    elif not isinstance(array, jax.Array):
+        array = np.asarray(array)
+    handle = tensor_mod.new_handle(array.shape, dtype_name(array.dtype), tile_shape)
     return write(Tensor(None, handle), array)
 
 
@@ -59,27 +94,6 @@ def write(t: Tensor, array) -> Tensor:
         # Host data needs no XLA program (and int64 survives without jax x64).
         return write_chunks(t, lambda chunk: array, max_bytes=math.inf)
     return t.with_token(_write(t, array, accumulate=False))
-
-
-def _ready_on_host(t: Tensor, under_jit: str) -> None:
-    """Waits until every op on `t` is submitted, so that the tasks submitted next follow them."""
-    t.handle.check_alive()
-    if isinstance(t.token, jax.core.Tracer):
-        raise TypeError(f"{t!r} is being traced: use {under_jit} inside jax.jit")
-    if t.token is not None:
-        jax.block_until_ready(t.token)
-
-
-def to_numpy(t: Tensor) -> np.ndarray:
-    """The values of `t` as a new numpy array; blocks. Eager only (use `read` under jit).
-
-    Raises ValueError when the tiles were invalidated (the native check knows
-    what the last executed program did, so it is the one asked here).
-    """
-    _ready_on_host(t, "jnntile.to_array")
-    out = np.empty(t.shape, dtype=t.dtype)
-    _xla_ffi.tensor_read(t.id, out)
-    return out
 
 
 # ---- a tensor block by block (checkpoints of tensors larger than RAM) ----------------
@@ -136,7 +150,7 @@ def chunks(shape, tile_shape, itemsize: int, max_bytes: float | None = None) -> 
 
 def read_chunks(t: Tensor, max_bytes: float | None = None) -> Iterator[tuple[Chunk, np.ndarray]]:
     """The values of `t` chunk by chunk (see `chunks`): one host buffer at a time, whatever the tensor's size."""
-    _ready_on_host(t, "jnntile.to_array")
+    tensor_mod.ready_on_host(t, "jnntile.to_array")
     for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes):
         out = np.empty(chunk.shape, dtype=t.dtype)
         _xla_ffi.tensor_read(t.id, out, list(chunk.tile_lo), list(chunk.tile_hi))
@@ -146,7 +160,7 @@ def read_chunks(t: Tensor, max_bytes: float | None = None) -> Iterator[tuple[Chu
 
 def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: float | None = None) -> Tensor:
     """Overwrites every tile of `t`, chunk by chunk, with `values(chunk)` (an array of the chunk's shape); blocks."""
-    _ready_on_host(t, "jnntile.from_array of a JAX array")
+    tensor_mod.ready_on_host(t, "jnntile.from_array of a JAX array")
     for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes):
         array = np.asarray(values(chunk), dtype=t.dtype, order="C")
         if array.shape != chunk.shape:
@@ -186,8 +200,8 @@ def _read_backward(t, g):
 _read_differentiable = differentiable(_read_forward, _read_backward)
 
 
-def read(t: Tensor) -> jax.Array:
-    """The values of `t` as a JAX array, after the op that produced `t.token`.
+def to_array(t: Tensor) -> jax.Array:
+    """The values of `t` as a JAX array, after the op that produced `t.token` (blocks in a compiled program).
 
     Differentiable for float32 tensors: the gradient flows back into `t`.
     """

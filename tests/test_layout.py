@@ -1,0 +1,96 @@
+"""The package's shape: no import circle among its modules, and test oracles kept out of the library."""
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import jnntile
+
+PACKAGE_ROOTS = {"jnntile": Path(jnntile.__file__).parent}
+
+
+def _modules() -> dict[str, Path]:
+    """Module name -> file, for every module of the installed package (jnntile.models included)."""
+    import jnntile.models
+
+    roots = {**PACKAGE_ROOTS, "jnntile.models": Path(jnntile.models.__file__).parent}
+    modules = {}
+    for package, root in roots.items():
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            modules.setdefault(name, path)
+    return modules
+
+
+def _is_module(name: str, modules) -> bool:
+    if name in modules:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _imports(name: str, path: Path, modules) -> set[str]:
+    """The package's modules that `name` imports, wherever the import statement stands (functions too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import mod` imports the module pkg.mod (the native one included); `from mod import name`
+            # imports mod.
+            found.update(f"{base}.{a.name}" if _is_module(f"{base}.{a.name}", modules) else base
+                         for a in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def test_no_import_circle():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_library_never_imports_a_reference_model():
+    """References are test oracles: the library computes with its own modules only."""
+    modules = _modules()
+    for name, path in modules.items():
+        if not name.endswith("reference"):
+            assert not {m for m in _imports(name, path, modules) if m.endswith("reference")}, name
