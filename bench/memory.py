@@ -128,14 +128,13 @@ def _batches(config, batch, seq, steps, seed=0):
 
 
 def worker_jnntile(spec) -> dict:
-    import jax
-    import optax
     from flax import nnx
 
     import jnntile
     from jnntile import memory, optim
     from jnntile.models import gpt2
     from jnntile.ops import _ffi
+    from jnntile.train import make_steps
 
     _ffi.RELEASE = spec.get("release", True)
     _ffi.LAZY_ZERO = spec.get("release", True)
@@ -150,20 +149,11 @@ def worker_jnntile(spec) -> dict:
     verdict = plan.check(spec["limit_mb"], spec.get("swap_mb", 0))
     started = time.perf_counter()
     model = gpt2.GPT2(config, batch_size=B, seq_len=T, seed=0)
-    graphdef, state = nnx.split(model)
+    graphdef, params = nnx.split(model, nnx.Param)
     tx = optim.adamw(1e-3, weight_decay=0.01)
-    opt_state = tx.init(nnx.state(model, nnx.Param))
+    opt_state = tx.init(params)
     del model
-
-    @jax.jit
-    def step(state, opt_state, idx, targets):
-        m = nnx.merge(graphdef, state)
-        loss, grads = jnntile.nn.value_and_grad(lambda m, i, t: m(m.token_tensor(i), m.token_tensor(t))[1])(
-            m, idx, targets)
-        params = nnx.state(m, nnx.Param)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        nnx.update(m, optax.apply_updates(params, updates))
-        return nnx.state(m), opt_state, loss
+    train_step, _ = make_steps(graphdef, tx)
 
     jnntile.runtime.wait_all()
     init_s = time.perf_counter() - started
@@ -172,7 +162,7 @@ def worker_jnntile(spec) -> dict:
     for idx, targets in _batches(config, B, T, steps):
         before = jnntile.runtime.stats()["bytes_moved"]
         t0 = time.perf_counter()
-        state, opt_state, loss = step(state, opt_state, idx, targets)
+        params, opt_state, loss = train_step(params, opt_state, idx[None], targets[None], [None])
         losses.append(float(loss))
         jnntile.runtime.wait_all()  # the optimizer's tasks finish after the loss is read
         times.append(time.perf_counter() - t0)

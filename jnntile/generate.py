@@ -27,12 +27,11 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, memory
+from jnntile import checkpoint, flags, memory
 from jnntile import data as data_mod
 from jnntile.models import gpt2, gpt2_decode, hf_checkpoint
 
 DEFAULTS = dict(max_new_tokens=50, temperature=0.8, top_k=40, seed=0)
-TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,14 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], help="0: greedy")
     p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="sample among the k likeliest; 0: all")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    p.add_argument("--memory-limit-mb", type=int, help="RAM for tiles; the rest goes to --swap-dir")
-    p.add_argument("--swap-dir", help="directory for tiles evicted from RAM")
-    p.add_argument("--swap-size-mb", type=int, default=16384)
-    p.add_argument("--gpu-memory-limit-mb", type=int,
-                   help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the whole GPU)")
-    p.add_argument("--workers", type=int, help="StarPU CPU workers (default: all cores, at most 4)")
-    for axis in TILE_AXES:
-        p.add_argument(f"--tile-{axis}", type=int, help=f"tile size on the {axis} axis (default: automatic)")
+    flags.add_runtime_flags(p)
+    flags.add_tile_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -85,8 +78,7 @@ def _weights_dir(args) -> Path:
 
 
 def _read_config(weights: Path, args):
-    tiles = {f"tile_{a}": getattr(args, f"tile_{a}") for a in TILE_AXES if getattr(args, f"tile_{a}") is not None}
-    return hf_checkpoint.read_config(weights, **tiles)
+    return hf_checkpoint.read_config(weights, **flags.tile_settings(args))
 
 
 def _tokenizer_candidates(args, weights: Path) -> list[Path]:
@@ -167,7 +159,7 @@ def generate(args) -> list[str]:
     prompts = [tokenizer.encode(text).ids for text in args.prompt]
     length = _check_lengths(prompts, args, config)
 
-    settings = memory.runtime_settings(args)
+    settings = flags.runtime_settings(args)
     runtime_config = dataclasses.replace(jnntile.runtime.config(), **settings)
     runtime_config.validate()
     _check_memory(config, len(prompts), length, runtime_config.memory_limit_mb,

@@ -34,18 +34,19 @@ import dataclasses
 import math
 import sys
 
-from jnntile import runtime
-from jnntile.models.config import GPT2Config
+from jnntile import flags, runtime
+from jnntile.models.config import PRESETS, GPT2Config
 from jnntile.models.gpt2 import Tiles, resolve_tiles
 
 MB = 2 ** 20
 F32 = 4
 I32 = 4
 F64 = 8
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}
-GPU_TASKS_IN_FLIGHT = 2  # StarPU's default CUDA pipeline: tiles of this many tasks per worker on the GPU  # parameter-sized tensors of state per parameter
-# The tile axes a suggestion may shrink, and the smallest tile it proposes on each.
-_TILE_AXES = ("vocab", "hidden", "embd", "seq", "heads", "batch")
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}  # parameter-sized tensors of state per parameter
+GPU_TASKS_IN_FLIGHT = 2  # StarPU's default CUDA pipeline: tiles of this many tasks per worker on the GPU
+# The tile axes (models.config.TILE_AXES) in the order a suggestion shrinks them, and the smallest tile it
+# proposes on each.
+_SHRINK_ORDER = ("vocab", "hidden", "embd", "seq", "heads", "batch")
 _MIN_TILE = {"vocab": 64, "hidden": 64, "embd": 32, "seq": 16, "heads": 1, "batch": 1}
 
 
@@ -353,7 +354,7 @@ class MemoryPlan:
         target = memory_limit_mb * MB / self.workers
         return min(target, gpu_mb * MB / GPU_TASKS_IN_FLIGHT) if gpu_mb else target
 
-    def smaller_tiles(self, memory_limit_mb: float, gpu_mb: float = 0, axes=_TILE_AXES) -> dict | None:
+    def smaller_tiles(self, memory_limit_mb: float, gpu_mb: float = 0, axes=_SHRINK_ORDER) -> dict | None:
         """Tile sizes (axis -> size, all axes) under which every task fits the limits, shrinking only `axes`.
 
         Halves, one at a time, the axis whose halving shrinks the largest task the
@@ -385,7 +386,7 @@ class MemoryPlan:
         if tiles is None:
             return ""
         current = dataclasses.asdict(self.tiles)
-        return " ".join(f"--tile-{axis} {tiles[axis]}" for axis in _TILE_AXES if tiles[axis] != current[axis])
+        return " ".join(f"--tile-{axis} {tiles[axis]}" for axis in _SHRINK_ORDER if tiles[axis] != current[axis])
 
     def rows(self) -> list[tuple[str, float, str]]:
         """(what, MB, note) rows of the table."""
@@ -521,7 +522,7 @@ def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu
     problem = memory_plan.task_fit_problem(memory_limit_mb, gpu_mb)
     if problem is None:
         return config, ""
-    automatic = tuple(axis for axis in _TILE_AXES if getattr(config, f"tile_{axis}") is None)
+    automatic = tuple(axis for axis in _SHRINK_ORDER if getattr(config, f"tile_{axis}") is None)
     tiles = memory_plan.smaller_tiles(memory_limit_mb, gpu_mb, automatic)
     if tiles is None:
         return config, ""
@@ -534,12 +535,9 @@ def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu
 
 # ---- command line -------------------------------------------------------------------------
 
-MODELS = ("tiny", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model, batch, tile and memory flags shared with `python -m jnntile.train`."""
-    parser.add_argument("--model", choices=MODELS, default="tiny", help="GPT-2 preset (models/config.py)")
+    """The model, batch, tile and runtime flags of a training step (`python -m jnntile.train` takes the same)."""
+    parser.add_argument("--model", choices=list(PRESETS), default="tiny", help="GPT-2 preset (models/config.py)")
     for name in ("n-layer", "n-head", "n-embd", "vocab-size", "n-positions"):
         parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
     parser.add_argument("--dropout", type=float, default=None, help="override the preset")
@@ -547,27 +545,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's n_positions")
     parser.add_argument("--grad-accum-steps", type=int, default=1,
                         help="micro-batches of --batch-size per step (gradient accumulation)")
-    for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab"):
-        parser.add_argument(f"--tile-{axis}", type=int, default=None, help="tile size (default: automatic)")
-    parser.add_argument("--memory-limit-mb", type=int, default=None,
-                        help="RAM StarPU may use for tiles (default: the runtime's, half of what is available)")
-    parser.add_argument("--swap-dir", default=None,
-                        help="directory for disk swap; a subdirectory is created in it and removed at exit")
-    parser.add_argument("--swap-size-mb", type=int, default=None,
-                        help="disk swap size (default: the runtime's when --swap-dir is given, else no swap)")
-    add_swap_backend_argument(parser)
-    parser.add_argument("--gpu-memory-limit-mb", type=int, default=None,
-                        help="GPU memory StarPU may use for tiles, per GPU; beyond it tiles go to RAM (default: the "
-                             "whole GPU where there is one; `python -m jnntile.memory` plans for this much GPU "
-                             "memory even on a machine without one)")
+    flags.add_tile_flags(parser)
+    flags.add_runtime_flags(parser)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
-    parser.add_argument("--workers", type=int, default=None, help="StarPU CPU workers (default: the runtime's)")
-
-
-def add_swap_backend_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--swap-backend", choices=sorted(runtime.SWAP_BACKENDS), default=None,
-                        help="how tiles go to --swap-dir: unistd_o_direct bypasses the page cache, unistd goes "
-                             f"through it (default: the runtime's, {runtime.RuntimeConfig.swap_backend})")
 
 
 def config_from_args(args):
@@ -577,11 +557,7 @@ def config_from_args(args):
         value = getattr(args, field, None)
         if value is not None:
             overrides[field] = value
-    for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab"):
-        value = getattr(args, f"tile_{axis}", None)
-        if value is not None:
-            overrides[f"tile_{axis}"] = value
-    return GPT2Config.preset(args.model, **overrides)
+    return GPT2Config.preset(args.model, **overrides, **flags.tile_settings(args))
 
 
 def plan_from_args(args) -> MemoryPlan:
@@ -594,25 +570,6 @@ def plan_from_args(args) -> MemoryPlan:
     memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, getattr(args, "grad_accum_steps", 1))
     memory_plan.tiles_note = note
     return memory_plan
-
-
-def runtime_settings(args) -> dict:
-    """The `jnntile.runtime.configure(**settings)` the flags ask for (memory limits, swap, workers, GPUs)."""
-    settings = {}
-    if getattr(args, "memory_limit_mb", None) is not None:
-        settings["memory_limit_mb"] = args.memory_limit_mb
-    if getattr(args, "swap_dir", None):
-        settings["swap_dir"] = args.swap_dir
-        if getattr(args, "swap_size_mb", None) is not None:
-            settings["swap_size_mb"] = args.swap_size_mb
-        if getattr(args, "swap_backend", None) is not None:
-            settings["swap_backend"] = args.swap_backend
-    if getattr(args, "workers", None) is not None:
-        settings["workers"] = args.workers
-    for name in ("gpu_memory_limit_mb", "cuda_workers", "matmul_precision"):
-        if getattr(args, name, None) is not None:
-            settings[name] = getattr(args, name)
-    return settings
 
 
 def limits_from_args(args) -> tuple[int, int, int]:

@@ -33,10 +33,10 @@ MIN_SWAP_MB = 16  # StarPU's disk nodes must be at least this large (it aborts o
 # StarPU's schedulers (an unknown name would silently fall back to the default).
 SCHEDULERS = ("eager", "prio", "random", "lws", "ws", "dm", "dmda", "dmdap", "dmdar", "dmdas", "dmdasd",
               "pheft", "peager", "heteroprio")
-PLACEMENTS = {"auto": 0, "cpu": 1, "cuda": 2}
+PLACEMENTS = tuple(_xla_ffi.Placement.__members__)  # "auto", "cpu", "cuda" (xla_ffi/runtime.h)
 # StarPU's disk backends for swap: "unistd" goes through the kernel's page cache (which then holds a
 # second copy of the swap, outside RSS); "unistd_o_direct" bypasses it (direct I/O).
-SWAP_BACKENDS = {"unistd": 0, "unistd_o_direct": 1}
+SWAP_BACKENDS = tuple(_xla_ffi.SwapBackend.__members__)
 MATMUL_PRECISIONS = ("default", "highest", "tf32")
 # How gradient tiles travel between MPI ranks (xla_ffi/ops/allreduce.cc, docs/distributed.md).
 ALLREDUCE_SCHEDULES = {"tree": 0, "ring": 1}
@@ -265,25 +265,27 @@ def start(**settings) -> None:
     # StarPU would count on the GPU's whole memory; take what is free (another
     # library in this process, XLA for one, may hold some).
     gpu_limit_mb = gpu_memory_mb(_config)
-    _xla_ffi.runtime_start(
-        workers=_config.workers,
-        cuda_workers=_config.cuda_workers,
-        scheduler=_config.scheduler,
-        memory_limit_mb=_config.memory_limit_mb,
-        gpu_memory_limit_mb=gpu_limit_mb,
-        swap_dir=_config.swap_dir or "",
-        swap_size_mb=_config.swap_size_mb if _config.swap_dir else 0,
-        swap_backend=SWAP_BACKENDS[_config.swap_backend],
-        watchdog_s=_config.watchdog_s,
-        placement=PLACEMENTS[_config.placement],
-        tf32=_config.tf32,
-        pin_host_memory=_config.pin_host_memory,
-        distributed=_config.distributed,
-    )
+    _xla_ffi.runtime_start(_native(_config, gpu_limit_mb))
     _started = True
     _started_gpu_limit_mb = gpu_limit_mb
     for hook in _after_start:
         hook()
+
+
+def _native(config: RuntimeConfig, gpu_limit_mb: int):
+    """The whole configuration as the native runtime takes it (every field set: the defaults live here only),
+    with what Python resolves: the GPU memory limit, TF32, and no swap size without a swap directory."""
+    native = _xla_ffi.RuntimeConfig()
+    for name in ("workers", "cuda_workers", "scheduler", "memory_limit_mb", "watchdog_s", "pin_host_memory",
+                 "distributed"):
+        setattr(native, name, getattr(config, name))
+    native.gpu_memory_limit_mb = gpu_limit_mb
+    native.swap_dir = config.swap_dir or ""
+    native.swap_size_mb = config.swap_size_mb if config.swap_dir else 0
+    native.swap_backend = _xla_ffi.SwapBackend[config.swap_backend]
+    native.placement = _xla_ffi.Placement[config.placement]
+    native.tf32 = config.tf32
+    return native
 
 
 def ensure_started() -> None:

@@ -36,7 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, distributed, memory, nn, optim
+from jnntile import checkpoint, distributed, flags, memory, nn, optim
 from jnntile import data as data_mod
 from jnntile.models import gpt2, hf_checkpoint
 from jnntile.models import gpt2_decode
@@ -55,8 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, help="override the preset's head count")
     p.add_argument("--n-embd", type=int, help="override the preset's width")
     p.add_argument("--dropout", type=float, help="override the preset's dropout rate")
-    for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab"):
-        p.add_argument(f"--tile-{axis}", type=int, help=f"tile size on the {axis} axis (default: automatic)")
+    flags.add_tile_flags(p)
     p.add_argument("--data", help="a nanoGPT-style uint16 .bin token file (default: the built-in corpus)")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                    help="sequences per micro-batch (the batch of one step, unless --grad-accum-steps)")
@@ -71,7 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"], help="global norm; 0 disables")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default=DEFAULTS["optimizer"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    p.add_argument("--workers", type=int, help="StarPU CPU workers (default: all cores, at most 4)")
     p.add_argument("--eval-interval", type=int, default=DEFAULTS["eval_interval"], help="0 disables evaluation")
     p.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"])
     p.add_argument("--checkpoint-interval", type=int, default=DEFAULTS["checkpoint_interval"],
@@ -81,15 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--init-from-hf", metavar="DIR", help="start from a Hugging Face GPT-2 checkpoint directory")
     p.add_argument("--export-hf", metavar="DIR", help="write the final weights as a Hugging Face checkpoint")
-    p.add_argument("--memory-limit-mb", type=int, help="RAM for tiles; the rest goes to --swap-dir")
-    p.add_argument("--swap-dir", help="directory for tiles evicted from RAM")
-    p.add_argument("--swap-size-mb", type=int, default=16384)
-    memory.add_swap_backend_argument(p)
-    p.add_argument("--gpu-memory-limit-mb", type=int,
-                   help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the whole GPU)")
-    p.add_argument("--cuda-workers", type=int, help="GPUs to use (default: all; 0: CPU only)")
-    p.add_argument("--matmul-precision", choices=["default", "highest", "tf32"],
-                   help="float32 products on the GPU: FP32 or TF32 (default: JAX's default on the GPU, tf32)")
+    flags.add_runtime_flags(p)
     p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="text samples printed at the end")
     p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"])
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -160,7 +150,7 @@ def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | Non
 
 
 def _config(args, data_vocab: int) -> GPT2Config:
-    tiles = {f"tile_{a}": getattr(args, f"tile_{a}") for a in ("batch", "seq", "embd", "heads", "hidden", "vocab")}
+    tiles = flags.tile_settings(args)
     tiles = {k: v for k, v in tiles.items() if v is not None}
     if args.init_from_hf:
         config, _ = hf_checkpoint.open_hf(args.init_from_hf)  # checks both files before anything starts
@@ -381,7 +371,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         train_data, val_data = _load_data(args)
         config = _config(args, train_data.vocab_size)
 
-        runtime_settings = memory.runtime_settings(args)
+        runtime_settings = flags.runtime_settings(args)
         runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
         runtime_config.validate()
         gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)

@@ -13,7 +13,10 @@ import numbers
 from typing import Any, Optional
 
 _SIZE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
-_TILE_FIELDS = ("tile_batch", "tile_seq", "tile_embd", "tile_hidden", "tile_vocab", "tile_heads")
+# The logical axes a model cuts into tiles, each with a tile_<axis> field (None: automatic). tile_heads
+# counts heads per tile; tile_hidden is the MLP's hidden axis.
+TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
+_TILE_FIELDS = tuple(f"tile_{axis}" for axis in TILE_AXES)
 
 # Hugging Face `GPT2Config` defaults for keys that old or hand-written
 # config.json files may leave out. The architecture sizes have no default here:

@@ -33,7 +33,7 @@ from jnntile.ops import loss as loss_ops
 from jnntile.tensor import Tensor
 
 from . import hf_checkpoint
-from .config import GPT2Config
+from .config import TILE_AXES, GPT2Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ def resolve_tiles(config: GPT2Config, batch_size: int, seq_len: int) -> Tiles:
     )
     tiles = Tiles(**{
         axis: getattr(config, f"tile_{axis}") if getattr(config, f"tile_{axis}") is not None else getattr(auto, axis)
-        for axis in ("batch", "seq", "embd", "heads", "hidden", "vocab")
+        for axis in TILE_AXES
     })
     limits = {"batch": batch_size, "seq": seq_len, "embd": C, "heads": H, "hidden": 4 * C,
               "vocab": config.vocab_size}

@@ -164,39 +164,26 @@ def mlp_reference_loss(params, x):
 
 
 def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0):
-    """Losses and final parameters of `steps` jitted AdamW steps of a jnntile GPT-2 on random tokens."""
-    import jax
-    import optax
+    """Losses and final parameters of `steps` AdamW steps (jnntile.train.make_steps) of a GPT-2 on random tokens."""
     from flax import nnx
 
-    import jnntile
     from jnntile import optim
     from jnntile.models import gpt2
+    from jnntile.train import make_steps
 
     model = gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
-    graphdef, state = nnx.split(model)
+    graphdef, params = nnx.split(model, nnx.Param)
     tx = optim.adamw(1e-2)
-    opt_state = tx.init(nnx.state(model, nnx.Param))
-
-    @jax.jit
-    def step(state, opt_state, idx, targets):
-        m = nnx.merge(graphdef, state)
-        loss, grads = jnntile.nn.value_and_grad(lambda m, i, t: m(m.token_tensor(i), m.token_tensor(t))[1])(
-            m, idx, targets)
-        params = nnx.state(m, nnx.Param)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        nnx.update(m, optax.apply_updates(params, updates))
-        return nnx.state(m), opt_state, loss
-
+    opt_state = tx.init(params)
+    train_step, _ = make_steps(graphdef, tx)
     rng = np.random.default_rng(seed)
     losses = []
     for _ in range(steps):
-        idx, targets = (rng.integers(0, config.vocab_size, (batch_size, seq_len)).astype(np.int32) for _ in range(2))
-        state, opt_state, loss = step(state, opt_state, idx, targets)
+        idx, targets = (rng.integers(0, config.vocab_size, (1, batch_size, seq_len)).astype(np.int32) for _ in range(2))
+        params, opt_state, loss = train_step(params, opt_state, idx, targets, [None])  # one micro-batch, no dropout
         losses.append(np.asarray(loss))
-    nnx.update(model, state)
-    params = {name: p.get_value().numpy() for name, p in model.named_params().items()}
-    return np.array(losses), params
+    nnx.update(model, params)
+    return np.array(losses), {name: p.get_value().numpy() for name, p in model.named_params().items()}
 
 
 # ---- CPU and CUDA kernels ---------------------------------------------------------------

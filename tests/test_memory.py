@@ -27,7 +27,7 @@ import pytest
 from conftest import train_steps
 
 import jnntile
-from jnntile import memory, optim
+from jnntile import flags, memory, optim
 from jnntile.models import gpt2
 from jnntile.models.config import GPT2Config
 from jnntile.ops import data
@@ -352,14 +352,14 @@ def test_runtime_settings_from_flags():
     parser = argparse.ArgumentParser()
     memory.add_arguments(parser)
     args = parser.parse_args(["--memory-limit-mb", "64", "--swap-dir", "/tmp/s", "--workers", "1"])
-    assert memory.runtime_settings(args) == {"memory_limit_mb": 64, "swap_dir": "/tmp/s", "workers": 1}
+    assert flags.runtime_settings(args) == {"memory_limit_mb": 64, "swap_dir": "/tmp/s", "workers": 1}
     assert memory.limits_from_args(args) == (64, jnntile.runtime.config().swap_size_mb,
                                              jnntile.runtime.gpu_memory_mb())
     args = parser.parse_args(["--memory-limit-mb", "64", "--swap-size-mb", "100"])
-    assert memory.runtime_settings(args) == {"memory_limit_mb": 64}
+    assert flags.runtime_settings(args) == {"memory_limit_mb": 64}
     assert memory.limits_from_args(args) == (64, 100, jnntile.runtime.gpu_memory_mb())
     args = parser.parse_args(["--swap-dir", "/tmp/s", "--swap-backend", "unistd_o_direct"])
-    assert memory.runtime_settings(args) == {"swap_dir": "/tmp/s", "swap_backend": "unistd_o_direct"}
+    assert flags.runtime_settings(args) == {"swap_dir": "/tmp/s", "swap_backend": "unistd_o_direct"}
 
 
 def test_planner_command_line(capsys):

@@ -1,6 +1,7 @@
 """The StarPU runtime: configuration, statistics, idle behaviour, failures."""
 
 import ctypes
+import dataclasses
 import os
 import subprocess
 import sys
@@ -174,3 +175,20 @@ def test_starpu_environment_disables_the_sub_allocator():
     libc = ctypes.CDLL(None)  # StarPU reads the C environment, which os.environ does not reflect
     libc.getenv.restype = ctypes.c_char_p
     assert libc.getenv(b"STARPU_SUBALLOCATOR") == b"0"
+
+
+def test_the_whole_configuration_reaches_the_native_runtime():
+    """One RuntimeConfig with its defaults in Python, handed whole to the native side as a bound struct."""
+    config = dataclasses.replace(jnntile.runtime.config(), swap_dir="/tmp/x", swap_size_mb=64, placement="cpu",
+                                 swap_backend="unistd", matmul_precision="tf32", watchdog_s=7.5)
+    native = jnntile.runtime._native(config, gpu_limit_mb=123)
+    fields = {name for name in dir(native) if not name.startswith("_")}
+    assert fields == {"workers", "cuda_workers", "scheduler", "memory_limit_mb", "gpu_memory_limit_mb", "swap_dir",
+                      "swap_size_mb", "swap_backend", "watchdog_s", "placement", "tf32", "pin_host_memory",
+                      "distributed"}
+    assert (native.workers, native.scheduler, native.memory_limit_mb) == (config.workers, config.scheduler,
+                                                                          config.memory_limit_mb)
+    assert (native.swap_dir, native.swap_size_mb, native.watchdog_s) == ("/tmp/x", 64, 7.5)
+    assert native.swap_backend.name == "unistd" and native.placement.name == "cpu" and native.tf32
+    assert native.gpu_memory_limit_mb == 123
+    assert jnntile.runtime._native(dataclasses.replace(config, swap_dir=None), 0).swap_size_mb == 0

@@ -34,32 +34,33 @@ NB_MODULE(_xla_ffi, m) {
     return out;
   });
 
-  m.def(
-      "runtime_start",
-      [](int workers, int cuda_workers, const std::string& scheduler, int64_t memory_limit_mb,
-         int64_t gpu_memory_limit_mb, const std::string& swap_dir, int64_t swap_size_mb, int swap_backend,
-         double watchdog_s, int placement, bool tf32, bool pin_host_memory, bool distributed) {
-        RuntimeConfig config;
-        config.workers = workers;
-        config.cuda_workers = cuda_workers;
-        config.scheduler = scheduler;
-        config.memory_limit_mb = memory_limit_mb;
-        config.gpu_memory_limit_mb = gpu_memory_limit_mb;
-        config.swap_dir = swap_dir;
-        config.swap_size_mb = swap_size_mb;
-        config.swap_backend = SwapBackend(swap_backend);
-        config.watchdog_s = watchdog_s;
-        config.placement = Placement(placement);
-        config.tf32 = tf32;
-        config.pin_host_memory = pin_host_memory;
-        config.distributed = distributed;
-        nb::gil_scoped_release release;
-        gemm_single_threaded();
-        runtime_start(config);
-      },
-      nb::arg("workers"), nb::arg("cuda_workers"), nb::arg("scheduler"), nb::arg("memory_limit_mb"),
-      nb::arg("gpu_memory_limit_mb"), nb::arg("swap_dir"), nb::arg("swap_size_mb"), nb::arg("swap_backend"),
-      nb::arg("watchdog_s"), nb::arg("placement"), nb::arg("tf32"), nb::arg("pin_host_memory"), nb::arg("distributed"));
+  nb::enum_<Placement>(m, "Placement")
+      .value("auto", Placement::Auto)
+      .value("cpu", Placement::Cpu)
+      .value("cuda", Placement::Cuda);
+  nb::enum_<SwapBackend>(m, "SwapBackend")
+      .value("unistd", SwapBackend::Unistd)
+      .value("unistd_o_direct", SwapBackend::UnistdODirect);
+  nb::class_<RuntimeConfig>(m, "RuntimeConfig")
+      .def(nb::init<>())
+      .def_rw("workers", &RuntimeConfig::workers)
+      .def_rw("cuda_workers", &RuntimeConfig::cuda_workers)
+      .def_rw("scheduler", &RuntimeConfig::scheduler)
+      .def_rw("memory_limit_mb", &RuntimeConfig::memory_limit_mb)
+      .def_rw("gpu_memory_limit_mb", &RuntimeConfig::gpu_memory_limit_mb)
+      .def_rw("swap_dir", &RuntimeConfig::swap_dir)
+      .def_rw("swap_size_mb", &RuntimeConfig::swap_size_mb)
+      .def_rw("swap_backend", &RuntimeConfig::swap_backend)
+      .def_rw("watchdog_s", &RuntimeConfig::watchdog_s)
+      .def_rw("placement", &RuntimeConfig::placement)
+      .def_rw("tf32", &RuntimeConfig::tf32)
+      .def_rw("pin_host_memory", &RuntimeConfig::pin_host_memory)
+      .def_rw("distributed", &RuntimeConfig::distributed);
+  m.def("runtime_start", [](const RuntimeConfig& config) {
+    nb::gil_scoped_release release;
+    gemm_single_threaded();
+    runtime_start(config);
+  });
   m.def("max_cpu_workers", &max_cpu_workers);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_device_memory_bytes", &cuda_device_memory_bytes);

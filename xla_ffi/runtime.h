@@ -29,20 +29,22 @@ enum class Placement { Auto = 0, Cpu = 1, Cuda = 2 };
 // write must be page-aligned and a whole number of pages).
 enum class SwapBackend { Unistd = 0, UnistdODirect = 1 };
 
+// How StarPU runs. The defaults are jnntile.runtime.RuntimeConfig's (Python), the one
+// place they are written: Python fills every field of this struct (bound in module.cc).
 struct RuntimeConfig {
-  int workers = 2;              // CPU workers
-  int cuda_workers = 0;         // -1: one per GPU StarPU finds
-  std::string scheduler = "lws";
-  int64_t memory_limit_mb = 0;  // 0: chosen by the Python side; must be > 0 here
-  int64_t gpu_memory_limit_mb = 0;  // per GPU; 0: StarPU's default (nearly all of it)
-  std::string swap_dir;         // empty: no disk swap
-  int64_t swap_size_mb = 0;
-  SwapBackend swap_backend = SwapBackend::Unistd;
-  double watchdog_s = 120.0;
-  Placement placement = Placement::Auto;
-  bool tf32 = false;            // cuBLAS may use TF32 tensor cores for float32 products
-  bool pin_host_memory = false; // page-lock RAM tiles so GPU transfers are asynchronous
-  bool distributed = false;     // one of several MPI ranks: StarPU through StarPU-MPI (distributed.h)
+  int workers{};                 // CPU workers
+  int cuda_workers{};            // -1: one per GPU StarPU finds
+  std::string scheduler;
+  int64_t memory_limit_mb{};     // must be > 0 (StarPU's own guess of RAM is wrong on VMs)
+  int64_t gpu_memory_limit_mb{}; // per GPU; 0: StarPU's default (nearly all of it)
+  std::string swap_dir;          // empty: no disk swap
+  int64_t swap_size_mb{};
+  SwapBackend swap_backend{};
+  double watchdog_s{};
+  Placement placement{};
+  bool tf32{};                   // cuBLAS may use TF32 tensor cores for float32 products
+  bool pin_host_memory{};        // page-lock RAM tiles so GPU transfers are asynchronous
+  bool distributed{};            // one of several MPI ranks: StarPU through StarPU-MPI (distributed.h)
 };
 
 // The most CPU workers the StarPU in use accepts (its STARPU_MAXCPUS).

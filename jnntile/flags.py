@@ -1,0 +1,60 @@
+"""The command-line flags that `train`, `generate` and `memory` share, defined once with their defaults.
+
+Runtime flags map one to one onto `jnntile.runtime.RuntimeConfig` fields; a flag left out keeps the
+runtime's default (stated in RuntimeConfig). Tile flags map onto the model config's tile_* fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jnntile import runtime
+from jnntile.models.config import TILE_AXES
+
+# Flag -> RuntimeConfig field, for the flags that set one directly. --swap-size-mb and --swap-backend
+# count only with --swap-dir (runtime_settings); the planner reads --swap-size-mb alone as a what-if.
+_RUNTIME_FIELDS = ("workers", "memory_limit_mb", "gpu_memory_limit_mb", "cuda_workers", "matmul_precision")
+
+
+def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = runtime.RuntimeConfig
+    parser.add_argument("--workers", type=int, help="StarPU CPU workers (default: every core less one per GPU, "
+                                                    f"at most {runtime.MAX_CPU_WORKERS} with this StarPU)")
+    parser.add_argument("--memory-limit-mb", type=int,
+                        help="RAM for tiles; beyond it tiles go to --swap-dir (default: half of the RAM available)")
+    parser.add_argument("--swap-dir", help="directory for tiles evicted from RAM (created if missing; a private "
+                                           "subdirectory is made in it and removed at exit)")
+    parser.add_argument("--swap-size-mb", type=int,
+                        help=f"disk swap size with --swap-dir (default: {defaults.swap_size_mb}); its file system "
+                             "must have that much free")
+    parser.add_argument("--swap-backend", choices=sorted(runtime.SWAP_BACKENDS),
+                        help="how tiles go to --swap-dir: unistd_o_direct bypasses the page cache, unistd goes "
+                             f"through it (default: {defaults.swap_backend})")
+    parser.add_argument("--gpu-memory-limit-mb", type=int,
+                        help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the GPU's free "
+                             "memory less 5%%)")
+    parser.add_argument("--cuda-workers", type=int, help="GPUs to use (default: all; 0: CPU only)")
+    parser.add_argument("--matmul-precision", choices=runtime.MATMUL_PRECISIONS,
+                        help="float32 products on the GPU: highest (FP32) or tf32 (default: tf32 on a GPU, as JAX)")
+
+
+def runtime_settings(args) -> dict:
+    """The `jnntile.runtime.configure(**settings)` the flags ask for (only those given)."""
+    settings = {name: getattr(args, name) for name in _RUNTIME_FIELDS if getattr(args, name, None) is not None}
+    if getattr(args, "swap_dir", None):
+        settings["swap_dir"] = args.swap_dir
+        for name in ("swap_size_mb", "swap_backend"):
+            if getattr(args, name, None) is not None:
+                settings[name] = getattr(args, name)
+    return settings
+
+
+def add_tile_flags(parser: argparse.ArgumentParser) -> None:
+    for axis in TILE_AXES:
+        parser.add_argument(f"--tile-{axis}", type=int, help=f"tile size on the {axis} axis (default: automatic)")
+
+
+def tile_settings(args) -> dict:
+    """The model config's tile_* fields the flags set (only those given)."""
+    return {f"tile_{axis}": getattr(args, f"tile_{axis}") for axis in TILE_AXES
+            if getattr(args, f"tile_{axis}", None) is not None}
