@@ -124,10 +124,11 @@ def worker_generate(spec: dict) -> dict:
     """`python -m jnntile.generate` with the weights' load and the decoding timed apart."""
     import jnntile
     from jnntile import generate
-    from jnntile.models import gpt2, gpt2_decode
+    from jnntile import decoding
+    from jnntile.models import gpt2
 
     load, gen = {}, {}
-    from_hf, decode = gpt2.from_hf, gpt2_decode.Decoder.generate
+    from_hf, decode = gpt2.from_hf, decoding.Decoder.generate
 
     def timed_from_hf(*args, **kwargs):
         before, t0 = _swap_bytes(), time.perf_counter()
@@ -161,7 +162,7 @@ def worker_generate(spec: dict) -> dict:
         return out
 
     gpt2.from_hf = timed_from_hf
-    gpt2_decode.Decoder.generate = timed_generate
+    decoding.Decoder.generate = timed_generate
     code = generate.main(spec["argv"])
     return dict(code=code, load=load, generate=gen, process_peak_rss_mb=vmhwm_mb())
 

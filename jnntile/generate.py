@@ -7,7 +7,7 @@ Weights come from a checkpoint of `python -m jnntile.train` (a ckpt-* directory,
 or a training --out directory for its latest checkpoint) or from a Hugging Face
 GPT-2 directory, and stay StarPU tiles under the memory limit and swap given
 here, as in training: the model may be larger than RAM. The prompts are decoded
-together with a key/value cache (jnntile.models.gpt2_decode). The texts
+together with a key/value cache (jnntile.decoding). The texts
 (prompt and continuation) go to stdout; progress and speed go to stderr.
 
 The tokenizer is the training data's for a checkpoint, the directory's own
@@ -27,9 +27,9 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, flags, memory
+from jnntile import checkpoint, decoding, flags, memory
 from jnntile import data as data_mod
-from jnntile.models import gpt2, gpt2_decode, hf_checkpoint
+from jnntile.models import gpt2, hf_checkpoint
 
 DEFAULTS = dict(max_new_tokens=50, temperature=0.8, top_k=40, seed=0)
 
@@ -171,9 +171,9 @@ def generate(args) -> list[str]:
 
     started = time.perf_counter()
     tiles = {k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")}
-    tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (gpt2_decode.Decoder)
+    tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (GPT2.kv_cache)
     model = gpt2.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
-    decoder = gpt2_decode.Decoder(model, batch_size=len(prompts), max_len=length)
+    decoder = decoding.Decoder(model, batch_size=len(prompts), max_len=length)
     log = sys.stderr
     print(f"GPT-2 from {weights}: {config.n_params() / 1e6:.2f}M parameters, n_layer={config.n_layer} "
           f"n_head={config.n_head} n_embd={config.n_embd} vocab={config.vocab_size}, loaded in "

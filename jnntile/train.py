@@ -36,10 +36,9 @@ from flax import nnx
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, distributed, flags, memory, nn, optim
+from jnntile import checkpoint, decoding, distributed, flags, memory, nn, optim
 from jnntile import data as data_mod
 from jnntile.models import gpt2, hf_checkpoint
-from jnntile.models import gpt2_decode
 from jnntile.models.config import PRESETS, GPT2Config
 
 DEFAULTS = dict(model="tiny", batch_size=8, grad_accum_steps=1, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
@@ -319,7 +318,7 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
 def generate_samples(model: gpt2.GPT2, dataset, args) -> list[str]:
     """Continues a few prompts from the validation data with the trained weights (top-40, temperature 0.8).
 
-    Decoding runs on the tiled model with a key/value cache (jnntile.models.gpt2_decode),
+    Decoding runs on the tiled model with a key/value cache (jnntile.decoding),
     under this run's memory limit and swap. Prompt and sample stay within the
     trained context (seq_len positions): a prompt of up to 16 tokens, shorter if
     --sample-tokens needs the room.
@@ -330,7 +329,7 @@ def generate_samples(model: gpt2.GPT2, dataset, args) -> list[str]:
         print(f"samples of {new_tokens} tokens: the model was trained on {window} positions")
     prompt_len = min(16, window + 1 - new_tokens)
     prompts = [dataset.batch(i, 1, prompt_len, "random", seed=args.seed + 2)[0][0] for i in range(args.samples)]
-    decoder = gpt2_decode.Decoder(model, batch_size=args.samples, max_len=prompt_len + new_tokens - 1)
+    decoder = decoding.Decoder(model, batch_size=args.samples, max_len=prompt_len + new_tokens - 1)
     continuations = decoder.generate(prompts, new_tokens, temperature=0.8, top_k=40, seed=args.seed)
     return [dataset.decode(list(p) + c) for p, c in zip(prompts, continuations)]
 

@@ -25,6 +25,7 @@ from flax import nnx
 
 import jnntile
 from jnntile import nn, runtime, tensorfile
+from jnntile.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import elementwise as ew
 from jnntile.ops import embedding as embedding_ops
@@ -101,10 +102,10 @@ class CausalSelfAttention(nnx.Module):
         self.c_proj = nn.Linear((H, D), (C,), in_tiles=(tiles.heads, D), out_tiles=(tiles.embd,), seed=seed,
                                 name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer))
 
-    def __call__(self, x: Tensor, attention=attention_ops.causal_attention) -> Tensor:
-        """`attention` maps qkv to the heads' outputs; incremental decoding passes one over a key/value cache."""
+    def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it."""
         qkv = self.c_attn(x)                            # (B, T, 3, H, D)
-        y = attention(qkv)                              # (B, T, H, D)
+        y = attention_ops.causal_attention(qkv) if cache is None else cache.attend(layer, qkv)  # (B, T, H, D)
         return self.c_proj(y)                           # (B, T, C)
 
 
@@ -131,8 +132,8 @@ class Block(nnx.Module):
         self.attn_dropout = nn.Dropout(config.dropout, site=2 * index + 1)
         self.mlp_dropout = nn.Dropout(config.dropout, site=2 * index + 2)
 
-    def __call__(self, x: Tensor, dropout_seed, attention=attention_ops.causal_attention) -> Tensor:
-        x = ew.add(x, self.attn_dropout(self.attn(self.ln_1(x), attention), dropout_seed))
+    def __call__(self, x: Tensor, dropout_seed, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        x = ew.add(x, self.attn_dropout(self.attn(self.ln_1(x), cache, layer), dropout_seed))
         return ew.add(x, self.mlp_dropout(self.mlp(self.ln_2(x)), dropout_seed))
 
 
@@ -178,16 +179,36 @@ class GPT2(nnx.Module):
     # ---- forward
 
     def __call__(self, idx: Tensor, targets: Tensor | None = None, *, dropout_seed=None,
-                 ignore_index: int = -100):
-        """idx, targets: int32 (B, T) Tensors. Returns (logits (B, T, V) Tensor, loss scalar Tensor or None)."""
+                 ignore_index: int = -100, cache: KVCache | None = None):
+        """idx, targets: int32 (B, T) Tensors. Returns (logits (B, T, V) Tensor, loss scalar Tensor or None).
+
+        With a key/value cache (`kv_cache`, jnntile.decoding), idx holds the tokens at the cache's positions
+        pos .. pos + T - 1, every layer writes its keys and values there and attends over the cache; a cache
+        that reads no logits (a prefill) skips the head and returns (None, None).
+        """
         B, T = idx.shape
-        positions = embedding_ops.position_ids(B, T, (self.tiles.batch, self.tiles.seq))
+        positions = (embedding_ops.position_ids(B, T, (self.tiles.batch, self.tiles.seq)) if cache is None
+                     else cache.positions(idx))
         x = self.embd_dropout(self.embed(idx, positions), dropout_seed)
-        for block in self.h:
-            x = block(x, dropout_seed)
+        for layer, block in enumerate(self.h):
+            x = block(x, dropout_seed, cache, layer)
+            if cache is not None:
+                cache.block_done(layer, x)
+        if cache is not None and not cache.logits:
+            return None, None
         logits = self.head(x)
         loss = None if targets is None else loss_ops.cross_entropy(logits, targets, ignore_index)
         return logits, loss
+
+    def kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty key/value cache for decoding `batch_size` sequences of up to `max_len` positions."""
+        config = self.config
+        # The batch in one tile unless the config sets one: a step's activations are a row per sequence,
+        # and more batch tiles would only add tasks (2.6x slower steps with four one-row tiles of the tiny
+        # preset). Sequence and head tiles are the model's.
+        return KVCache.empty(config.n_layer, batch_size, max_len, config.n_head, config.head_dim,
+                             tile_batch=min(config.tile_batch or batch_size, batch_size), tile_seq=self.tiles.seq,
+                             tile_heads=self.tiles.heads)
 
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
         """Token plus position embeddings (B, T, C) of int32 (B, T) ids and positions."""

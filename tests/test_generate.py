@@ -27,7 +27,8 @@ import jnntile
 from jnntile import data as data_mod
 from jnntile import generate as generate_mod
 from jnntile import train as train_mod
-from jnntile.models import gpt2, gpt2_decode
+from jnntile import decoding
+from jnntile.models import gpt2
 from jnntile.models import gpt2_reference as ref
 from jnntile.models.config import GPT2Config
 from jnntile.models.hf_checkpoint import load_hf
@@ -183,7 +184,7 @@ def expected_greedy(weights, prompts):
 def _decoder(weights, tiling, batch_size=len(PROMPT_LENGTHS), **kwargs):
     model = gpt2.GPT2(dataclasses.replace(CONFIG, **tiling), batch_size=batch_size, seq_len=MAX_LEN)
     model.load_hf_params(weights)
-    return gpt2_decode.Decoder(model, batch_size=batch_size, max_len=MAX_LEN, **kwargs)
+    return decoding.Decoder(model, batch_size=batch_size, max_len=MAX_LEN, **kwargs)
 
 
 @pytest.mark.usefixtures("placement")
@@ -202,7 +203,7 @@ def test_greedy_decoding_matches_reference(weights, prompts, expected_greedy, ti
 def test_cache_path_logits_equal_full_forward(weights):
     decoder = _decoder(weights, TILINGS["uneven tiles"], prefill_chunk=3)
     tokens = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (3, MAX_LEN)).astype(np.int32)
-    state, caches = nnx.state(decoder.model), decoder.caches
+    state, caches = nnx.state(decoder.model), decoder.cache.layers
     caches = decoder._prefill(state, caches, tokens[:, :3], np.int32(0))
     logits = []
     for pos in range(3, MAX_LEN):
@@ -226,10 +227,10 @@ def test_sampling_is_reproducible_and_independent_of_the_other_prompts(weights, 
 def test_sample_respects_temperature_and_top_k():
     logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0], np.float32)
     generator = np.random.default_rng(0)
-    assert gpt2_decode.sample(logits, 0.0, None, generator) == 1
-    draws = {gpt2_decode.sample(logits, 1.0, 2, generator) for _ in range(200)}
+    assert decoding.sample(logits, 0.0, None, generator) == 1
+    draws = {decoding.sample(logits, 1.0, 2, generator) for _ in range(200)}
     assert draws == {1, 3}
-    draws = [gpt2_decode.sample(logits, 0.05, None, generator) for _ in range(50)]
+    draws = [decoding.sample(logits, 0.05, None, generator) for _ in range(50)]
     assert set(draws) == {1}
 
 
@@ -246,7 +247,7 @@ def test_decoder_bad_inputs(weights, prompts):
     with pytest.raises(ValueError, match="temperature=-1"):
         decoder.generate(prompts, 4, temperature=-1)
     with pytest.raises(ValueError, match="longer than the model's n_positions=32"):
-        gpt2_decode.Decoder(decoder.model, batch_size=3, max_len=33)
+        decoding.Decoder(decoder.model, batch_size=3, max_len=33)
 
 
 def test_generation_under_a_memory_limit_with_swap_matches(tmp_path):
@@ -262,7 +263,7 @@ def test_generation_under_a_memory_limit_with_swap_matches(tmp_path):
         jnntile.release_traced()
         jnntile.runtime.start(**settings)
         model = gpt2.GPT2(config, batch_size=2, seq_len=16, seed=3)
-        decoder = gpt2_decode.Decoder(model, batch_size=2, max_len=16, prefill_chunk=2)
+        decoder = decoding.Decoder(model, batch_size=2, max_len=16, prefill_chunk=2)
         tokens = decoder.generate(prompts, 8, temperature=0)
         jnntile.runtime.wait_all()
         return tokens, jnntile.runtime.stats()
