@@ -281,7 +281,7 @@ def measure_xl(args, report, root, shape, limit, bandwidth, vocab) -> Path | Non
 
 def measure_generate(args, report, root, ckpt: Path, limit, bandwidth) -> None:
     """2: generate from the checkpoint, its files read from the disk."""
-    from jnntile.models.config import GPT2Config
+    from jnntile.models.gpt2.config import GPT2Config
 
     config = GPT2Config.from_hf_dict(json.loads((ckpt / "config.json").read_text()))
     weights_mb = 4 * config.n_params() / MB

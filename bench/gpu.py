@@ -94,7 +94,7 @@ def measure_gemm(p: dict) -> dict:
 
 
 def _config(model: dict):
-    from jnntile.models.config import GPT2Config
+    from jnntile.models.gpt2.config import GPT2Config
 
     return GPT2Config(dropout=0.0, **model)
 
@@ -172,7 +172,7 @@ def measure_capacity(p: dict) -> dict:
     """Two AdamW steps of a GPT-2 that needs GPU memory, host RAM and disk swap together."""
     import jnntile
     from jnntile import memory
-    from jnntile.models.config import GPT2Config
+    from jnntile.models.gpt2.config import GPT2Config
     from steps import jnntile_step
 
     config = GPT2Config(n_layer=p["n_layer"], n_head=p["n_head"], n_embd=p["n_embd"], vocab_size=p["vocab_size"],

@@ -17,7 +17,7 @@ Every configuration runs in its own subprocess, so its peak RSS (VmHWM from
     RSS), and the I/O floor of a step (its swap bytes at the disk's sequential
     bandwidth, measured in the same run with direct I/O) next to its time;
 (c) capacity under one RSS budget: the largest GPT-2 the pure-JAX reference
-    (models/gpt2_reference.py + optax.adamw, jitted, state donated) trains
+    (jnntile/models/gpt2/reference.py + optax.adamw, jitted, state donated) trains
     within it, from its measured peak RSS at a few sizes, next to a GPT-2 that
     jnntile trains within the same budget with disk swap (its memory limit is
     the budget minus 640 MB for its fixed overhead).
@@ -114,7 +114,7 @@ def disk_bandwidth(directory, size_mb: int, block_mb: int = 8) -> tuple[float, f
 
 
 def _config(spec):
-    from jnntile.models.config import GPT2Config
+    from jnntile.models.gpt2.config import GPT2Config
 
     return GPT2Config(**spec["config"])
 
@@ -189,7 +189,7 @@ def worker_reference(spec) -> dict:
     import jax
     import optax
 
-    from jnntile.models import gpt2_reference as ref
+    from jnntile.models.gpt2 import reference as ref
 
     config = _config(spec)
     B, T, steps = spec["batch"], spec["seq"], spec["steps"]
@@ -284,7 +284,7 @@ def table_ab(model, B, T, limit, steps, swap_dir, bandwidth) -> float:
     `bandwidth`: the disk's sequential (write, read) MB/s, for the I/O floor of a step.
     """
     from jnntile import memory
-    from jnntile.models.config import GPT2Config
+    from jnntile.models.gpt2.config import GPT2Config
     from jnntile.runtime import SWAP_BACKENDS, RuntimeConfig
 
     plan = memory.plan(GPT2Config(**model), B, T, workers=2)
@@ -395,7 +395,7 @@ def io_table(results, runs, width, bandwidth):
 def capacity(args, overhead, swap_dir):
     """(c): the largest reference GPT-2 under the budget vs a GPT-2 jnntile trains under it."""
     from jnntile import memory
-    from jnntile.models.config import GPT2Config
+    from jnntile.models.gpt2.config import GPT2Config
 
     budget, B, T = args.budget_mb or (1400 if args.quick else 2048), 1, 64
     _log(f"\n(c) capacity under a {budget} MB peak-RSS budget, batch {B} x {T} tokens, AdamW, vocab 50257")

@@ -50,7 +50,7 @@ def measure(workers: int, schedule: str, steps: int) -> dict:
     """Runs on every rank: this rank's numbers for `steps` steps after two warm-up steps."""
     import jnntile
     from jnntile import distributed
-    from jnntile.models.config import GPT2Config
+    from jnntile.models.gpt2.config import GPT2Config
     from steps import jnntile_step, step_seconds
 
     jnntile.runtime.start(distributed=distributed.launched_ranks() > 1, workers=workers, allreduce=schedule)

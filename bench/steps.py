@@ -17,8 +17,9 @@ import optax
 from flax import nnx
 
 from jnntile import distributed, optim
-from jnntile.models import gpt2, gpt2_reference
-from jnntile.models.config import GPT2Config
+from jnntile.models import gpt2
+from jnntile.models.gpt2 import reference as gpt2_reference
+from jnntile.models.gpt2.config import GPT2Config
 from jnntile.train import make_steps
 
 LEARNING_RATE = 1e-4

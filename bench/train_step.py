@@ -44,7 +44,7 @@ def label(name: str) -> str:
 def measure(name: str, which: str, steps: int) -> dict:
     """Runs in a child process: tokens/s of one implementation on one configuration."""
     import jnntile
-    from jnntile.models.config import GPT2Config
+    from jnntile.models.gpt2.config import GPT2Config
     from steps import jnntile_step, step_seconds, xla_step
 
     model, batch, seq = CONFIGS[name]

@@ -33,7 +33,7 @@ import numpy as np
 
 from jnntile import tensorfile
 from jnntile.models.gpt2 import save_hf
-from jnntile.models.hf_checkpoint import open_hf
+from jnntile.models.gpt2.hf import open_hf
 from jnntile.tensor import Tensor
 
 LATEST = "latest"

@@ -5,7 +5,7 @@ tiled like its activations) and takes `cache=` in its `__call__`: each attention
 layer then writes its keys and values at the cache's positions and attends over
 the cache (`KVCache.attend`), positions come from the cache (`KVCache.positions`),
 and the model calls `KVCache.block_done` after each block. The training forward
-and the decoding forward are the same modules (GPT-2's `models/gpt2.py`).
+and the decoding forward are the same modules (GPT-2's `jnntile/models/gpt2/model.py`).
 
 `Decoder(model, batch_size=B, max_len=T_max)` shares the model's parameters (no
 copy) and owns the cache: (B, T_max, 2, H, D) per layer, tiles like the

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from jnntile import runtime
-from jnntile.models.config import TILE_AXES
+from jnntile.models import TILE_AXES
 
 # Flag -> RuntimeConfig field, for the flags that set one directly. --swap-size-mb and --swap-backend
 # count only with --swap-dir (runtime_settings); the planner reads --swap-size-mb alone as a what-if.

@@ -29,7 +29,7 @@ from tqdm import tqdm
 import jnntile
 from jnntile import checkpoint, decoding, flags, memory
 from jnntile import data as data_mod
-from jnntile.models import gpt2, hf_checkpoint
+from jnntile.models import gpt2
 
 DEFAULTS = dict(max_new_tokens=50, temperature=0.8, top_k=40, seed=0)
 
@@ -78,7 +78,7 @@ def _weights_dir(args) -> Path:
 
 
 def _read_config(weights: Path, args):
-    return hf_checkpoint.read_config(weights, **flags.tile_settings(args))
+    return gpt2.hf.read_config(weights, **flags.tile_settings(args))
 
 
 def _tokenizer_candidates(args, weights: Path) -> list[Path]:

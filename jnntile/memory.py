@@ -1,8 +1,8 @@
 """Memory planner: what a GPT-2 training step needs, before anything is allocated.
 
 `plan(config, batch_size, seq_len, optimizer="adamw")` walks the ops of one
-training step of `models/gpt2.py` (forward, backward, optimizer) with the tile
-sizes `models.gpt2.resolve_tiles` picks, and follows what the runtime does with
+training step of `jnntile/models/gpt2/model.py` (forward, backward, optimizer) with the tile
+sizes `jnntile.models.gpt2.resolve_tiles` picks, and follows what the runtime does with
 memory (DESIGN invariant 7, jnntile/ops/_ffi.py):
 
 * parameters, optimizer state and the token ids live all the time;
@@ -35,7 +35,7 @@ import math
 import sys
 
 from jnntile import flags, runtime
-from jnntile.models.config import PRESETS, GPT2Config
+from jnntile.models.gpt2.config import PRESETS, GPT2Config
 from jnntile.models.gpt2 import Tiles, resolve_tiles
 
 MB = 2 ** 20
@@ -44,7 +44,7 @@ I32 = 4
 F64 = 8
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}  # parameter-sized tensors of state per parameter
 GPU_TASKS_IN_FLIGHT = 2  # StarPU's default CUDA pipeline: tiles of this many tasks per worker on the GPU
-# The tile axes (models.config.TILE_AXES) in the order a suggestion shrinks them, and the smallest tile it
+# The tile axes (jnntile.models.TILE_AXES) in the order a suggestion shrinks them, and the smallest tile it
 # proposes on each.
 _SHRINK_ORDER = ("vocab", "hidden", "embd", "seq", "heads", "batch")
 _MIN_TILE = {"vocab": 64, "hidden": 64, "embd": 32, "seq": 16, "heads": 1, "batch": 1}
@@ -87,7 +87,7 @@ class _Op:
 
 
 class _Step:
-    """The ops of one GPT-2 training step, mirroring models/gpt2.py op by op."""
+    """The ops of one GPT-2 training step, mirroring jnntile/models/gpt2/model.py op by op."""
 
     def __init__(self, config, batch_size: int, seq_len: int, tiles):
         self.ops: list[_Op] = []
@@ -229,7 +229,7 @@ class MemoryPlan:
 
     batch_size: int
     seq_len: int
-    tiles: object  # models.gpt2.Tiles
+    tiles: object  # jnntile.models.gpt2.Tiles
     optimizer: str
     workers: int
     n_params: int
@@ -537,7 +537,7 @@ def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, batch, tile and runtime flags of a training step (`python -m jnntile.train` takes the same)."""
-    parser.add_argument("--model", choices=list(PRESETS), default="tiny", help="GPT-2 preset (models/config.py)")
+    parser.add_argument("--model", choices=list(PRESETS), default="tiny", help="GPT-2 preset (jnntile/models/gpt2/config.py)")
     for name in ("n-layer", "n-head", "n-embd", "vocab-size", "n-positions"):
         parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
     parser.add_argument("--dropout", type=float, default=None, help="override the preset")

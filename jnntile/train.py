@@ -38,8 +38,8 @@ from tqdm import tqdm
 import jnntile
 from jnntile import checkpoint, decoding, distributed, flags, memory, nn, optim
 from jnntile import data as data_mod
-from jnntile.models import gpt2, hf_checkpoint
-from jnntile.models.config import PRESETS, GPT2Config
+from jnntile.models import gpt2
+from jnntile.models.gpt2.config import PRESETS, GPT2Config
 
 DEFAULTS = dict(model="tiny", batch_size=8, grad_accum_steps=1, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
                 weight_decay=0.1, grad_clip=1.0, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
@@ -152,7 +152,7 @@ def _config(args, data_vocab: int) -> GPT2Config:
     tiles = flags.tile_settings(args)
     tiles = {k: v for k, v in tiles.items() if v is not None}
     if args.init_from_hf:
-        config, _ = hf_checkpoint.open_hf(args.init_from_hf)  # checks both files before anything starts
+        config, _ = gpt2.hf.open_hf(args.init_from_hf)  # checks both files before anything starts
         if data_vocab > config.vocab_size:
             raise ValueError(f"the data uses {data_vocab} token ids but {args.init_from_hf} has a vocabulary of "
                              f"{config.vocab_size}")

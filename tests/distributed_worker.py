@@ -34,7 +34,7 @@ def train(steps: int, before_step=lambda step: None):
     import jnntile
     from jnntile import distributed, optim
     from jnntile.models import gpt2
-    from jnntile.models.config import GPT2Config
+    from jnntile.models.gpt2.config import GPT2Config
     from jnntile.train import make_steps
 
     ranks = jnntile.runtime.world_size()

@@ -28,8 +28,8 @@ import jnntile
 from jnntile import checkpoint, memory, optim, tensorfile
 from jnntile import data as data_mod
 from jnntile.models import gpt2
-from jnntile.models.config import GPT2Config
-from jnntile.models.hf_checkpoint import load_hf, open_hf
+from jnntile.models.gpt2.config import GPT2Config
+from jnntile.models.gpt2.hf import load_hf, open_hf
 from jnntile.ops import data
 
 FIXTURE = Path(__file__).parent / "data" / "hf_tiny_gpt2"

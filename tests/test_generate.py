@@ -29,9 +29,9 @@ from jnntile import generate as generate_mod
 from jnntile import train as train_mod
 from jnntile import decoding
 from jnntile.models import gpt2
-from jnntile.models import gpt2_reference as ref
-from jnntile.models.config import GPT2Config
-from jnntile.models.hf_checkpoint import load_hf
+from jnntile.models.gpt2 import reference as ref
+from jnntile.models.gpt2.config import GPT2Config
+from jnntile.models.gpt2.hf import load_hf
 from jnntile.ops import attention
 from jnntile.ops import data as data_ops
 

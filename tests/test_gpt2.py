@@ -16,9 +16,9 @@ from flax import nnx
 
 import jnntile
 from jnntile.models import gpt2
-from jnntile.models import gpt2_reference as ref
-from jnntile.models.config import GPT2Config
-from jnntile.models.hf_checkpoint import load_hf
+from jnntile.models.gpt2 import reference as ref
+from jnntile.models.gpt2.config import GPT2Config
+from jnntile.models.gpt2.hf import load_hf
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
 pytestmark = pytest.mark.usefixtures("placement")

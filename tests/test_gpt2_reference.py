@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jnntile.models import gpt2_reference as ref
-from jnntile.models.config import PRESETS, GPT2Config
-from jnntile.models.hf_checkpoint import load_hf, save_hf
+from jnntile.models.gpt2 import reference as ref
+from jnntile.models.gpt2.config import PRESETS, GPT2Config
+from jnntile.models.gpt2.hf import load_hf, save_hf
 
 DATA = Path(__file__).parent / "data"
 HF_DIR = DATA / "hf_tiny_gpt2"

@@ -18,7 +18,7 @@ import pytest
 from conftest import SUITE_RUNTIME, cuda_skip_reason, rel_err, restart_runtime, train_steps
 
 import jnntile
-from jnntile.models.config import GPT2Config
+from jnntile.models.gpt2.config import GPT2Config
 from jnntile.ops import _ffi, gemm
 
 needs_gpu = pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))

@@ -21,7 +21,7 @@ import jnntile
 from jnntile import optim
 from jnntile import train as train_mod
 from jnntile.models import gpt2
-from jnntile.models.config import GPT2Config
+from jnntile.models.gpt2.config import GPT2Config
 
 
 def test_accumulated_gradients_are_the_scaled_sum_under_jit(rng):

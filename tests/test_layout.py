@@ -6,20 +6,13 @@ from pathlib import Path
 
 import jnntile
 
-PACKAGE_ROOTS = {"jnntile": Path(jnntile.__file__).parent}
-
-
 def _modules() -> dict[str, Path]:
-    """Module name -> file, for every module of the installed package (jnntile.models included)."""
-    import jnntile.models
-
-    roots = {**PACKAGE_ROOTS, "jnntile.models": Path(jnntile.models.__file__).parent}
+    """Module name -> file, for every module of the package."""
+    root = Path(jnntile.__file__).parent
     modules = {}
-    for package, root in roots.items():
-        for path in root.rglob("*.py"):
-            parts = path.relative_to(root).with_suffix("").parts
-            name = ".".join((package, *parts)).removesuffix(".__init__")
-            modules.setdefault(name, path)
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(("jnntile", *parts)).removesuffix(".__init__")] = path
     return modules
 
 

@@ -29,7 +29,7 @@ from conftest import train_steps
 import jnntile
 from jnntile import flags, memory, optim
 from jnntile.models import gpt2
-from jnntile.models.config import GPT2Config
+from jnntile.models.gpt2.config import GPT2Config
 from jnntile.ops import data
 from jnntile.ops import elementwise as ew
 from jnntile.ops import gemm
@@ -190,7 +190,7 @@ TINY = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=2048, n_positions=
 
 
 def test_planner_counts_what_a_traced_step_creates(restore_runtime):
-    """The planner's activations are exactly the tensors a jitted step of models/gpt2.py creates."""
+    """The planner's activations are exactly the tensors a jitted step of jnntile/models/gpt2/model.py creates."""
     from jnntile import tensor as tensor_mod
 
     _restart(memory_limit_mb=1024, swap_dir=None)

@@ -15,7 +15,7 @@ from conftest import rel_err
 from jnntile import data as data_mod
 from jnntile import memory
 from jnntile import train as train_mod
-from jnntile.models.hf_checkpoint import load_hf
+from jnntile.models.gpt2.hf import load_hf
 
 SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "2", "--seq-len", "16",
          "--eval-batches", "1", "--samples", "1", "--sample-tokens", "5", "--quiet"]

@@ -33,8 +33,10 @@ from jnntile.ops import gemm
 from jnntile.ops import loss as loss_ops
 from jnntile.tensor import Tensor
 
-from . import hf_checkpoint
-from .config import TILE_AXES, GPT2Config
+from jnntile.models import TILE_AXES
+
+from . import hf
+from .config import GPT2Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +281,7 @@ def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **config
 
     `config_overrides` sets fields config.json does not hold, such as tile sizes.
     """
-    config, params = hf_checkpoint.open_hf(directory)
+    config, params = hf.open_hf(directory)
     if config_overrides:
         config = dataclasses.replace(config, **config_overrides)
     with nn.uninitialized():  # every parameter is overwritten from the file next
@@ -290,4 +292,4 @@ def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **config
 
 def save_hf(model: GPT2, directory) -> None:
     """Writes the model as a Hugging Face GPT-2 checkpoint directory."""
-    hf_checkpoint.save_hf(directory, model.config, model.to_hf_params())
+    hf.save_hf(directory, model.config, model.to_hf_params())

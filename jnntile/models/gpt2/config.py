@@ -12,10 +12,9 @@ import math
 import numbers
 from typing import Any, Optional
 
+from jnntile.models import TILE_AXES
+
 _SIZE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
-# The logical axes a model cuts into tiles, each with a tile_<axis> field (None: automatic). tile_heads
-# counts heads per tile; tile_hidden is the MLP's hidden axis.
-TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
 _TILE_FIELDS = tuple(f"tile_{axis}" for axis in TILE_AXES)
 
 # Hugging Face `GPT2Config` defaults for keys that old or hand-written
