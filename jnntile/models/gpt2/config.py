@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Optional
+from typing import Any
 
-from jnntile.models import TILE_AXES
+from jnntile.models import TileSizes, is_int
 
 _SIZE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
-_TILE_FIELDS = tuple(f"tile_{axis}" for axis in TILE_AXES)
 
 # Hugging Face `GPT2Config` defaults for keys that old or hand-written
 # config.json files may leave out. The architecture sizes have no default here:
@@ -28,7 +27,7 @@ _TANH_GELU_NAMES = ("gelu_new", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(TileSizes):
     """Hyper-parameters of a GPT-2 model. Defaults are GPT-2 small (124M).
 
     Frozen, hence hashable: it can be passed to `jax.jit` as a static argument.
@@ -41,26 +40,13 @@ class GPT2Config:
     n_positions: int = 1024
     dropout: float = 0.0
     layer_norm_epsilon: float = 1e-5
-    # Tile sizes per logical axis (None = automatic). tile_heads counts heads
-    # per tile; tile_hidden is the MLP hidden axis (4 * n_embd).
-    tile_batch: Optional[int] = None
-    tile_seq: Optional[int] = None
-    tile_embd: Optional[int] = None
-    tile_hidden: Optional[int] = None
-    tile_vocab: Optional[int] = None
-    tile_heads: Optional[int] = None
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        for name in _TILE_FIELDS:
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value <= 0):
-                raise ValueError(
-                    f"{name}={value!r} must be a positive integer, or None to let jnntile choose"
-                )
+        self.check_tile_sizes()
         if self.n_embd % self.n_head != 0:
             divisors = [d for d in range(1, self.n_embd + 1) if self.n_embd % d == 0]
             raise ValueError(
@@ -179,10 +165,6 @@ class GPT2Config:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 # "tiny" and "small" are for tests, notebooks and laptop-sized runs. They keep
