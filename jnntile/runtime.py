@@ -170,6 +170,7 @@ class RuntimeConfig:
 
 _config = RuntimeConfig()
 _started = False
+_started_gpu_limit_mb = 0  # the GPU memory limit StarPU started with
 
 # What modules above the runtime do at its transitions: jnntile.tensor forgets every tile id at stop and
 # frees the tiles of unreachable tensors at safe points (stats, wait_all); jnntile.distributed checks
@@ -192,7 +193,6 @@ def before_stop(hook) -> None:
 def at_safe_point(hook) -> None:
     """Runs `hook()` where waiting for tasks is safe: before `wait_all` and `stats`."""
     _at_safe_point.append(hook)
-_started_gpu_limit_mb = 0  # the GPU memory limit StarPU started with
 
 
 def _register_ffi_targets() -> None:

@@ -150,7 +150,6 @@ def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | Non
 
 def _config(args, data_vocab: int) -> GPT2Config:
     tiles = flags.tile_settings(args)
-    tiles = {k: v for k, v in tiles.items() if v is not None}
     if args.init_from_hf:
         config, _ = gpt2.hf.open_hf(args.init_from_hf)  # checks both files before anything starts
         if data_vocab > config.vocab_size:
