@@ -1,7 +1,7 @@
 """The pure-JAX reference GPT-2 and Hugging Face checkpoint interop.
 
 The reference is checked against logits and loss saved from Hugging Face's
-GPT2LMHeadModel (tests/data/make_hf_fixture.py made them; torch is not needed here).
+GPT2LMHeadModel (tools/make_hf_fixtures.py made them; torch is not needed here).
 """
 
 import dataclasses

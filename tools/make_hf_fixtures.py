@@ -1,7 +1,10 @@
-"""Generate the Hugging Face Llama-family fixtures under tests/data/ with `transformers`.
+"""Generate the Hugging Face fixtures under tests/data/ with `transformers`.
 
 The test suite does not run this script; it reads what it wrote:
 
+  tests/data/hf_tiny_gpt2/            a tied GPT2LMHeadModel with O(1) activations (save_pretrained)
+  tests/data/hf_tiny_gpt2_expected.npz
+                                      idx, targets, targets_masked (B=2, T=16), HF logits, loss, loss_masked
   tests/data/hf_tiny_llama/           LlamaForCausalLM: grouped-query attention (4 query heads, 2 key/value
                                       heads), untied head, Llama 3.1's rope_scaling (with a short original
                                       context, so every frequency band is scaled), a SentencePiece-style
@@ -28,7 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 SEED = 1234
@@ -100,7 +104,39 @@ def write(name: str, model, tokens: torch.Tensor) -> None:
                         loss=np.float32(loss.item()), **grads)
 
 
+def gpt2() -> None:
+    """tests/data/hf_tiny_gpt2/ and hf_tiny_gpt2_expected.npz: a tied GPT2LMHeadModel, its logits and losses."""
+    torch.manual_seed(SEED)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new", tie_word_embeddings=True,
+                        bos_token_id=95, eos_token_id=95,  # HF's 50256 is outside this vocabulary
+                        attn_implementation="eager")
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.transformer.named_parameters():
+            if ".ln_" in name or name.startswith("ln_f."):
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(DATA_DIR / "hf_tiny_gpt2", safe_serialization=True)
+    tokens = torch.randint(0, config.vocab_size, (B, T + 1))
+    idx, targets = tokens[:, :T], tokens[:, 1:]
+    targets_masked = targets.clone()
+    targets_masked[0, :5] = IGNORE_INDEX  # a prompt left out of the loss
+    targets_masked[1, -3:] = IGNORE_INDEX  # padding
+    with torch.no_grad():
+        logits = model(idx).logits
+        flat = logits.reshape(-1, config.vocab_size)
+        loss = F.cross_entropy(flat, targets.reshape(-1))
+        loss_masked = F.cross_entropy(flat, targets_masked.reshape(-1), ignore_index=IGNORE_INDEX)
+    np.savez(DATA_DIR / "hf_tiny_gpt2_expected.npz", idx=idx.numpy().astype(np.int32),
+             targets=targets.numpy().astype(np.int32), targets_masked=targets_masked.numpy().astype(np.int32),
+             logits=logits.numpy().astype(np.float32), loss=np.float32(loss.item()),
+             loss_masked=np.float32(loss_masked.item()))
+
+
 def main():
+    gpt2()
     torch.manual_seed(SEED)
     rope_scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 16}
