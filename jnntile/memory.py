@@ -1,9 +1,10 @@
 """Memory planner: what a GPT-2 training step needs, before anything is allocated.
 
-`plan(config, batch_size, seq_len, optimizer="adamw")` walks the ops of one
-training step of `jnntile/models/gpt2/model.py` (forward, backward, optimizer) with the tile
-sizes `jnntile.models.gpt2.resolve_tiles` picks, and follows what the runtime does with
-memory (DESIGN invariant 7, jnntile/ops/_ffi.py):
+`plan(config, batch_size, seq_len, optimizer="adamw")` records the forward of the very
+`gpt2.GPT2` the step runs (`record_step`: the op layer submits nothing while it records), with
+the tile sizes `jnntile.models.gpt2.resolve_tiles` picks, then follows the step (forward,
+backward, optimizer) and what the runtime does with memory (DESIGN invariant 7,
+jnntile/ops/_ffi.py); `plan_model` does the same for any model built from jnntile's modules:
 
 * parameters, optimizer state and the token ids live all the time;
 * the forward pass creates activations and scratch residuals (layer-norm
@@ -31,11 +32,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 
+import numpy as np
+from flax import nnx
+
 from jnntile import flags, runtime
+from jnntile import tensor as tensor_mod
+from jnntile.models import TILE_AXES
 from jnntile.models.gpt2.config import PRESETS, GPT2Config
+from jnntile.models import gpt2
 from jnntile.models.gpt2 import Tiles, resolve_tiles
 
 MB = 2 ** 20
@@ -86,150 +94,63 @@ class _Op:
     tasks: list  # (bytes, description) of the largest tasks, forward and backward
 
 
-class _Step:
-    """The ops of one GPT-2 training step, mirroring jnntile/models/gpt2/model.py op by op."""
+@dataclasses.dataclass
+class _RecordedStep:
+    """The ops of one training step: parameters, token ids and the ops in forward order."""
 
-    def __init__(self, config, batch_size: int, seq_len: int, tiles):
-        self.ops: list[_Op] = []
-        self.params: list[_T] = []
-        self.inputs: list[_T] = []
-        B, T, C, H = batch_size, seq_len, config.n_embd, config.n_head
-        D, V = config.head_dim, config.vocab_size
-        tl = tiles
-        self.B, self.T, self.C, self.H, self.D, self.V = B, T, C, H, D, V
-        self.tl = tl
-        bt, btt = (B, T), (tl.batch, tl.seq)
-        self.act_c = lambda name: _T(name, bt + (C,), btt + (tl.embd,), F32, "act")  # noqa: E731
+    ops: list  # _Op
+    params: list  # _T
+    inputs: list  # _T
 
-        idx = self._input("idx", bt, btt)
-        targets = self._input("targets", bt, btt)
-        positions = self._input("positions", bt, btt)
-        wte = self._param("wte.weight", (V, C), (tl.vocab, tl.embd))
-        wpe = self._param("wpe.weight", (config.n_positions, C), (tl.seq, tl.embd))
-        x = self.add(self.embedding("wte", idx, wte), self.embedding("wpe", positions, wpe), "embd")
-        x = self.dropout(x, config.dropout, "embd")
-        for i in range(config.n_layer):
-            p = f"h.{i}."
-            h = self.layer_norm(x, p + "ln_1")
-            w = self._param(p + "attn.c_attn.weight", (C, 3, H, D), (tl.embd, 1, tl.heads, D))
-            b = self._param(p + "attn.c_attn.bias", (3, H, D), (1, tl.heads, D))
-            qkv = self.linear(h, w, b, _T(p + "qkv", bt + (3, H, D), btt + (1, tl.heads, D), F32, "act"))
-            y = self.attention(qkv, p)
-            w = self._param(p + "attn.c_proj.weight", (H, D, C), (tl.heads, D, tl.embd))
-            b = self._param(p + "attn.c_proj.bias", (C,), (tl.embd,))
-            y = self.dropout(self.linear(y, w, b, self.act_c(p + "attn.out")), config.dropout, p + "attn")
-            x = self.add(x, y, p + "res1")
-            h = self.layer_norm(x, p + "ln_2")
-            w = self._param(p + "mlp.c_fc.weight", (C, 4 * C), (tl.embd, tl.hidden))
-            b = self._param(p + "mlp.c_fc.bias", (4 * C,), (tl.hidden,))
-            hid = lambda name: _T(name, bt + (4 * C,), btt + (tl.hidden,), F32, "act")  # noqa: E731
-            h = self.gelu(self.linear(h, w, b, hid(p + "fc")), hid(p + "gelu"))
-            w = self._param(p + "mlp.c_proj.weight", (4 * C, C), (tl.hidden, tl.embd))
-            b = self._param(p + "mlp.c_proj.bias", (C,), (tl.embd,))
-            y = self.dropout(self.linear(h, w, b, self.act_c(p + "mlp.out")), config.dropout, p + "mlp")
-            x = self.add(x, y, p + "res2")
-        x = self.layer_norm(x, "ln_f")
-        logits = _T("logits", bt + (V,), btt + (tl.vocab,), F32, "act")
-        self.matmul(x, wte, logits, tm=tl.batch * tl.seq, tk=tl.embd, tn=tl.vocab)
-        self.cross_entropy(logits, targets)
 
-    # ---- tensors
+def record_step(build_model, loss) -> _RecordedStep:
+    """The ops of one training step of any model built from jnntile's modules and ops, recorded with the
+    op layer submitting nothing and allocating nothing (jnntile.tensor.recording): `build_model()` makes
+    the model, `loss(model)` runs its forward to the loss, as the training step does. Each differentiable
+    op reports the tensors it reads, creates and keeps for its backward, and its largest task; the
+    backward and the optimizer update follow from those (`_simulate`, `_largest_of`)."""
+    recorded = []
+    with tensor_mod.recording(recorded):
+        model = build_model()
+        loss(model)
+    described: dict = {}
 
-    def _param(self, name, shape, tile) -> _T:
-        t = _T(name, tuple(shape), tuple(tile), F32, "param")
-        self.params.append(t)
-        return t
+    def describe(t, kind, name):
+        if t.handle not in described:
+            described[t.handle] = _T(name, t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, kind)
+        return described[t.handle]
 
-    def _input(self, name, shape, tile) -> _T:
-        t = _T(name, shape, tile, I32, "input")
-        self.inputs.append(t)
-        return t
+    params = [describe(variable.get_value(), "param", ".".join(str(p) for p in path))
+              for path, variable in nnx.iter_graph(model) if isinstance(variable, nnx.Param)]
+    ops, inputs = [], []
+    for index, op in enumerate(recorded):
+        name = f"{op.name} (op {index + 1} of {len(recorded)})"
+        for t in op.inputs:
+            if t.handle not in described:  # data written from the host (token ids, positions), not by an op
+                inputs.append(describe(t, "input", f"{name} input"))
+        outputs = [describe(t, "act", f"{name} output") for t in op.outputs]
+        residuals = [describe(t, "scratch", f"{name} scratch") for t in op.residuals]
+        ops.append(_Op(name, [described[t.handle] for t in op.inputs], outputs, residuals,
+                       [(op.task_bytes, op.task)]))
+    return _RecordedStep(ops, params, inputs)
 
-    # ---- ops (names and tensors as in jnntile/ops/*.py)
 
-    def _add_op(self, name, inputs, outputs, residuals, tasks):
-        self.ops.append(_Op(name, list(inputs), list(outputs), list(residuals), list(tasks)))
+def _trace_step(config, batch_size: int, seq_len: int, tiles) -> _RecordedStep:
+    """The recorded step of `gpt2.GPT2(config)` with `tiles` on (batch_size, seq_len) tokens."""
+    config = dataclasses.replace(config, **{f"tile_{axis}": getattr(tiles, axis) for axis in TILE_AXES})
+    ids = np.zeros((batch_size, seq_len), np.int32)
+    dropout_seed = np.int32(0) if config.dropout > 0 else None  # training passes one; no dropout without
 
-    def embedding(self, name, ids: _T, table: _T) -> _T:
-        out = self.act_c(name)
-        task = ids.tile_bytes + table.tile_bytes + out.tile_bytes
-        self._add_op(f"embedding {name}", [ids, table], [out], [], [(task, f"embedding {name} (ids, table, out tiles)")])
-        return out
+    def loss(model):
+        return model(model.token_tensor(ids), model.token_tensor(ids), dropout_seed=dropout_seed)
 
-    def add(self, x: _T, y: _T, name) -> _T:
-        out = _T(name, x.shape, x.tile, F32, "act")
-        self._add_op(f"add {name}", [x, y], [out], [], [(3 * x.tile_bytes, "add (3 tiles)")])
-        return out
-
-    def dropout(self, x: _T, rate: float, name) -> _T:
-        if rate == 0.0:
-            return x
-        out = _T(name + ".dropout", x.shape, x.tile, F32, "act")
-        self._add_op(f"dropout {name}", [x], [out], [], [(2 * x.tile_bytes, "dropout (2 tiles)")])
-        return out
-
-    def layer_norm(self, x: _T, name) -> _T:
-        C, tc = self.C, self.tl.embd
-        w = self._param(name + ".weight", (C,), (tc,))
-        b = self._param(name + ".bias", (C,), (tc,))
-        y = _T(name, x.shape, x.tile, F32, "act")
-        stats = _T(name + ".stats", x.shape[:-1] + (2,), x.tile[:-1] + (2,), F32, "scratch")
-        rows = math.prod(min(t, n) for t, n in zip(x.tile[:-1], x.shape[:-1]))
-        # backward dx task: x, stats, w, dy, sums (2 doubles per row), dx
-        task = 3 * x.tile_bytes + stats.tile_bytes + w.tile_bytes + 2 * F64 * rows
-        self._add_op(f"layer_norm {name}", [x, w, b], [y], [stats], [(task, f"layer_norm {name} backward")])
-        return y
-
-    def matmul(self, a: _T, b: _T, out: _T, *, tm, tk, tn):
-        # One task per (C tile, K tile); the backward products use the same three tile sizes.
-        task = F32 * (tm * tk + tk * tn + tm * tn)
-        self._add_op(f"matmul {out.name}", [a, b], [out], [], [(task, f"matmul {out.name} (A, B, C tiles)")])
-        return out
-
-    def linear(self, x: _T, w: _T, bias: _T, out: _T) -> _T:
-        tm = self.tl.batch * self.tl.seq
-        k_ndim = len(w.shape) - len(bias.shape)  # contracted axes of w
-        tk = math.prod(min(t, n) for t, n in zip(w.tile[:k_ndim], w.shape[:k_ndim]))
-        tn = math.prod(min(t, n) for t, n in zip(w.tile[k_ndim:], w.shape[k_ndim:]))
-        mm = _T(out.name + ".matmul", out.shape, out.tile, F32, "act")
-        self.matmul(x, w, mm, tm=tm, tk=tk, tn=tn)
-        self._add_op(f"add_bias {out.name}", [mm, bias], [out], [],
-                     [(2 * mm.tile_bytes + bias.tile_bytes, "add_bias (x, b, out tiles)")])
-        return out
-
-    def attention(self, qkv: _T, prefix) -> _T:
-        B, T, H, D = self.B, self.T, self.H, self.D
-        tb, ts, th = self.tl.batch, self.tl.seq, self.tl.heads
-        out = _T(prefix + "attn", (B, T, H, D), (tb, ts, th, D), F32, "act")
-        lse = _T(prefix + "attn.lse", (B, T, H), (tb, ts, th), F32, "scratch")
-        rows_bytes = lse.tile_bytes
-        # backward step: q, k, v, dout, lse, delta, dq, dk, dv, and a scratch of P and dP,
-        # (ts, ts) per head of one batch row (xla_ffi/kernels/attention.h)
-        scores_bytes = 2 * min(th, H) * min(ts, T) ** 2 * F32
-        task = 7 * out.tile_bytes + 2 * rows_bytes + scores_bytes
-        self._add_op(f"attention {prefix}", [qkv], [out], [lse], [(task, f"attention {prefix} backward step")])
-        return out
-
-    def gelu(self, x: _T, out: _T) -> _T:
-        self._add_op(f"gelu {out.name}", [x], [out], [], [(3 * x.tile_bytes, "gelu backward (x, dy, dx tiles)")])
-        return out
-
-    def cross_entropy(self, logits: _T, targets: _T):
-        loss = _T("loss", (), (), F32, "act")
-        lse = _T("loss.lse", logits.shape[:2], logits.tile[:2], F32, "scratch")
-        inv_count = _T("loss.inv_count", (), (), F32, "scratch")
-        task = 2 * logits.tile_bytes + targets.tile_bytes + lse.tile_bytes
-        self._add_op("cross_entropy", [logits, targets], [loss], [lse, inv_count],
-                     [(task, "cross_entropy backward (logits, dlogits tiles)")])
+    return record_step(lambda: gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len), loss)
 
 
 @dataclasses.dataclass
 class MemoryPlan:
     """Bytes one training step needs, and whether it can run under a memory limit."""
 
-    batch_size: int
-    seq_len: int
-    tiles: object  # jnntile.models.gpt2.Tiles
     optimizer: str
     workers: int
     n_params: int
@@ -243,7 +164,10 @@ class MemoryPlan:
     peak_phase: str
     largest_task: int
     largest_task_name: str
-    config: object = None
+    config: object = None  # a GPT-2's (plan), None for another model (plan_model)
+    batch_size: int = 0
+    seq_len: int = 0
+    tiles: object = None  # jnntile.models.gpt2.Tiles
     grad_accum_steps: int = 1  # micro-batches of (batch_size, seq_len) per step
     tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
 
@@ -407,23 +331,24 @@ class MemoryPlan:
         t = self.tiles
         micro = (f" per micro-batch, {self.grad_accum_steps} micro-batches per step adding to the same gradients"
                  if self.grad_accum_steps > 1 else "")
-        lines = [f"batch {self.batch_size} x seq {self.seq_len}{micro}; tiles batch={t.batch} seq={t.seq} "
-                 f"embd={t.embd} heads={t.heads} hidden={t.hidden} vocab={t.vocab}"]
+        lines = [] if t is None else [
+            f"batch {self.batch_size} x seq {self.seq_len}{micro}; tiles batch={t.batch} seq={t.seq} "
+            f"embd={t.embd} heads={t.heads} hidden={t.hidden} vocab={t.vocab}"]
         for what, mb, note in self.rows():
             lines.append(f"  {what:<32} {mb:>12,.1f} MB   {note}")
         return "\n".join(lines)
 
 
-def _step_for(config, batch_size, seq_len, tiles) -> _Step:
-    return _Step(config, batch_size, seq_len, tiles)
-
-
 def _largest_task(config, batch_size, seq_len, tiles: dict, optimizer: str):
-    step = _step_for(config, batch_size, seq_len, Tiles(**tiles))
-    return _largest_of(step, optimizer)
+    return _largest_task_of_tiles(config, batch_size, seq_len, tuple(sorted(tiles.items())), optimizer)
 
 
-def _largest_of(step: _Step, optimizer: str):
+@functools.lru_cache(maxsize=256)  # the search of smaller_tiles tries the same tiles again
+def _largest_task_of_tiles(config, batch_size, seq_len, tiles: tuple, optimizer: str):
+    return _largest_of(_trace_step(config, batch_size, seq_len, Tiles(**dict(tiles))), optimizer)
+
+
+def _largest_of(step: _RecordedStep, optimizer: str):
     tasks = [task for op in step.ops for task in op.tasks]
     n_state = OPTIMIZER_STATES[optimizer]
     for p in step.params:  # optimizer update: parameter, gradient and states, one tile each
@@ -435,7 +360,7 @@ def _tile_str(t: _T) -> str:
     return "(" + ", ".join(str(min(a, n)) for a, n in zip(t.tile, t.shape)) + ")"
 
 
-def _simulate(step: _Step, optimizer: str, accumulating: bool = False):
+def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
     """Walks the step's timeline; returns (activations, activation-gradient peak, peak, phase).
 
     `accumulating`: a micro-batch after the first of a step, whose parameter
@@ -494,18 +419,31 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
     if workers is None:
         workers = runtime.config().workers
     tiles = resolve_tiles(config, batch_size, seq_len)
-    step = _step_for(config, batch_size, seq_len, tiles)
-    params = sum(p.nbytes for p in step.params)
+    return _plan_of(_trace_step(config, batch_size, seq_len, tiles), optimizer, workers, grad_accum_steps,
+                    batch_size=batch_size, seq_len=seq_len, tiles=tiles, config=config)
+
+
+def plan_model(build_model, loss, optimizer: str = "adamw", workers: int | None = None,
+               grad_accum_steps: int = 1) -> MemoryPlan:
+    """The memory plan of one training step of any model built from jnntile's modules (see `record_step`):
+    `build_model()` makes it, `loss(model)` runs its forward to the loss."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
+    workers = runtime.config().workers if workers is None else workers
+    return _plan_of(record_step(build_model, loss), optimizer, workers, grad_accum_steps)
+
+
+def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps: int, **shape) -> MemoryPlan:
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps={grad_accum_steps} must be at least 1")
+    params = sum(p.nbytes for p in step.params)
     activations, act_grads, peak, phase = _simulate(step, optimizer, accumulating=grad_accum_steps > 1)
     largest, largest_name = _largest_of(step, optimizer)
     return MemoryPlan(
-        batch_size=batch_size, seq_len=seq_len, tiles=tiles, optimizer=optimizer, workers=workers,
-        n_params=params // F32, parameters=params, gradients=params,
+        optimizer=optimizer, workers=workers, n_params=params // F32, parameters=params, gradients=params,
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
-        largest_task=largest, largest_task_name=largest_name, config=config, grad_accum_steps=grad_accum_steps)
+        largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, **shape)
 
 
 def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,

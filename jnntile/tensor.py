@@ -12,6 +12,8 @@ because the compiled program refers to it by id, until `release_traced()`.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import weakref
 from typing import Sequence
@@ -24,6 +26,11 @@ from jnntile import _xla_ffi, runtime
 
 DTYPES = {"float32": 0, "int32": 1, "int64": 2}
 
+# While a recording is active (`recording()`, used by the memory planner), handles get negative ids that
+# name no native tensor and ops submit nothing: the op layer records what a step would create instead.
+_recording = None
+_recorded_ids = None
+
 _pinned: set["_Handle"] = set()  # tensors created during tracing
 _live: "weakref.WeakSet[_Handle]" = weakref.WeakSet()
 
@@ -31,16 +38,17 @@ _live: "weakref.WeakSet[_Handle]" = weakref.WeakSet()
 class _Handle:
     """Owns one registry id; the static part of a Tensor pytree."""
 
-    __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "freed", "last_token", "grad",
+    __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "native", "freed", "last_token", "grad",
                  "grad_zeroed", "is_grad", "zero_pending", "invalidated", "summed_over_ranks", "pending_clip",
                  "clip_token", "__weakref__")
 
-    def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True):
+    def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True, native=True):
         self.id = tensor_id
         self.shape = shape
         self.dtype = dtype
         self.tile_shape = tile_shape
         self.owner = owner  # gradient companions are freed with their tensor
+        self.native = native  # False: recorded by the planner, no native tensor behind it
         self.freed = False
         self.last_token = None  # the latest concrete token, waited on before freeing
         self.grad = None
@@ -78,7 +86,7 @@ class _Handle:
             raise ValueError(f"{self!r} was freed; it cannot be used any more")
 
     def free(self):
-        if self.freed or not self.owner:
+        if self.freed or not self.owner or not self.native:
             return
         self.freed = True
         if self.last_token is not None:
@@ -92,7 +100,7 @@ class _Handle:
         # A finalizer may run in the middle of JAX's own code (garbage collection
         # strikes anywhere), so it must not call into JAX: a tensor whose last
         # eager op may still be running is freed at the next safe point instead.
-        if self.freed or not self.owner:
+        if self.freed or not self.owner or not self.native:
             return
         self.freed = True
         try:
@@ -266,12 +274,30 @@ def _normalize_tile_shape(shape, tile_shape):
     return tuple(min(n, t) for n, t in zip(shape, tile_shape))
 
 
+@contextlib.contextmanager
+def recording(record):
+    """Within it, new handles name no native tensor and the op layer fills `record` instead of submitting
+    tasks (jnntile.ops._ffi.call, differentiable): the memory planner traces the model the step runs."""
+    global _recording, _recorded_ids
+    if _recording is not None:
+        raise RuntimeError("a recording is already active")
+    _recording, _recorded_ids = record, itertools.count(-1, -1)
+    try:
+        yield record
+    finally:
+        _recording = _recorded_ids = None
+
+
+def active_recording():
+    """The record of the active recording, or None."""
+    return _recording
+
+
 def new_handle(shape, dtype, tile_shape) -> _Handle:
     """A handle for a new tensor. Its tiles hold nothing: the first op must write them.
 
     Handles touched while tracing are pinned by `jnntile.ops._ffi.after`.
     """
-    free_unreachable()
     shape = tuple(int(n) for n in shape)
     if dtype not in DTYPES:
         raise TypeError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
@@ -279,6 +305,9 @@ def new_handle(shape, dtype, tile_shape) -> _Handle:
         if n <= 0:
             raise ValueError(f"shape {shape}: axis {axis} must be positive")
     tile_shape = _normalize_tile_shape(shape, tile_shape)
+    if _recording is not None:
+        return _Handle(next(_recorded_ids), shape, dtype, tile_shape, owner=True, native=False)
+    free_unreachable()
     runtime.ensure_started()
     tile_mb = math.prod(tile_shape) * np.dtype(dtype).itemsize / 2**20
     limit_mb = runtime.config().memory_limit_mb
@@ -299,8 +328,9 @@ def grad_handle(handle: _Handle) -> _Handle:
     """The gradient companion of a tensor: same layout, freed with it."""
     handle.check_alive()
     if handle.grad is None:
-        grad_id = _xla_ffi.tensor_grad(handle.id)
-        handle.grad = _Handle(grad_id, handle.shape, handle.dtype, handle.tile_shape, owner=False)
+        grad_id = _xla_ffi.tensor_grad(handle.id) if handle.native else next(_recorded_ids)
+        handle.grad = _Handle(grad_id, handle.shape, handle.dtype, handle.tile_shape, owner=False,
+                              native=handle.native)
     return handle.grad
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from conftest import train_steps
 
@@ -33,6 +34,7 @@ from jnntile.models.gpt2.config import GPT2Config
 from jnntile.ops import data
 from jnntile.ops import elementwise as ew
 from jnntile.ops import gemm
+from jnntile.ops import loss as loss_ops
 
 B, T = 2, 32
 # 2.7M parameters: 42 MB of parameters, gradients and AdamW state, 2.6x a 16 MB limit.
@@ -227,7 +229,6 @@ def test_planner_peak_against_the_measured_peak(restore_runtime):
 
 def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runtime):
     """Gradients held between micro-batches are in the plan of a micro-batch (activations are one micro-batch's)."""
-    from flax import nnx
 
     from jnntile import train as train_mod
 
@@ -248,6 +249,57 @@ def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runti
     planned = memory.plan(SWAP_CONFIG, B, T, grad_accum_steps=2)
     assert planned.peak > memory.plan(SWAP_CONFIG, B, T).peak
     assert planned.peak <= measured <= 1.3 * planned.peak, (planned.peak, measured)
+
+
+class _SpiralMLP(nnx.Module):
+    """Notebook 02's custom model: features -> hidden -> hidden -> classes, GELU between, `tile` rows per tile."""
+
+    def __init__(self, features: int, hidden: int, classes: int, *, tile: int):
+        self.tile = tile
+        self.fc1 = jnntile.nn.Linear((features,), (hidden,), in_tiles=(features,), out_tiles=(tile,), seed=0, name="fc1")
+        self.fc2 = jnntile.nn.Linear((hidden,), (hidden,), in_tiles=(tile,), out_tiles=(tile,), seed=0, name="fc2")
+        self.out = jnntile.nn.Linear((hidden,), (classes,), in_tiles=(tile,), out_tiles=(classes,), seed=0,
+                                      name="out")
+
+    def loss(self, x, y):
+        xt, yt = jnntile.from_array(x, (self.tile, 1, x.shape[-1])), jnntile.from_array(y, (self.tile, 1))
+        h = ew.gelu_tanh(self.fc2(ew.gelu_tanh(self.fc1(xt))))
+        return loss_ops.cross_entropy(self.out(h), yt)
+
+
+def test_planner_traces_any_model_built_from_jnntile_modules(restore_runtime):
+    """A model the planner knows nothing about, planned by recording its own forward, against StarPU's peak."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2048, 1, 64)).astype(np.float32)
+    y = rng.integers(0, 16, (2048, 1)).astype(np.int32)
+    build = lambda: _SpiralMLP(64, 512, 16, tile=256)  # noqa: E731
+    plan = memory.plan_model(build, lambda m: m.loss(x, y), workers=2)
+    assert plan.n_params == 64 * 512 + 512 + 512 * 512 + 512 + 512 * 16 + 16
+    assert plan.largest_task_name == "adamw update of a fc2.weight tile (256, 256)"
+    recorded = memory.record_step(build, lambda m: m.loss(x, y))
+    assert [op.name.split()[0] for op in recorded.ops] == ["matmul", "add_bias", "unary"] * 2 + [
+        "matmul", "add_bias", "cross_entropy"]
+    assert [t.kind for t in recorded.inputs] == ["input", "input"]  # x and y, written from the host
+
+    _restart(memory_limit_mb=1024, swap_dir=None)
+    graphdef, params = nnx.split(build(), nnx.Param)
+    tx = optim.adamw(1e-3)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = jnntile.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(x, y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    jnntile.runtime.wait_all()
+    jnntile.runtime.reset_peaks()
+    for _ in range(2):
+        params, opt_state, loss = step(params, opt_state)
+    float(loss)
+    jnntile.runtime.wait_all()
+    measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
+    assert plan.peak <= measured <= 1.3 * plan.peak, (plan.peak, measured)
 
 
 def test_planner_verdicts():

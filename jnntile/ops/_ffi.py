@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
@@ -228,6 +229,8 @@ def call(target: str, handles: Sequence[_Handle], tokens: Sequence, *,
     only writes (every tile, write-only) or invalidates: they may be
     invalidated before it, and hold data after it.
     """
+    if tensor_mod.active_recording() is not None:  # the planner records ops (differentiable), not calls
+        return on_host(jnp.zeros, (), jnp.float32)
     step = current_step()
     lazy = step is not None and LAZY_ZERO
     for handle in zero_grads:  # create the companions now, before the native call needs them
@@ -275,7 +278,31 @@ def grad_target(t: Tensor) -> _Handle | None:
 
 # ---- differentiable ops ------------------------------------------------------------------
 
-def differentiable(forward, backward, nondiff_argnums=()):
+@dataclasses.dataclass
+class RecordedOp:
+    """One differentiable op of a recorded step (see `differentiable`): the tensors it reads, creates and
+    keeps for its backward, and its largest task's bytes."""
+
+    name: str
+    inputs: list  # Tensors read
+    outputs: list  # Tensors created
+    residuals: list  # Tensors the forward creates only for the backward (scratch)
+    task_bytes: int
+    task: str
+
+
+def one_tile_each(name: str, inputs, outputs, residuals) -> tuple[int, str]:
+    """The default footprint: a task touches one tile of each input and output (elementwise ops, the
+    products: an A, a B and a C tile)."""
+    tensors = [*inputs, *outputs]
+    return sum(tile_bytes(t) for t in tensors), f"{name} ({len(tensors)} tiles)"
+
+
+def tile_bytes(t: Tensor) -> int:
+    return math.prod(t.tile_shape) * np.dtype(t.dtype).itemsize
+
+
+def differentiable(forward, backward, nondiff_argnums=(), *, name: str | None = None, footprint=one_tile_each):
     """The `jax.custom_vjp` function of an op, from its forward and backward rules.
 
     `forward(*args, zero_grad)` submits the op and returns `(out, residuals)`.
@@ -286,13 +313,32 @@ def differentiable(forward, backward, nondiff_argnums=()):
     `backward(*nondiff_args, residuals, g)` returns a cotangent per
     differentiable argument, as for `jax.custom_vjp`, and `nondiff_argnums`
     are the positions of the parameters fixed at trace time.
+    `footprint(name, inputs, outputs, residuals)` gives the bytes and a description of the op's largest
+    task (forward or backward), for the memory planner, which records the ops of a step with the
+    forward of a differentiation (`jnntile.tensor.recording`).
     """
     @functools.partial(jax.custom_vjp, nondiff_argnums=nondiff_argnums)
     def op(*args):
+        record = tensor_mod.active_recording()
+        if record is not None:
+            return _record(record, op_name, forward, footprint, args)
         return forward(*args, zero_grad=False)[0]
 
+    op_name = name or forward.__module__.rpartition(".")[2]
     op.defvjp(lambda *args: forward(*args, zero_grad=True), backward)
     return op
+
+
+def _record(record, name: str, forward, footprint, args):
+    out, residuals = forward(*args, zero_grad=True)
+    is_tensor = lambda x: isinstance(x, Tensor)  # noqa: E731
+    inputs = [t for t in jax.tree.leaves(args, is_leaf=is_tensor) if is_tensor(t)]
+    outputs = [t for t in jax.tree.leaves(out, is_leaf=is_tensor) if is_tensor(t)]
+    known = {t.handle for t in inputs + outputs}
+    scratch = [t for t in jax.tree.leaves(residuals, is_leaf=is_tensor) if is_tensor(t) and t.handle not in known]
+    task_bytes, task = footprint(name, inputs, outputs, scratch)
+    record.append(RecordedOp(name, inputs, outputs, scratch, task_bytes, task))
+    return out
 
 
 # ---- invalidation -----------------------------------------------------------------------------

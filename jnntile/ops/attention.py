@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, on_host, release
+from jnntile.ops._ffi import call, differentiable, grad_target, on_host, release, tile_bytes
 from jnntile.tensor import Tensor
 
 
@@ -67,7 +67,15 @@ def _backward(residuals, g):
     return (qkv.with_token(release(token, out, lse)),)
 
 
-_causal_attention = differentiable(_forward, _backward)
+def _footprint(name, inputs, outputs, scratch):
+    """A backward step: q, k, v, dout, dq, dk, dv (7 output-sized tiles), lse and delta rows, and the
+    probabilities and their gradient (tile_seq x tile_seq per head of a batch row, kernels/attention.h)."""
+    (out,), (lse,) = outputs, scratch
+    _, tt, th, _ = out.tile_shape
+    return 7 * tile_bytes(out) + 2 * tile_bytes(lse) + 2 * th * tt * tt * 4, "attention backward step"
+
+
+_causal_attention = differentiable(_forward, _backward, name="attention", footprint=_footprint)
 
 
 def causal_attention(qkv: Tensor) -> Tensor:

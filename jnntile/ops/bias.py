@@ -40,7 +40,7 @@ def _backward(residuals, g):
     return x.with_token(token), b.with_token(token)
 
 
-_add_bias = differentiable(_forward, _backward)
+_add_bias = differentiable(_forward, _backward, name="add_bias")
 
 
 def add_bias(x: Tensor, b: Tensor) -> Tensor:

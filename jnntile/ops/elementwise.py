@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release, tile_bytes
 from jnntile.tensor import Tensor
 
 # name: (code in xla_ffi/kernels/cpu/elementwise.h, jnp reference)
@@ -58,7 +58,13 @@ def _unary_backward(code, residuals, g):
     return (x.with_token(release(token, out)),)
 
 
-_unary = differentiable(_unary_forward, _unary_backward, nondiff_argnums=(1,))
+def _unary_footprint(name, inputs, outputs, scratch):
+    (x,) = inputs
+    return 3 * tile_bytes(x), "unary backward (x, dy, dx tiles)"
+
+
+_unary = differentiable(_unary_forward, _unary_backward, nondiff_argnums=(1,), name="unary",
+                        footprint=_unary_footprint)
 
 
 def _make_unary(name: str, code: int):
@@ -97,7 +103,7 @@ def _linear_backward(coeffs, residuals, g):
     return (tuple(t.with_token(token) for t in inputs),)
 
 
-_linear = differentiable(_linear_forward, _linear_backward, nondiff_argnums=(1,))
+_linear = differentiable(_linear_forward, _linear_backward, nondiff_argnums=(1,), name="add")
 
 
 def axpby(a: float, x: Tensor, b: float, y: Tensor) -> Tensor:

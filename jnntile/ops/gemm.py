@@ -68,4 +68,4 @@ def _backward(params, residuals, g):
     return a.with_token(token), b.with_token(token)
 
 
-_matmul = differentiable(_forward, _backward, nondiff_argnums=(2,))
+_matmul = differentiable(_forward, _backward, nondiff_argnums=(2,), name="matmul")

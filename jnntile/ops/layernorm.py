@@ -9,8 +9,10 @@ per-row (mean, rstd) as a float32 tensor (..., 2) for the backward.
 
 from __future__ import annotations
 
+import math
+
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release, tile_bytes
 from jnntile.tensor import Tensor
 
 
@@ -52,7 +54,15 @@ def _backward(eps, residuals, g):
     return x.with_token(token), weight.with_token(token), bias.with_token(token)
 
 
-_layer_norm = differentiable(_forward, _backward, nondiff_argnums=(3,))
+def _footprint(name, inputs, outputs, scratch):
+    """The backward's dx task: x, stats, weight, dy and dx tiles, and two doubles of sums per row."""
+    x, weight, _ = inputs
+    (stats,) = scratch
+    rows = math.prod(x.tile_shape[:-1])
+    return 3 * tile_bytes(x) + tile_bytes(stats) + tile_bytes(weight) + 2 * 8 * rows, "layer_norm backward"
+
+
+_layer_norm = differentiable(_forward, _backward, nondiff_argnums=(3,), name="layer_norm", footprint=_footprint)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release
+from jnntile.ops._ffi import call, differentiable, grad_target, release, tile_bytes
 from jnntile.tensor import Tensor
 
 
@@ -65,7 +65,14 @@ def _backward(ignore_index, residuals, g):
     return logits.with_token(token), targets.with_token(token)
 
 
-_cross_entropy = differentiable(_forward, _backward, nondiff_argnums=(2,))
+def _footprint(name, inputs, outputs, scratch):
+    logits, targets = inputs
+    lse = scratch[0]
+    return (2 * tile_bytes(logits) + tile_bytes(targets) + tile_bytes(lse),
+            "cross_entropy backward (logits, dlogits tiles)")
+
+
+_cross_entropy = differentiable(_forward, _backward, nondiff_argnums=(2,), name="cross_entropy", footprint=_footprint)
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
