@@ -350,8 +350,9 @@ void runtime_start(const RuntimeConfig& config) {
   // RAM when pinned (_starpu_malloc_should_suballoc, src/datawizard/malloc.c), and
   // charges whole chunks against the limits: under a limit below 32 MB nothing could
   // be allocated, and the planner's per-tile accounting would be off. Every tile is
-  // allocated on its own instead (through tile_malloc in RAM). StarPU 1.3 has no
-  // sub-allocator and ignores the variable.
+  // allocated on its own instead (through tile_malloc in RAM). StarPU 1.3 does not
+  // read the variable; its sub-allocator serves only GPU memory and pinned RAM, which
+  // Debian's build without CUDA never uses.
   setenv("STARPU_SUBALLOCATOR", "0", 1);
   setenv("STARPU_SILENT", "1", 0);
   setenv("STARPU_NOPENCL", "0", 0);
