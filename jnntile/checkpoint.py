@@ -88,10 +88,12 @@ def _complete(out_dir: Path) -> list[Path]:
 
 
 def latest(out_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint `latest` points at, or None when `out_dir` holds no complete checkpoint.
+    """The checkpoint `latest` points at, or None when `out_dir` holds no checkpoint at all.
 
     When that checkpoint is incomplete (its state file lost) or `latest` is missing, the newest
-    complete checkpoint is taken instead, and stderr says so.
+    complete checkpoint is taken instead, and stderr says so. ValueError when `out_dir` holds
+    checkpoints but none is complete (saying "no checkpoint" there would send the user looking in
+    the wrong place).
     """
     out_dir = Path(out_dir)
     pointer = out_dir / LATEST
@@ -100,7 +102,11 @@ def latest(out_dir: str | os.PathLike) -> Path | None:
         return named
     complete = _complete(out_dir)
     if not complete:
-        return None
+        incomplete = named or max(out_dir.glob("ckpt-*"), default=None)
+        if incomplete is None:
+            return None
+        raise ValueError(f"{out_dir} holds no complete checkpoint: {incomplete / STATE_FILE} is missing (lost, or "
+                         "its write was cut short); restore it, or train again without --resume")
     why = f"{named / STATE_FILE} is missing" if named is not None else f"{pointer} is missing"
     print(f"note: {why}; using the newest complete checkpoint, {complete[-1]}", file=sys.stderr)
     return complete[-1]
@@ -108,7 +114,7 @@ def latest(out_dir: str | os.PathLike) -> Path | None:
 
 def remove_stale_temporaries(out_dir: str | os.PathLike) -> list[Path]:
     """Removes what checkpoint writes killed mid-way left in `out_dir`; call it while holding the directory's
-    lock (`train.lock_out_dir`), so that no live run is writing them. Returns what was removed."""
+    lock (`train._prepare_out_dir`), so that no live run is writing them. Returns what was removed."""
     stale = [p for p in Path(out_dir).glob(".ckpt-*.tmp-*") if p.is_dir()]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 from conftest import causal_attention_reference, rel_err
 from flax import nnx
 
@@ -347,6 +348,10 @@ def test_cli_from_a_training_checkpoint(tmp_path):
     (["--hf", str(FIXTURE), "--prompt", "hi", "--temperature", "nan"], "--temperature=nan must be 0 (greedy)"),
     (["--hf", "GARBAGE_CONFIG", "--prompt", "hi"], "config.json does not parse as JSON"),
     (["--checkpoint", str(FIXTURE), "--prompt", "hi"], "is not a jnntile checkpoint"),
+    (["--checkpoint", "INCOMPLETE_OUT", "--prompt", "hi"],
+     "holds no complete checkpoint: INCOMPLETE_OUT/ckpt-0000003/state.json is missing"),
+    (["--hf", "NAN_WEIGHTS", "--prompt", "hi", "--max-new-tokens", "4"],
+     "'transformer.h.0.attn.c_proj.weight' (F32, shape (32, 32)) of NAN_WEIGHTS/model.safetensors holds NaN"),
     (["--hf", str(FIXTURE), "--prompt", "hi"], "no tokenizer in"),
     (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "4", "--tokenizer", "TOKENIZER_300"],
      "outside the model's vocabulary of 96"),
@@ -357,6 +362,20 @@ def test_cli_bad_input(argv, message, capsys, tmp_path):
         shutil.copytree(FIXTURE, garbage)
         (garbage / "config.json").write_text("<html>not a config</html>")
         argv = [str(garbage) if a == "GARBAGE_CONFIG" else a for a in argv]
+    if "INCOMPLETE_OUT" in argv:  # a training --out whose only checkpoint lost its state.json
+        incomplete = tmp_path / "run"
+        shutil.copytree(FIXTURE, incomplete / "ckpt-0000003")
+        (incomplete / "latest").write_text("ckpt-0000003")
+        argv = [str(incomplete) if a == "INCOMPLETE_OUT" else a for a in argv]
+        message = message.replace("INCOMPLETE_OUT", str(incomplete))
+    if "NAN_WEIGHTS" in argv:  # a Hugging Face file written by a run that diverged
+        nan_weights = tmp_path / "nan"
+        shutil.copytree(FIXTURE, nan_weights)
+        tensors = safetensors.numpy.load_file(nan_weights / "model.safetensors")
+        tensors["transformer.h.0.attn.c_proj.weight"][5, 7] = np.nan
+        safetensors.numpy.save_file(tensors, nan_weights / "model.safetensors", metadata={"format": "pt"})
+        argv = [str(nan_weights) if a == "NAN_WEIGHTS" else a for a in argv]
+        message = message.replace("NAN_WEIGHTS", str(nan_weights))
     if "TOKENIZER_300" in argv:  # byte-level BPE: ids up to 300 for a model of 96
         from tokenizers import ByteLevelBPETokenizer
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -330,6 +331,14 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(dataset, tmp_path, 
     assert "ckpt-0000004/state.json is missing; using the newest complete checkpoint" in err
     assert str(tmp_path / "ckpt-0000002") in err
     assert summary["losses"] and len(_losses(tmp_path)) == 5  # steps 2, 3 and 4 trained again
+
+
+def test_resume_when_no_checkpoint_is_complete_names_the_missing_state(dataset, tmp_path):
+    (tmp_path / "ckpt-0000004").mkdir()  # its model files written, state.json lost
+    (tmp_path / "latest").write_text("ckpt-0000004")
+    missing = tmp_path / "ckpt-0000004" / "state.json"
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path} holds no complete checkpoint: {missing} is missing")):
+        _run(dataset, tmp_path, "--steps", "5", "--resume")
 
 
 def test_stale_checkpoint_temporaries_are_removed_at_start(dataset, tmp_path, capsys):
