@@ -455,13 +455,14 @@ class TokenDataset:
 
         if "vocab_size" in self.meta:
             self.vocab_size = self.meta["vocab_size"]
-            if not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
+            if type(self.vocab_size) is not int or self.vocab_size <= 0:  # bool is an int subclass: refused too
                 raise ValueError(f"{meta_path} gives vocab_size={self.vocab_size!r}, not a positive integer; "
                                  "prepare the dataset again with `python -m jnntile.data`")
         elif self.tokenizer is not None:
             self.vocab_size = self.tokenizer.get_vocab_size()
-        else:
-            self.vocab_size = int(self.tokens.max()) + 1
+        else:  # a bare file: the vocabulary must hold its ids and those of the validation file beside it
+            validation = self.validation()
+            self.vocab_size = max(int(self.tokens.max()) + 1, validation.vocab_size if validation else 0)
         if self.vocab_size > MAX_VOCAB_SIZE:
             raise ValueError(
                 f"{meta_path if 'vocab_size' in self.meta else tokenizer_path} gives vocab_size="

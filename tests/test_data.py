@@ -139,6 +139,15 @@ def test_nanogpt_bin_without_tokenizer(tmp_path):
         dataset.encode("text")
 
 
+def test_bare_vocabulary_holds_the_ids_of_the_validation_file_too(tmp_path):
+    """Without meta.json the model's vocabulary comes from the ids: an id only in val.bin must fit it too."""
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.array([3, 250, 4], dtype=np.uint16).tofile(tmp_path / "val.bin")
+    dataset = data.TokenDataset(tmp_path / "train.bin")
+    assert dataset.vocab_size == 251
+    assert dataset.validation().vocab_size == 251
+
+
 def test_missing_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         data.prepare_dataset(tmp_path / "nowhere", tmp_path / "out", progress=False)
@@ -288,7 +297,8 @@ def test_ids_beyond_the_vocabulary_are_refused_naming_the_first_position(prepare
 
 
 @pytest.mark.parametrize("content, problem", [("{not json", "is not valid JSON"), ("[1, 2]", "not a JSON object"),
-                                               ('{"vocab_size": "many"}', "not a positive integer")])
+                                               ('{"vocab_size": "many"}', "not a positive integer"),
+                                               ('{"vocab_size": true}', "not a positive integer")])
 def test_corrupt_meta_json_is_named(prepared, tmp_path, content, problem):
     copy = _copy_dataset(prepared, tmp_path)
     (copy / "meta.json").write_text(content)

@@ -185,18 +185,28 @@ def test_main_reports_errors_without_traceback(dataset, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error:")
 
 
-def test_token_ids_beyond_the_vocabulary_are_refused_before_training(dataset, tmp_path, capsys):
+def _spoil_token_ids(directory: Path) -> str:
+    tokens = np.fromfile(directory / "train.bin", dtype=np.uint16)
+    tokens[100] = json.loads((directory / "meta.json").read_text())["vocab_size"] + 5
+    tokens.tofile(directory / "train.bin")
+    return "train.bin holds token id .* at position 100 "
+
+
+def _spoil_meta(directory: Path) -> str:
+    (directory / "meta.json").write_text('{"vocab_size": 4096,')
+    return re.escape(str(directory / "meta.json")) + " is not valid JSON"
+
+
+@pytest.mark.parametrize("spoil", [_spoil_token_ids, _spoil_meta])
+def test_a_spoiled_dataset_is_refused_by_the_command_before_training(dataset, tmp_path, spoil):
     bad = tmp_path / "bad"
     bad.mkdir()
-    for name in ("meta.json", "tokenizer.json"):
+    for name in ("train.bin", "meta.json", "tokenizer.json"):
         (bad / name).write_bytes((dataset.parent / name).read_bytes())
-    tokens = np.fromfile(dataset, dtype=np.uint16)
-    tokens[100] = json.loads((bad / "meta.json").read_text())["vocab_size"] + 5
-    tokens.tofile(bad / "train.bin")
-    code = train_mod.main(["--data", str(bad / "train.bin"), "--out", str(tmp_path / "out"), *SMALL])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error:") and "train.bin holds token id" in err and "at position 100" in err
+    problem = spoil(bad)
+    result = _cli("--data", str(bad / "train.bin"), "--out", str(tmp_path / "out"), *SMALL, "--steps", "1")
+    assert result.returncode == 2
+    assert re.search(rf"^error: .*{problem}", result.stderr, re.MULTILINE) and "Traceback" not in result.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
