@@ -226,8 +226,9 @@ def test_memory_limit_with_disk_swap_gives_the_same_losses(dataset, tmp_path):
 
 # ---- the command line in a fresh process ---------------------------------------------------
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "jnntile.train", *args], capture_output=True, text=True, timeout=600)
+def _cli(*argv, **kwargs):
+    return subprocess.run([sys.executable, "-m", "jnntile.train", *argv], capture_output=True, text=True,
+                          timeout=600, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -262,11 +263,6 @@ def test_automatic_tiles_shrink_to_fit_the_memory_limit(ids_4096, tmp_path):
     assert explicit.returncode == 2
     assert "cannot run: a single task" in explicit.stderr and "e.g. --tile-vocab 1024" in explicit.stderr
     assert not (tmp_path / "explicit" / "metrics.jsonl").exists()
-
-
-def _cli(*argv, **kwargs):
-    return subprocess.run([sys.executable, "-m", "jnntile.train", *argv], capture_output=True, text=True,
-                          timeout=300, **kwargs)
 
 
 def test_a_second_run_on_the_same_out_is_refused_naming_the_first(dataset, tmp_path):
