@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from jnntile import nn
+from jnntile.ledger import LEDGER
 from jnntile.ops import _ffi
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import data as data_ops
@@ -118,7 +119,7 @@ class KVCache:
         call: XLA keeps it though nothing consumes its token.
         """
         keep = self.keep | set(also_keep)
-        dead = [h for h in self.step.touched if h not in keep and not h.invalidated]
+        dead = [h for h in self.step.touched if h not in keep and not LEDGER.invalidated(h)]
         self.step.touched.clear()
         if dead:
             _ffi.call("invalidate", dead, [_ffi.join(*after)], writes=dead)

@@ -16,9 +16,10 @@ from typing import Callable, Sequence
 import jax
 
 from jnntile import tensor as tensor_mod
+from jnntile.ledger import LEDGER
 from jnntile.ops import _ffi, data
 from jnntile.ops._ffi import call
-from jnntile.tensor import Tensor
+from jnntile.tensor import Gradient, Tensor
 
 
 def _is_tensor(x) -> bool:
@@ -39,9 +40,8 @@ def zero_grads(tree):
             return x
         grad = tensor_mod.grad_handle(x.handle)
         x.handle.grad_zeroed = True
-        grad.pending_clip = grad.clip_token = None  # a clip of earlier values is not the new ones'
         if lazy:
-            grad.zero_pending, grad.invalidated = True, False
+            LEDGER.zero_later(grad)
             return x
         return x.with_token(call("fill", [grad], [x.token], value=0.0, writes=[grad]))
 
@@ -50,11 +50,33 @@ def zero_grads(tree):
 
 def _fill_untouched(g):
     """Submits the zero-fill of an argument's gradient that no backward call touched."""
-    if not _is_tensor(g) or g.handle.grad is None or not g.handle.grad.zero_pending:
+    if not _is_tensor(g) or g.handle.grad is None or not LEDGER.take_zero(g.handle.grad):
         return g
     grad = g.handle.grad
-    grad.zero_pending = False
     return g.with_token(call("fill", [grad], [g.token], value=0.0, writes=[grad]))
+
+
+def grad_of(t: Tensor) -> Tensor:
+    """The accumulated gradient of `t` as a Tensor, ordered after the cotangent `t.token`.
+
+    `jnntile.grad` of a function of Tensors returns Tensors with the same ids as
+    the inputs; their tiles stay untouched and the gradient values live here.
+    A `Gradient` clipped by `jnntile.optim.clip_by_global_norm` is scaled in
+    place first (once: the ledger remembers it, and the update then reads the
+    scaled values as they are).
+    """
+    if not t.handle.grad_zeroed:
+        raise ValueError(f"{t.handle!r} has no gradient: differentiate with jnntile.grad or "
+                         "jnntile.value_and_grad, which start its gradient at zero")
+    values = tensor_mod.grad_handle(t.handle)
+    clip = t.clip if isinstance(t, Gradient) else None
+    if clip is None:
+        return Tensor(t.token, values)
+    token = LEDGER.clipped(values, clip.norm.handle)
+    if token is None:
+        token = call("clip_by_norm", [values, clip.norm.handle], [t.token, clip.norm.token], max_norm=clip.max_norm)
+        LEDGER.record_clip(values, clip.norm.handle, token)
+    return Tensor(_ffi.join(t.token, token), values)
 
 
 def _continue_from(tree, previous):
@@ -73,12 +95,11 @@ def _continue_from(tree, previous):
             raise ValueError(f"accumulate: expected the gradient of {x!r} from an earlier jnntile.value_and_grad "
                              f"of the same arguments, got {g!r}")
         grad = x.handle.grad
-        if grad is None or not x.handle.grad_zeroed or grad.invalidated:
+        if grad is None or not x.handle.grad_zeroed or LEDGER.invalidated(grad):
             raise ValueError(f"accumulate: the gradient of {x!r} holds nothing (never computed, or consumed by a "
                              "jnntile.optim update, which invalidates gradients): accumulate before the update, "
                              "starting from the gradients of a call without accumulate")
-        _ffi.apply_pending_clip(grad, [g.token])  # the sum continues from clipped values
-        token = g.token if grad.clip_token is None else _ffi.join(g.token, grad.clip_token)
+        token = grad_of(g).token  # the sum continues from clipped values
         _ffi.record(token, grad)
         return x.with_token(_ffi.join(x.token, token))
 
@@ -137,11 +158,9 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
                     args[i] = _continue_from(args[i], g)
             (_, (value, aux)), grads = differentiated(*args, **kwargs)
             grads = jax.tree.map(_fill_untouched, grads, is_leaf=_is_tensor)
-            for g in jax.tree.leaves(grads, is_leaf=_is_tensor):  # this rank's gradients alone, so far
+            for g in jax.tree.leaves(grads, is_leaf=_is_tensor):  # a clip of earlier values is not theirs
                 if _is_tensor(g):
-                    values = tensor_mod.grad_handle(g.handle)
-                    # New values: a clip of earlier ones (applied by _continue_from) is not theirs.
-                    values.summed_over_ranks, values.pending_clip, values.clip_token = False, None, None
+                    LEDGER.new_values(tensor_mod.grad_handle(g.handle))
             if accumulate is not None:  # an argument nobody used this time: its gradient is the earlier sum
                 grads = jax.tree.map(lambda g, p: g.with_token(_ffi.join(g.token, p.token)) if _is_tensor(g) else g,
                                      grads, previous[0] if isinstance(argnums, int) else previous,

@@ -32,6 +32,8 @@ import optax
 import jnntile
 from jnntile import distributed, runtime
 from jnntile import tensor as tensor_mod
+from jnntile.grad import grad_of
+from jnntile.ledger import LEDGER
 from jnntile.ops import _ffi
 from jnntile.ops._ffi import call
 from jnntile.tensor import Gradient, Tensor
@@ -64,24 +66,27 @@ def _grad_values(g: Tensor):
 
 
 def _require_summed(grad_leaves, name: str) -> None:
-    if runtime.world_size() > 1 and not all(_grad_values(g).summed_over_ranks for g in grad_leaves):
+    if runtime.world_size() > 1 and not all(getattr(g, "summed", False) for g in grad_leaves):
         raise ValueError(f"{name}: in a distributed run the gradients must be summed over the ranks first: chain "
                          f"jnntile.optim.allreduce_sum() before {name} (jnntile.train.make_steps does)")
 
 
 def _clip_operands(g: Tensor) -> tuple[list, list, float]:
-    """The clip pending on g's values, for an update to apply as it reads them: (handles, tokens, max_norm).
+    """The clip of g's values for an update to apply as it reads them: (handles, tokens, max_norm).
 
-    clip_by_global_norm only marks the gradients: the update scales each value
-    as it reads it, which saves a pass that reads and writes every gradient
-    tile (with disk swap, a write and a read of all gradients per step).
+    clip_by_global_norm only names the clip on the gradients it returns: the
+    update scales each value as it reads it, which saves a pass that reads and
+    writes every gradient tile (with disk swap, a write and a read of all
+    gradients per step). Values clipped in place already (`jnntile.grad_of`
+    read them) are read as they are, after that clip.
     """
-    values = _grad_values(g)
-    if values.pending_clip is None:
+    clip = g.clip if isinstance(g, Gradient) else None
+    if clip is None:
         return [], [], 0.0
-    norm, max_norm = values.pending_clip
-    values.pending_clip = None
-    return [norm.handle], [norm.token], max_norm
+    applied = LEDGER.clipped(_grad_values(g), clip.norm.handle)
+    if applied is not None:
+        return [], [applied], 0.0
+    return [clip.norm.handle], [clip.norm.token], clip.max_norm
 
 
 def _consume(g: Tensor, token):
@@ -165,8 +170,9 @@ def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
 def global_norm(grads) -> Tensor:
     """The L2 norm of all gradients together, as a scalar Tensor computed on StarPU."""
     grad_leaves = _leaves(grads)
+    values = [grad_of(g) for g in grad_leaves]  # clipped ones scaled first
     norm = tensor_mod.new_handle((), "float32", ())
-    token = call("sumsq", [_grad_values(g) for g in grad_leaves] + [norm], [g.token for g in grad_leaves], sqrt=True)
+    token = call("sumsq", [v.handle for v in values] + [norm], [v.token for v in values], sqrt=True)
     return Tensor(token, norm)
 
 
@@ -174,8 +180,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """As `optax.clip_by_global_norm`: scales gradients by max_norm / norm when norm >= max_norm.
 
     The norm is computed and applied on StarPU, with no host synchronisation.
-    The scale is applied by the next `adamw` or `sgd` update as it reads the
-    gradients (or, for any other use of them, right before it).
+    The gradients returned carry the clip (`Gradient.clip`: the norm and
+    max_norm): the next `adamw` or `sgd` update applies the scale as it reads
+    them, and `jnntile.grad_of` (any other read) applies it in place first.
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm={max_norm} must be positive (use no clipping to disable it)")
@@ -186,10 +193,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     def update(grads, state, params=None):
         grad_leaves = _leaves(grads)
         _require_summed(grad_leaves, "clip_by_global_norm")
-        norm = global_norm(grads)
-        for g in grad_leaves:
-            _grad_values(g).pending_clip = (norm, float(max_norm))
-        clipped = jax.tree.map(lambda g: g.with_token(norm.token), grads, is_leaf=_is_tensor)
+        clip = tensor_mod.Clip(global_norm(grads), float(max_norm))
+        clipped = jax.tree.map(lambda g: Gradient(g.token, g.handle, clip, getattr(g, "summed", False)), grads,
+                               is_leaf=_is_tensor)
         return clipped, state
 
     return optax.GradientTransformation(init, update)
@@ -222,16 +228,14 @@ def allreduce_sum(ownership: distributed.DataParallel = distributed.DEFAULT_OWNE
         if size == 1:
             return grads, state
         grad_leaves = _leaves(grads)
-        handles = [_grad_values(g) for g in grad_leaves]
-        if any(handle.summed_over_ranks for handle in handles):
+        if any(getattr(g, "summed", False) for g in grad_leaves):
             raise ValueError("allreduce_sum: these gradients are summed over the ranks already; chain it once "
                              "(jnntile.train.make_steps adds it: give make_steps the transformation of one process)")
+        values = [grad_of(g) for g in grad_leaves]  # clipped ones scaled first
         roots = ownership.reduction_roots(sum(math.prod(g.grid) for g in grad_leaves), size)
-        token = call("allreduce", handles, [g.token for g in grad_leaves], roots=roots, key=next(_allreduce_keys),
-                     schedule=runtime.ALLREDUCE_SCHEDULES[runtime.config().allreduce])
-        for handle in handles:
-            handle.summed_over_ranks = True
-        return jax.tree.map(lambda g: g.with_token(token), grads, is_leaf=_is_tensor), state
+        token = call("allreduce", [v.handle for v in values], [v.token for v in values], roots=roots,
+                     key=next(_allreduce_keys), schedule=runtime.ALLREDUCE_SCHEDULES[runtime.config().allreduce])
+        return jax.tree.map(lambda g: Gradient(token, g.handle, summed=True), grads, is_leaf=_is_tensor), state
 
     return optax.GradientTransformation(init, update)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import typing
 import weakref
 from typing import Sequence
 
@@ -39,8 +40,7 @@ class _Handle:
     """Owns one registry id; the static part of a Tensor pytree."""
 
     __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "native", "freed", "last_token", "grad",
-                 "grad_zeroed", "is_grad", "zero_pending", "invalidated", "summed_over_ranks", "pending_clip",
-                 "clip_token", "__weakref__")
+                 "grad_zeroed", "is_grad", "__weakref__")
 
     def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True, native=True):
         self.id = tensor_id
@@ -54,19 +54,6 @@ class _Handle:
         self.grad = None
         self.grad_zeroed = False  # backward ops accumulate only into zeroed gradients
         self.is_grad = not owner  # a gradient companion
-        # Trace-time lifetime state (see jnntile/ops/_ffi.py): the zero-fill of a
-        # gradient companion is still to be submitted; the tiles were released.
-        self.zero_pending = False
-        self.invalidated = False
-        # Trace-time, for a gradient companion in a distributed run: its values are the sum over the
-        # ranks (jnntile.optim.allreduce_sum), as optimizer updates require.
-        self.summed_over_ranks = False
-        # Trace-time, for a gradient companion: (norm Tensor, max_norm) of a clip_by_global_norm whose scale
-        # the values do not hold yet. The next optimizer update applies it as it reads them (jnntile.optim);
-        # any other call on them applies it first (jnntile.ops._ffi.prepare), and later calls in the same
-        # trace wait for that clip (clip_token).
-        self.pending_clip = None
-        self.clip_token = None
         _live.add(self)
 
     def key(self):
@@ -239,6 +226,13 @@ class Tensor:
         return Tensor(token, self.handle)
 
 
+class Clip(typing.NamedTuple):
+    """A global-norm clip of gradient values: scaled by max_norm / norm when norm >= max_norm."""
+
+    norm: Tensor  # scalar, the global norm of the gradients it clips
+    max_norm: float
+
+
 @jax.tree_util.register_pytree_node_class
 class Gradient(Tensor):
     """The gradient of a Tensor argument, as returned by `jnntile.grad`.
@@ -247,12 +241,34 @@ class Gradient(Tensor):
     companion (`grad_of`). A distinct pytree type so that an optimizer that
     does not know tiles (plain Optax) fails loudly instead of only changing
     tokens (DESIGN invariant 8): use a `jnntile.optim` transformation.
+
+    What a transformation did to the values travels with them, as Optax's
+    updates do: `clip`, a global-norm clip not applied to the tiles yet (the
+    next update applies it as it reads them, `grad_of` before it reads them),
+    and `summed`, True once they are summed over the ranks of a distributed run.
     """
 
-    __slots__ = ()
+    __slots__ = ("clip", "summed")
+
+    def __init__(self, token, handle: _Handle, clip: Clip | None = None, summed: bool = False):
+        super().__init__(token, handle)
+        self.clip = clip
+        self.summed = summed
+
+    def tree_flatten(self):
+        if self.clip is None:
+            return (self.token,), (self.handle, None, None, self.summed)
+        return (self.token, self.clip.norm.token), (self.handle, self.clip.norm.handle, self.clip.max_norm,
+                                                    self.summed)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        handle, norm_handle, max_norm, summed = aux
+        clip = None if norm_handle is None else Clip(Tensor(leaves[1], norm_handle), max_norm)
+        return cls(leaves[0], handle, clip, summed)
 
     def with_token(self, token) -> "Gradient":
-        return Gradient(token, self.handle)
+        return Gradient(token, self.handle, self.clip, self.summed)
 
     def __repr__(self):
         return (f"Gradient(of tensor {self.id}, shape={self.shape}: update parameters with a jnntile.optim "
@@ -334,15 +350,3 @@ def grad_handle(handle: _Handle) -> _Handle:
     return handle.grad
 
 
-def grad_of(t: Tensor) -> Tensor:
-    """The accumulated gradient of `t` as a Tensor, ordered after the cotangent `t.token`.
-
-    `jnntile.grad` of a function of Tensors returns Tensors with the same ids as
-    the inputs; their tiles stay untouched and the gradient values live here.
-    """
-    if isinstance(t, Gradient):
-        t = Tensor(t.token, t.handle)
-    if not t.handle.grad_zeroed:
-        raise ValueError(f"{t.handle!r} has no gradient: differentiate with jnntile.grad or "
-                         "jnntile.value_and_grad, which start its gradient at zero")
-    return Tensor(t.token, grad_handle(t.handle))

@@ -29,6 +29,7 @@ from conftest import train_steps
 
 import jnntile
 from jnntile import flags, memory, optim
+from jnntile.ledger import LEDGER
 from jnntile.models import gpt2
 from jnntile.models.gpt2.config import GPT2Config
 from jnntile.ops import data
@@ -106,7 +107,7 @@ def _loss_with_output(params, x):
 def test_activation_read_after_backward_raises_clearly(rng):
     params, x = _mlp_problem(rng)
     (_, y), grads = jnntile.value_and_grad(_loss_with_output, has_aux=True)(params, x)
-    assert y.handle.invalidated and y.handle.grad.invalidated
+    assert LEDGER.invalidated(y.handle) and LEDGER.invalidated(y.handle.grad)
     with pytest.raises(ValueError, match="invalidated.*keep_activations=True"):
         y.numpy()
     with pytest.raises(ValueError, match="invalidated"):

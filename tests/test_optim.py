@@ -120,6 +120,48 @@ def test_clipped_gradients_read_before_the_update_hold_the_clip(rng, max_norm):
         assert rel_err(grads[name], ref_clipped[name]) < 1e-6, name
 
 
+def _read_every_gradient():
+    """A transformation that reads the gradients' values (as logging would) and passes them on."""
+    def update(grads, state, params=None):
+        for g in jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, jnntile.Tensor)):
+            jnntile.to_array(jnntile.grad_of(g))
+        return grads, state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "does-not-clip"])
+def test_gradients_read_between_the_clip_and_the_update_are_clipped_once(rng, max_norm):
+    # The read scales the tiles in place; the ledger tells the update that they hold the clip already.
+    _compare(rng, optax.chain(optim.clip_by_global_norm(max_norm), _read_every_gradient(), optim.adamw(1e-2)),
+             optax.chain(optax.clip_by_global_norm(max_norm), optax.adamw(1e-2)), steps=3)
+
+
+def test_the_clip_travels_with_the_gradients_through_a_jit_boundary(rng):
+    arrays, (x_np,) = mlp_problem(rng)
+    params = mlp_params(arrays)
+    x = jnntile.from_array(x_np, (5, 4))
+    tx = optim.adamw(1e-2)
+    ref_tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2))
+    state = tx.init(params)
+
+    @jax.jit
+    def clipped_grads(params, x):  # returns Gradients that carry their clip, not applied to the tiles
+        _, grads = jnntile.value_and_grad(mlp_loss)(params, x)
+        return optim.clip_by_global_norm(0.05).update(grads, optax.EmptyState())[0]
+
+    grads = clipped_grads(params, x)
+    assert all(g.clip is not None and g.clip.max_norm == 0.05 for g in grads.values())
+    leaves, treedef = jax.tree.flatten(grads)
+    assert all(g.clip.norm.id == grads["w1"].clip.norm.id for g in jax.tree.unflatten(treedef, leaves).values())
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    ref_params = jax.tree.map(jnp.asarray, arrays)
+    _, ref_grads = jax.value_and_grad(mlp_reference_loss)(ref_params, x_np)
+    ref_params = optax.apply_updates(ref_params, ref_tx.update(ref_grads, ref_tx.init(ref_params), ref_params)[0])
+    for name in arrays:
+        assert rel_err(params[name].numpy(), ref_params[name]) < 1e-5, name
+
+
 def test_an_update_applies_the_clip_without_a_pass_of_its_own(rng):
     arrays, (x_np,) = mlp_problem(rng)
     params = mlp_params(arrays)

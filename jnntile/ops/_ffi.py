@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jnntile import tensor as tensor_mod
+from jnntile.ledger import LEDGER
 from jnntile.tensor import Tensor, _Handle
 
 TOKEN = jax.ShapeDtypeStruct((), jnp.float32)
@@ -110,7 +111,7 @@ def _ids(handles: Sequence[_Handle | None], writes: Sequence[_Handle] = ()) -> n
     for handle in handles:
         if handle is not None:
             handle.check_alive()
-            if handle.invalidated and not any(handle is w for w in writes):
+            if LEDGER.invalidated(handle) and not any(handle is w for w in writes):
                 raise invalidated_error(handle)
     return np.asarray([-1 if h is None else h.id for h in handles], dtype=np.int32)
 
@@ -168,23 +169,18 @@ def read_token(array) -> jax.Array:
 
 
 def prepare(handles: Sequence[_Handle | None], tokens: Sequence, writes: Sequence[_Handle] = ()) -> list:
-    """The tokens a call on `handles` must wait for, after submitting pending zero-fills and clips.
+    """The tokens a call on `handles` must wait for, after submitting pending zero-fills.
 
-    A gradient companion whose zero-fill is pending is filled first (unless this
-    call writes it whole); one whose clip is pending (jnntile.optim) is scaled
-    first; a call on a gradient companion waits for every earlier call on it in
-    this step.
+    A gradient companion whose zero-fill is pending (jnntile.ledger) is filled
+    first, unless this call writes it whole; a call on a gradient companion
+    waits for every earlier call on it in this step.
     """
     tokens = list(tokens)
     step = current_step()
     for handle in handles:
         if handle is None:
             continue
-        apply_pending_clip(handle, tokens)
-        if handle.clip_token is not None:
-            tokens.append(handle.clip_token)
-        if handle.zero_pending:
-            handle.zero_pending = False
+        if LEDGER.take_zero(handle):
             if not any(handle is w for w in writes):
                 deps = _dedup(tokens + (step.touched.get(handle, []) if step else []))
                 fill_token = call("fill", [handle], deps, writes=[handle], value=0.0)
@@ -192,18 +188,6 @@ def prepare(handles: Sequence[_Handle | None], tokens: Sequence, writes: Sequenc
         if handle.is_grad and step is not None:
             tokens.extend(step.touched.get(handle, []))
     return _dedup(tokens)
-
-
-def apply_pending_clip(handle: _Handle, tokens: Sequence) -> None:
-    """Scales `handle`'s values by the clip pending on them (jnntile.optim), after `tokens`.
-
-    Later calls on the handle in this trace wait for it (`prepare` adds its token).
-    """
-    if handle.pending_clip is None:
-        return
-    norm, max_norm = handle.pending_clip
-    handle.pending_clip = None
-    handle.clip_token = call("clip_by_norm", [handle, norm.handle], list(tokens) + [norm.token], max_norm=max_norm)
 
 
 def after(token, *handles: _Handle):
@@ -237,8 +221,7 @@ def call(target: str, handles: Sequence[_Handle], tokens: Sequence, *,
         grad = tensor_mod.grad_handle(handle)
         handle.grad_zeroed = True
         if lazy:
-            grad.zero_pending = True
-            grad.invalidated = False
+            LEDGER.zero_later(grad)
     if lazy:
         zero_grads = ()
     handles = list(handles)
@@ -248,14 +231,13 @@ def call(target: str, handles: Sequence[_Handle], tokens: Sequence, *,
     if zero_grads:
         attrs["zero_grads"] = len(zero_grads)
         for handle in zero_grads:
-            handle.grad.invalidated = False
-            handle.grad.zero_pending = False
+            LEDGER.written(handle.grad)
     if inputs:
         attrs["n_inputs"] = len(inputs)
     fn = jax.ffi.ffi_call(f"jnntile_{target}", TOKEN, has_side_effect=True)
     token = on_host(fn, ids, *inputs, *tokens, **{k: _attr(v) for k, v in attrs.items()})
     for handle in writes:
-        handle.invalidated = target == "invalidate"
+        (LEDGER.dropped if target == "invalidate" else LEDGER.written)(handle)
     record(token, *handles, *(h.grad for h in zero_grads))
     return after(token, *handles)
 
@@ -353,11 +335,10 @@ def invalidate(handles: Sequence[_Handle | None], tokens: Sequence):
     step = current_step()
     targets = []
     for handle in handles:
-        if handle is None or handle.freed or handle.invalidated or any(handle is t for t in targets):
+        if handle is None or handle.freed or LEDGER.invalidated(handle) or any(handle is t for t in targets):
             continue
-        if handle.zero_pending:  # never filled: nothing to drop, and it starts at zero when next used
+        if LEDGER.zero_pending(handle):  # never filled: nothing to drop, and it starts at zero when next used
             continue
-        handle.pending_clip = handle.clip_token = None  # values dropped: nothing to scale
         targets.append(handle)
     if not targets:
         return join(*tokens)

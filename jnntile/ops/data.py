@@ -12,6 +12,7 @@ import numpy as np
 
 from jnntile import _xla_ffi
 from jnntile import tensor as tensor_mod
+from jnntile.ledger import LEDGER
 from jnntile.ops import _ffi
 from jnntile.ops._ffi import after, call, differentiable, grad_target
 from jnntile.tensor import Tensor
@@ -79,7 +80,7 @@ def _write(t: Tensor, array, accumulate: bool):
     fn = jax.ffi.ffi_call("jnntile_write", jax.ShapeDtypeStruct((), jnp.float32), has_side_effect=True)
     token = _ffi.on_host(fn, ids, array, *tokens, accumulate=np.int64(accumulate))
     if not accumulate:
-        t.handle.invalidated = False
+        LEDGER.written(t.handle)
     _ffi.record(token, t.handle)
     return after(token, t.handle)
 
@@ -170,7 +171,7 @@ def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: fl
                              f"expected {chunk.shape}")
         _xla_ffi.tensor_write(t.id, array, list(chunk.tile_lo), list(chunk.tile_hi))
         del array  # before the next one is read
-    t.handle.invalidated = False
+    LEDGER.written(t.handle)
     return t.with_token(after(_ffi.on_host(jnp.zeros, (), jnp.float32), t.handle))
 
 
