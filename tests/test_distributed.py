@@ -7,6 +7,7 @@ one CPU worker per rank; models are tiny. They skip where jnntile has no StarPU-
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -199,4 +200,7 @@ def test_a_rank_that_stops_is_named_by_the_others_within_the_watchdog_time(tmp_p
     result = mpirun((3, WORKER, tmp_path, "--signal", "STOP", "--at-step", "2", "--on-rank", "1", "--watchdog-s", "3"))
     assert result.returncode != 0
     # Ranks 0 and 2 wait for tiles from rank 1, and for each other's sums, which wait for rank 1: a ping tells.
-    assert result.stderr.count("rank 1 does not answer: died or stopped") == 2, result.stderr[-3000:]
+    # Whichever of them reports first exits, and mpirun, ending the job, resumes rank 1 (SIGCONT before its
+    # SIGTERM): the other may then find it answering. So at least one names it, and none names another rank.
+    assert result.stderr.count("rank 1 does not answer: died or stopped") >= 1, result.stderr[-3000:]
+    assert not re.search(r"rank [02] does not answer|ranks .* do not answer", result.stderr), result.stderr[-3000:]
