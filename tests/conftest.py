@@ -32,15 +32,19 @@ def rel_err(actual, expected) -> float:
 
 
 def causal_attention_reference(qkv):
-    """Softmax attention with a causal mask, in plain jnp, on qkv of shape (B, T, 3, H, D)."""
+    """Softmax attention with a causal mask, in plain jnp, on qkv of shape (B, T, G + 2, H, D): the G query
+    heads of group h (axis 2 index g < G) attend with its keys (index G) and values (G + 1). Returns
+    (B, T, G, H, D), or (B, T, H, D) where G = 1 (multi-head attention)."""
     import jax
     import jax.numpy as jnp
 
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    groups = qkv.shape[2] - 2
+    q, k, v = qkv[:, :, :groups], qkv[:, :, groups], qkv[:, :, groups + 1]
     t = qkv.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(qkv.shape[-1])
+    scores = jnp.einsum("bqghd,bkhd->bghqk", q, k) / np.sqrt(qkv.shape[-1])
     scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    out = jnp.einsum("bghqk,bkhd->bqghd", jax.nn.softmax(scores, axis=-1), v)
+    return out[:, :, 0] if groups == 1 else out
 
 
 def counter_uniform01(seed: int, counter) -> np.ndarray:

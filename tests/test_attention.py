@@ -31,12 +31,13 @@ LONG_TILINGS = {
 }
 
 
-def make_data(seed=0, shape=(B, T, H, D)):
+def make_data(seed=0, shape=(B, T, H, D), groups=1):
+    """qkv (B, T, G + 2, H, D) and a weight shaped like the output."""
     rng = np.random.default_rng(seed)
     b, t, h, d = shape
     # Scaled so that the running max changes between key tiles.
-    qkv = (2.0 * rng.standard_normal((b, t, 3, h, d))).astype(np.float32)
-    weight = rng.standard_normal(shape).astype(np.float32)
+    qkv = (2.0 * rng.standard_normal((b, t, groups + 2, h, d))).astype(np.float32)
+    weight = rng.standard_normal(shape if groups == 1 else (b, t, groups, h, d)).astype(np.float32)
     return qkv, weight
 
 
@@ -45,7 +46,8 @@ def check_values_and_gradients(qkv, weight, tiles, jit):
 
     def f(x):
         out = attention.causal_attention(x)
-        assert out.shape == weight.shape and out.tile_shape == tiles[:2] + tiles[3:]
+        assert out.shape == weight.shape
+        assert out.tile_shape == (tiles[:2] + tiles[3:] if x.shape[2] == 3 else tiles)
         return jnp.sum(jnntile.to_array(out) * weight)
 
     vg = jnntile.value_and_grad(f)
@@ -65,6 +67,24 @@ def test_values_and_gradients(tiling, jit):
 @pytest.mark.parametrize("tiling", LONG_TILINGS)
 def test_rows_longer_than_a_warp(tiling):
     check_values_and_gradients(*make_data(seed=3, shape=LONG_SHAPE), LONG_TILINGS[tiling], jit=True)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("tiling", ["one_tile", "uneven_seq", "uneven_heads_seq", "batch_uneven_heads_seq"])
+def test_grouped_query_attention(tiling, groups, jit):
+    # G query heads per key/value head: a task reads the queries of the whole group with one key and value tile.
+    check_values_and_gradients(*make_data(seed=4, groups=groups), TILINGS[tiling], jit)
+
+
+def test_grouped_query_attention_equals_multi_head_attention_over_repeated_keys_and_values():
+    # The definition: query head g of group h attends as multi-head attention would with h's keys and values.
+    qkv, _ = make_data(seed=5, groups=2)
+    out = attention.causal_attention(jnntile.from_array(qkv, (1, 5, 1, 2, D))).numpy()
+    for g in range(2):
+        mha = attention.causal_attention(jnntile.from_array(np.ascontiguousarray(qkv[:, :, [g, 2, 3]]),
+                                                            (1, 5, 1, 2, D))).numpy()
+        np.testing.assert_array_equal(out[:, :, g], mha)
 
 
 @pytest.mark.parametrize("tiling", TILINGS)
@@ -103,9 +123,9 @@ def test_bad_inputs():
     good = np.zeros((B, T, 3, H, D), np.float32)
     with pytest.raises(TypeError, match="must be float32"):
         attention.causal_attention(jnntile.from_array(good.astype(np.int32), (B, 4, 1, H, D)))
-    with pytest.raises(ValueError, match=r"shape \(B, T, 3, H, D\)"):
+    with pytest.raises(ValueError, match=r"shape \(B, T, G \+ 2, H, D\)"):
         attention.causal_attention(jnntile.from_array(np.zeros((B, T, 3 * H * D), np.float32), (B, 4, 24)))
-    with pytest.raises(ValueError, match=r"shape \(B, T, 3, H, D\)"):
+    with pytest.raises(ValueError, match=r"shape \(B, T, G \+ 2, H, D\)"):
         attention.causal_attention(jnntile.from_array(np.zeros((B, T, 2, H, D), np.float32), (B, 4, 1, H, D)))
     with pytest.raises(ValueError, match=r"1 on axis 2 .* use tile_shape \(2, 4, 1, 3, 8\)"):
         attention.causal_attention(jnntile.from_array(good, (B, 4, 3, H, D)))

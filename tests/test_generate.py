@@ -82,6 +82,19 @@ def test_cached_attention_matches_attention_over_the_sequence(tiling, jit):
 
 
 @pytest.mark.usefixtures("placement")
+@pytest.mark.parametrize("tiling", ["token_by_token", "unaligned"])
+def test_cached_grouped_query_attention(tiling):
+    # Two query heads per key/value head: the cache holds the keys and values once per group.
+    qkv = (2.0 * np.random.default_rng(6).standard_normal((B, T, 4, H, D))).astype(np.float32)
+    out, cache = _feed(qkv, *CACHE_TILINGS[tiling], jit=True)
+    assert out.shape == (B, T, 2, H, D)
+    assert rel_err(out, causal_attention_reference(qkv)) <= 1e-5
+    values = cache.numpy()
+    np.testing.assert_array_equal(values[:, :, 0], qkv[:, :, 2])
+    np.testing.assert_array_equal(values[:, :, 1], qkv[:, :, 3])
+
+
+@pytest.mark.usefixtures("placement")
 def test_cached_attention_with_rows_longer_than_a_warp():
     qkv = np.random.default_rng(3).standard_normal((2, 70, 3, 3, 40)).astype(np.float32)
     out, _ = _feed(qkv, (2, 36, 1, 2, 40), 40, [33, 1, 36], jit=True)

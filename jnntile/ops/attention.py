@@ -1,13 +1,17 @@
-"""Causal multi-head self-attention over tiles, FlashAttention-2 style.
+"""Causal self-attention over tiles, FlashAttention-2 style, multi-head or grouped-query.
 
-`causal_attention(qkv)` takes the c_attn projection viewed as (B, T, 3, H, D)
-(q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]; heads contiguous, HF
-GPT-2's split of the 3C axis) and returns softmax(q k^T / sqrt(D) + causal
-mask) v as (B, T, H, D). Tiles of qkv are (tb, tt, 1, th, D): q, k and v are
+`causal_attention(qkv)` takes the fused q/k/v projection viewed as
+(B, T, G + 2, H, D): G query heads share each of the H key/value heads
+(grouped-query attention, as Llama's num_key_value_heads; G = 1 is GPT-2's
+multi-head attention, its c_attn output (B, T, 3, H, D)). Axis 2 index g < G
+holds group member g's queries, index G the keys, G + 1 the values. It returns
+softmax(q k^T / sqrt(D) + causal mask) v as (B, T, G, H, D), or (B, T, H, D)
+where G = 1. Tiles of qkv are (tb, tt, 1, th, D): queries, keys and values are
 separate tiles and the head dimension is whole; the output is tiled
-(tb, tt, th, D). Queries and keys share the sequence tile tt, and only one
-(tt, tt) block of scores exists per task, so memory does not grow with T^2
-(see xla_ffi/ops/attention.cc for the tasks).
+(tb, tt, 1, th, D) ((tb, tt, th, D) where G = 1). Queries and keys share the
+sequence tile tt, only one (tt, tt) block of scores exists per task, so memory
+does not grow with T^2, and a task takes the query tiles of a whole group, so
+each key and value tile is read once per group (see xla_ffi/ops/attention.cc).
 
 Incremental decoding (forward only) keeps the keys and values of past
 positions in a cache (B, T_max, 2, H, D) tiled (tb, tc, 1, th, D) (`kv_cache`):
@@ -34,25 +38,33 @@ def _check(qkv: Tensor, op: str = "causal_attention") -> None:
         raise TypeError(f"{op}: qkv must be a jnntile Tensor, got {type(qkv).__name__}")
     if qkv.dtype != "float32":
         raise TypeError(f"{op}: qkv must be float32, got {qkv!r}")
-    if qkv.ndim != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"{op}: qkv must have shape (B, T, 3, H, D), got {qkv.shape}; view the "
-                         "c_attn output (B, T, 3 * H * D) as (B, T, 3, H, D)")
+    if qkv.ndim != 5 or qkv.shape[2] < 3:
+        raise ValueError(f"{op}: qkv must have shape (B, T, G + 2, H, D), got {qkv.shape}; view the fused "
+                         "projection's output (B, T, (G + 2) * H * D) as (B, T, G + 2, H, D)")
     B, T, _, H, D = qkv.shape
     tb, tt, t3, th, td = qkv.tile_shape
     if t3 != 1:
-        raise ValueError(f"{op}: qkv tile_shape {qkv.tile_shape} must be 1 on axis 2 so that q, k "
-                         f"and v are separate tiles; use tile_shape ({tb}, {tt}, 1, {th}, {D})")
+        raise ValueError(f"{op}: qkv tile_shape {qkv.tile_shape} must be 1 on axis 2 so that queries, keys "
+                         f"and values are separate tiles; use tile_shape ({tb}, {tt}, 1, {th}, {D})")
     if td != D:
         raise ValueError(f"{op}: qkv tile_shape {qkv.tile_shape} must keep the head dimension D={D} "
                          f"whole; use tile_shape ({tb}, {tt}, 1, {th}, {D})")
 
 
-def _forward(qkv: Tensor, zero_grad: bool):
-    """Submits the forward; returns the output and the residuals (qkv, output, logsumexp per query row (B, T, H))."""
-    B, T, _, H, D = qkv.shape
+def output_layout(qkv: Tensor) -> tuple[tuple, tuple]:
+    """Shape and tile shape of the attention output for qkv: (B, T, G, H, D), or (B, T, H, D) where G = 1."""
+    B, T, P, H, D = qkv.shape
     tb, tt, _, th, _ = qkv.tile_shape
-    out = tensor_mod.new_handle((B, T, H, D), "float32", (tb, tt, th, D))
-    lse = tensor_mod.new_handle((B, T, H), "float32", (tb, tt, th))
+    if P == 3:
+        return (B, T, H, D), (tb, tt, th, D)
+    return (B, T, P - 2, H, D), (tb, tt, 1, th, D)
+
+
+def _forward(qkv: Tensor, zero_grad: bool):
+    """Submits the forward; returns the output and the residuals (qkv, output, logsumexp per query row)."""
+    shape, tile_shape = output_layout(qkv)
+    out = tensor_mod.new_handle(shape, "float32", tile_shape)
+    lse = tensor_mod.new_handle(shape[:-1], "float32", tile_shape[:-1])
     token = call("attention", [qkv.handle, out, lse], [qkv.token], zero_grads=[out] if zero_grad else [])
     return Tensor(token, out), (qkv, Tensor(token, out), Tensor(token, lse))
 
@@ -68,18 +80,22 @@ def _backward(residuals, g):
 
 
 def _footprint(name, inputs, outputs, scratch):
-    """A backward step: q, k, v, dout, dq, dk, dv (7 output-sized tiles), lse and delta rows, and the
-    probabilities and their gradient (tile_seq x tile_seq per head of a batch row, kernels/attention.h)."""
-    (out,), (lse,) = outputs, scratch
-    _, tt, th, _ = out.tile_shape
-    return 7 * tile_bytes(out) + 2 * tile_bytes(lse) + 2 * th * tt * tt * 4, "attention backward step"
+    """A backward step: per member of a group of G query heads q, dout, dq, lse and delta tiles; k, v, dk and
+    dv; the probabilities and their gradient (tile_seq x tile_seq per head of a batch row, kernels/attention.h),
+    reused by the members."""
+    (qkv,), (out,), (lse,) = inputs, outputs, scratch
+    groups = qkv.shape[2] - 2
+    tt, th = qkv.tile_shape[1], qkv.tile_shape[3]
+    return ((3 * groups + 4) * tile_bytes(out) + 2 * groups * tile_bytes(lse) + 2 * th * tt * tt * 4,
+            "attention backward step")
 
 
 _causal_attention = differentiable(_forward, _backward, name="attention", footprint=_footprint)
 
 
 def causal_attention(qkv: Tensor) -> Tensor:
-    """Causal softmax attention with scale 1/sqrt(D): qkv (B, T, 3, H, D) -> (B, T, H, D).
+    """Causal softmax attention with scale 1/sqrt(D): qkv (B, T, G + 2, H, D) -> (B, T, G, H, D)
+    ((B, T, 3, H, D) -> (B, T, H, D) where G = 1).
 
     Differentiable in qkv; the backward recomputes the scores tile by tile.
     """
@@ -129,7 +145,7 @@ def _check_cache(qkv: Tensor, cache: Tensor, pos, op: str):
 
 
 def cache_write(qkv: Tensor, cache: Tensor, pos) -> Tensor:
-    """Writes the keys and values of qkv (B, T, 3, H, D) into cache at positions pos .. pos + T - 1.
+    """Writes the keys and values of qkv (B, T, G + 2, H, D) into cache at positions pos .. pos + T - 1.
 
     Returns the cache after the write (a new token). Positions must be written in
     order from 0: a cache tile whose first row is written here starts afresh (its
@@ -146,14 +162,13 @@ def cache_write(qkv: Tensor, cache: Tensor, pos) -> Tensor:
 
 
 def cached_attention(qkv: Tensor, cache: Tensor, pos) -> Tensor:
-    """Causal attention of the queries of qkv (positions pos .. pos + T - 1) over the cache: (B, T, H, D).
+    """Causal attention of the queries of qkv (positions pos .. pos + T - 1) over the cache.
 
     The cache must hold positions 0 .. pos + T - 1 (`cache_write` of this qkv
-    first). Tiled like `causal_attention`'s output; not differentiable.
+    first). Shaped and tiled like `causal_attention`'s output; not differentiable.
     """
     pos = _check_cache(qkv, cache, pos, "cached_attention")
-    B, T, _, H, D = qkv.shape
-    tb, tt, _, th, _ = qkv.tile_shape
-    out = tensor_mod.new_handle((B, T, H, D), "float32", (tb, tt, th, D))
+    shape, tile_shape = output_layout(qkv)
+    out = tensor_mod.new_handle(shape, "float32", tile_shape)
     token = call("attention_cached", [qkv.handle, cache.handle, out], [qkv.token, cache.token], inputs=[pos])
     return Tensor(token, out)

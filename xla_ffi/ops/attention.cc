@@ -1,22 +1,30 @@
-// Causal multi-head self-attention, FlashAttention-2 style.
+// Causal self-attention, FlashAttention-2 style, multi-head or grouped-query.
 //
-// qkv: (B, T, 3, H, D) tiles (tb, tt, 1, th, D): q, k and v of a (batch, seq,
-// head) block are separate tiles (axis 2 index 0, 1, 2) and D is whole.
-// out: (B, T, H, D) tiles (tb, tt, th, D); lse: (B, T, H) tiles (tb, tt, th),
-// the logsumexp of each query row, kept for the backward.
+// qkv: (B, T, G + 2, H, D) tiles (tb, tt, 1, th, D): G query heads share each of
+// the H key/value heads (grouped-query attention; G = 1 is multi-head attention,
+// GPT-2's (B, T, 3, H, D)). Axis 2 index g < G holds the queries of group
+// member g, index G the keys, G + 1 the values, so every query, key and value
+// of a (batch, seq, head) block is a tile of its own and D is whole.
+// out: (B, T, G, H, D) tiles (tb, tt, 1, th, D); lse: (B, T, G, H) tiles
+// (tb, tt, 1, th), the logsumexp of each query row, kept for the backward. With
+// G = 1 out and lse may leave out the G axis: (B, T, H, D) and (B, T, H).
 //
 // Forward, for every (batch tile, head tile, query tile i): one task per key
 // tile j <= i (later key tiles are entirely in the future) updates out_i and
 // the running (max, sum) per row in a temporary handle with an online softmax,
-// the first write-only; a finish task normalises out_i and writes lse_i.
+// the first write-only; a finish task normalises out_i and writes lse_i. A task
+// takes the query tiles of all G members of the group, so each key and value
+// tile is read once per group, not once per query head.
 //
 // Backward: delta_i = rowsum(dout_i * out_i) per query tile, then one task per
-// pair (i, j <= i) recomputes P = exp(S - lse) and accumulates into the dq_i,
-// dk_j and dv_j tiles of grad(qkv).
+// pair (i, j <= i) and group recomputes P = exp(S - lse) and accumulates into
+// the dq_i tiles of the group and the dk_j and dv_j tiles of grad(qkv), the
+// group members in order.
 //
 // The scores of a pair exist only in its task's STARPU_SCRATCH buffer, which
 // StarPU allocates on the node that runs the task (kernels/attention.h: th
-// (tt, tt) blocks, twice in the backward), so memory does not grow with T^2.
+// (tt, tt) blocks, twice in the backward, reused by the group members), so
+// memory does not grow with T^2.
 //
 // Incremental decoding (no backward): a key/value cache (B, T_max, 2, H, D)
 // tiled (tb, tc, 1, th, D) holds the keys (axis 2 index 0) and values (1) of the
@@ -29,6 +37,7 @@
 // decoding step costs O(pos), not a forward over the whole cache.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "kernels/attention.h"
 #include "task.h"
@@ -38,15 +47,18 @@ namespace {
 
 struct StepArgs {
   bool first;
+  int64_t groups;  // G query tiles per key/value tile
   AttentionPair pair;
 };
 
-// buffers: q_i, k_j, v_j, out_i, stats_i, scratch
+// buffers: q_g (G), k_j, v_j, out_g (G), stats_g (G), scratch
 template <Device D>
 void forward_step_kernel(void** buffers, const StepArgs& a) {
-  attention_forward_step<D>(a.first, a.pair, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                            tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]),
-                            tile_ptr<float>(buffers[5]));
+  const int64_t G = a.groups;
+  auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
+  for (int64_t g = 0; g < G; ++g)
+    attention_forward_step<D>(a.first, a.pair, at(g), at(G), at(G + 1), at(G + 2 + g), at(2 * G + 2 + g),
+                              at(3 * G + 2));
 }
 
 struct RowsArgs {
@@ -67,36 +79,68 @@ void backward_delta_kernel(void** buffers, const RowsArgs& a) {
                               tile_ptr<float>(buffers[2]));
 }
 
-// buffers: q_i, k_j, v_j, dout_i, lse_i, delta_i, dq_i, dk_j, dv_j, scratch
+struct BackwardArgs {
+  int64_t groups;
+  AttentionPair pair;
+};
+
+// buffers: q_g (G), k_j, v_j, dout_g (G), lse_g (G), delta_g (G), dq_g (G), dk_j, dv_j, scratch
 template <Device D>
-void backward_step_kernel(void** buffers, const AttentionPair& p) {
-  attention_backward_step<D>(p, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]),
-                             tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]), tile_ptr<float>(buffers[5]),
-                             tile_ptr<float>(buffers[6]), tile_ptr<float>(buffers[7]), tile_ptr<float>(buffers[8]),
-                             tile_ptr<float>(buffers[9]));
+void backward_step_kernel(void** buffers, const BackwardArgs& a) {
+  const int64_t G = a.groups;
+  auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
+  for (int64_t g = 0; g < G; ++g)
+    attention_backward_step<D>(a.pair, at(g), at(G), at(G + 1), at(G + 2 + g), at(2 * G + 2 + g),
+                               at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2), at(5 * G + 3), at(5 * G + 4));
 }
 
 // The tile grid shared by qkv, out and lse, checked once.
 struct Layout {
   int64_t gb, gt, gh;  // tiles on B, T, H
+  int64_t groups;      // G
+  bool group_axis;     // out and lse have the G axis
   int64_t tt, d;
   float scale;
+  starpu_data_handle_t out_tile(const TiledTensor& out, int64_t ib, int64_t i, int64_t g, int64_t ih) const {
+    return group_axis ? out.tile({ib, i, g, ih, 0}) : out.tile({ib, i, ih, 0});
+  }
+  starpu_data_handle_t lse_tile(const TiledTensor& lse, int64_t ib, int64_t i, int64_t g, int64_t ih) const {
+    return group_axis ? lse.tile({ib, i, g, ih}) : lse.tile({ib, i, ih});
+  }
 };
+
+void check_qkv(const TiledTensor& qkv, const std::function<void(const std::string&)>& fail) {
+  if (qkv.dtype != DType::F32 || qkv.ndim() != 5 || qkv.shape[2] < 3)
+    fail("qkv must be float32 (B, T, G + 2, H, D)");
+  if (qkv.tile_shape[2] != 1 || qkv.tile_shape[4] != qkv.shape[4]) fail("qkv tiles must be (tb, tt, 1, th, D)");
+}
+
+// out (B, T, G, H, D) tiled (tb, tt, 1, th, D), or without the G axis where G = 1.
+bool check_out(const TiledTensor& qkv, const TiledTensor& out, const std::function<void(const std::string&)>& fail) {
+  const Index &s = qkv.shape, &ts = qkv.tile_shape;
+  const int64_t G = s[2] - 2;
+  const bool group_axis = out.ndim() == 5;
+  if (out.dtype != DType::F32 || (!group_axis && G != 1) ||
+      out.shape != (group_axis ? Index{s[0], s[1], G, s[3], s[4]} : Index{s[0], s[1], s[3], s[4]}) ||
+      out.tile_shape != (group_axis ? Index{ts[0], ts[1], 1, ts[3], ts[4]} : Index{ts[0], ts[1], ts[3], ts[4]}))
+    fail("out must be float32 (B, T, G, H, D) tiled (tb, tt, 1, th, D) (where G = 1 also (B, T, H, D) tiled "
+         "(tb, tt, th, D))");
+  return group_axis;
+}
 
 Layout check_layout(const TiledTensor& qkv, const TiledTensor& out, const TiledTensor& lse, const char* op) {
   auto fail = [&](const std::string& why) {
     throw std::invalid_argument(std::string(op) + ": " + why + ": qkv " + qkv.describe() + ", out " +
                                 out.describe() + ", lse " + lse.describe());
   };
-  if (qkv.dtype != DType::F32 || qkv.ndim() != 5 || qkv.shape[2] != 3) fail("qkv must be float32 (B, T, 3, H, D)");
-  if (qkv.tile_shape[2] != 1 || qkv.tile_shape[4] != qkv.shape[4]) fail("qkv tiles must be (tb, tt, 1, th, D)");
+  check_qkv(qkv, fail);
+  const bool group_axis = check_out(qkv, out, fail);
   const Index &s = qkv.shape, &ts = qkv.tile_shape;
-  if (out.dtype != DType::F32 || out.shape != Index{s[0], s[1], s[3], s[4]} ||
-      out.tile_shape != Index{ts[0], ts[1], ts[3], ts[4]})
-    fail("out must be float32 (B, T, H, D) tiled (tb, tt, th, D)");
-  if (lse.dtype != DType::F32 || lse.shape != Index{s[0], s[1], s[3]} || lse.tile_shape != Index{ts[0], ts[1], ts[3]})
-    fail("lse must be float32 (B, T, H) tiled (tb, tt, th)");
-  return {qkv.grid[0], qkv.grid[1], qkv.grid[3], ts[1], s[4], float(1.0 / std::sqrt(double(s[4])))};
+  const int64_t G = s[2] - 2;
+  if (lse.dtype != DType::F32 || lse.shape != (group_axis ? Index{s[0], s[1], G, s[3]} : Index{s[0], s[1], s[3]}) ||
+      lse.tile_shape != (group_axis ? Index{ts[0], ts[1], 1, ts[3]} : Index{ts[0], ts[1], ts[3]}))
+    fail("lse must be float32 like out without D");
+  return {qkv.grid[0], qkv.grid[1], qkv.grid[3], G, group_axis, ts[1], s[4], float(1.0 / std::sqrt(double(s[4])))};
 }
 
 // The pair (query tile i, key tile j) of batch tile ib and head tile ih.
@@ -111,30 +155,38 @@ double pair_flops(const AttentionPair& p) { return double(p.nb) * p.nh * p.nq * 
 void attention_submit(const OpCall& call) {
   const TiledTensor &qkv = call.tensor(0), &out = call.tensor(1), &lse = call.tensor(2);
   const Layout l = check_layout(qkv, out, lse, "causal_attention");
+  const int64_t G = l.groups;
   static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
   static starpu_codelet* finish_cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
-        starpu_data_handle_t out_i = out.tile({ib, i, ih, 0}), q_i = qkv.tile({ib, i, 0, ih, 0});
         AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
         int64_t rows = diag.nb * diag.nq * diag.nh;
-        // stats: (tb, tt, th, 2) running max and sum of this query tile
-        starpu_data_handle_t stats = temporary_vector(rows * 2, sizeof(float));
+        // stats_g: (tb, tt, th, 2) running max and sum of group member g's query tile
+        std::vector<starpu_data_handle_t> stats(G);
+        for (auto& handle : stats) handle = temporary_vector(rows * 2, sizeof(float));
         for (int64_t j = 0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
-          starpu_data_handle_t k_j = qkv.tile({ib, j, 1, ih, 0}), v_j = qkv.tile({ib, j, 2, ih, 0});
+          std::vector<Buffer> buffers;
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
+          buffers.push_back({qkv.tile({ib, j, G, ih, 0}), STARPU_R});
+          buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({l.out_tile(out, ib, i, g, ih), mode});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
           starpu_data_handle_t scratch = temporary_vector(attention::forward_scratch_size(p), sizeof(float));
-          submit_task(step_cl,
-                      {{q_i, STARPU_R}, {k_j, STARPU_R}, {v_j, STARPU_R}, {out_i, mode}, {stats, mode},
-                       {scratch, STARPU_SCRATCH}},
-                      StepArgs{j == 0, p}, 4.0 * pair_flops(p));
+          buffers.push_back({scratch, STARPU_SCRATCH});
+          submit_task(step_cl, buffers, StepArgs{j == 0, G, p}, 4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
-        submit_task(finish_cl, {{stats, STARPU_R}, {out_i, STARPU_RW}, {lse.tile({ib, i, ih}), STARPU_W}},
-                    RowsArgs{rows, l.d}, double(rows * l.d));
-        starpu_data_unregister_submit(stats);
+        for (int64_t g = 0; g < G; ++g) {
+          submit_task(finish_cl,
+                      {{stats[g], STARPU_R}, {l.out_tile(out, ib, i, g, ih), STARPU_RW},
+                       {l.lse_tile(lse, ib, i, g, ih), STARPU_W}},
+                      RowsArgs{rows, l.d}, double(rows * l.d));
+          starpu_data_unregister_submit(stats[g]);
+        }
       }
 }
 JNNTILE_OP(attention, attention_submit);
@@ -148,31 +200,41 @@ void attention_backward_submit(const OpCall& call) {
   const Layout l = check_layout(qkv, out, lse, "causal_attention backward");
   check_same_tiling(out, dout, "causal_attention backward");
   check_same_tiling(qkv, dqkv, "causal_attention backward");
+  const int64_t G = l.groups;
   static starpu_codelet* delta_cl = JNNTILE_CODELET(RowsArgs, backward_delta_kernel, "attention_backward_delta");
-  static starpu_codelet* step_cl = JNNTILE_CODELET(AttentionPair, backward_step_kernel, "attention_backward_step");
+  static starpu_codelet* step_cl = JNNTILE_CODELET(BackwardArgs, backward_step_kernel, "attention_backward_step");
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
-        Index o_coord{ib, i, ih, 0};
         AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
         int64_t rows = diag.nb * diag.nq * diag.nh;
-        // delta: (tb, tt, th) rowsum(dout * out) of this query tile
-        starpu_data_handle_t delta = temporary_vector(rows, sizeof(float));
-        submit_task(delta_cl, {{out.tile(o_coord), STARPU_R}, {dout.tile(o_coord), STARPU_R}, {delta, STARPU_W}},
-                    RowsArgs{rows, l.d}, 2.0 * rows * l.d);
+        // delta_g: (tb, tt, th) rowsum(dout * out) of group member g's query tile
+        std::vector<starpu_data_handle_t> delta(G);
+        for (int64_t g = 0; g < G; ++g) {
+          delta[g] = temporary_vector(rows, sizeof(float));
+          submit_task(delta_cl,
+                      {{l.out_tile(out, ib, i, g, ih), STARPU_R}, {l.out_tile(dout, ib, i, g, ih), STARPU_R},
+                       {delta[g], STARPU_W}},
+                      RowsArgs{rows, l.d}, 2.0 * rows * l.d);
+        }
         for (int64_t j = 0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
+          std::vector<Buffer> buffers;
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
+          buffers.push_back({qkv.tile({ib, j, G, ih, 0}), STARPU_R});
+          buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({l.out_tile(dout, ib, i, g, ih), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({l.lse_tile(lse, ib, i, g, ih), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({delta[g], STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv.tile({ib, i, g, ih, 0}), STARPU_RW});
+          buffers.push_back({dqkv.tile({ib, j, G, ih, 0}), STARPU_RW});
+          buffers.push_back({dqkv.tile({ib, j, G + 1, ih, 0}), STARPU_RW});
           starpu_data_handle_t scratch = temporary_vector(attention::backward_scratch_size(p), sizeof(float));
-          submit_task(step_cl,
-                      {{qkv.tile({ib, i, 0, ih, 0}), STARPU_R}, {qkv.tile({ib, j, 1, ih, 0}), STARPU_R},
-                       {qkv.tile({ib, j, 2, ih, 0}), STARPU_R}, {dout.tile(o_coord), STARPU_R},
-                       {lse.tile({ib, i, ih}), STARPU_R}, {delta, STARPU_R}, {dqkv.tile({ib, i, 0, ih, 0}), STARPU_RW},
-                       {dqkv.tile({ib, j, 1, ih, 0}), STARPU_RW}, {dqkv.tile({ib, j, 2, ih, 0}), STARPU_RW},
-                       {scratch, STARPU_SCRATCH}},
-                      p, 10.0 * pair_flops(p));
+          buffers.push_back({scratch, STARPU_SCRATCH});
+          submit_task(step_cl, buffers, BackwardArgs{G, p}, 10.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
-        starpu_data_unregister_submit(delta);
+        for (starpu_data_handle_t handle : delta) starpu_data_unregister_submit(handle);
       }
 }
 JNNTILE_OP(attention_backward, attention_backward_submit);
@@ -193,6 +255,7 @@ void cache_copy_kernel(void** buffers, const CacheCopyArgs& a) {
 // The grids of qkv and the cache and the positions of this call, checked once.
 struct CacheLayout {
   int64_t gb, gh, gt;  // qkv tiles on B, H, T
+  int64_t groups;      // G
   int64_t tq, tc, d;   // sequence tiles of qkv and of the cache
   int64_t pos, t;      // qkv's rows are the positions pos .. pos + t - 1
   float scale;
@@ -203,8 +266,7 @@ CacheLayout check_cache(const OpCall& call, const TiledTensor& qkv, const TiledT
     throw std::invalid_argument(std::string(op) + ": " + why + ": qkv " + qkv.describe() + ", cache " +
                                 cache.describe());
   };
-  if (qkv.dtype != DType::F32 || qkv.ndim() != 5 || qkv.shape[2] != 3) fail("qkv must be float32 (B, T, 3, H, D)");
-  if (qkv.tile_shape[2] != 1 || qkv.tile_shape[4] != qkv.shape[4]) fail("qkv tiles must be (tb, tt, 1, th, D)");
+  check_qkv(qkv, fail);
   const Index &s = qkv.shape, &ts = qkv.tile_shape;
   if (cache.dtype != DType::F32 || cache.ndim() != 5 || cache.shape[0] != s[0] || cache.shape[2] != 2 ||
       cache.shape[3] != s[3] || cache.shape[4] != s[4])
@@ -216,7 +278,7 @@ CacheLayout check_cache(const OpCall& call, const TiledTensor& qkv, const TiledT
   if (pos < 0 || pos + s[1] > cache.shape[1])
     fail("positions " + std::to_string(pos) + " .. " + std::to_string(pos + s[1] - 1) + " lie outside the cache's " +
          std::to_string(cache.shape[1]) + " positions");
-  return {qkv.grid[0], qkv.grid[3], qkv.grid[1], ts[1], cache.tile_shape[1], s[4], pos, s[1],
+  return {qkv.grid[0], qkv.grid[3], qkv.grid[1], s[2] - 2, ts[1], cache.tile_shape[1], s[4], pos, s[1],
           float(1.0 / std::sqrt(double(s[4])))};
 }
 
@@ -234,7 +296,7 @@ void require_cache_written(const TiledTensor& cache, const CacheLayout& l, int64
           }
 }
 
-// ids [qkv, cache], inputs [pos]: cache[:, pos + r, 0|1] = qkv[:, r, 1|2] for every row r of qkv.
+// ids [qkv, cache], inputs [pos]: cache[:, pos + r, 0|1] = qkv[:, r, G|G + 1] for every row r of qkv.
 void cache_write_submit(const OpCall& call) {
   const TiledTensor &qkv = call.tensor(0), &cache = call.tensor(1);
   const CacheLayout l = check_cache(call, qkv, cache, "attention cache write");
@@ -262,7 +324,7 @@ void cache_write_submit(const OpCall& call) {
           const CacheCopyArgs a{start == c0, {q_ext[0], q_ext[3] * l.d, q_ext[1], start - q0, c_ext[1], start - c0,
                                               stop - start}};
           for (int64_t kv = 0; kv < 2; ++kv)
-            submit_task(cl, {{qkv.tile({ib, i, 1 + kv, ih, 0}), STARPU_R},
+            submit_task(cl, {{qkv.tile({ib, i, l.groups + kv, ih, 0}), STARPU_R},
                              {cache.tile({ib, j, kv, ih, 0}), a.first ? STARPU_W : STARPU_RW}},
                         a);
         }
@@ -270,16 +332,19 @@ void cache_write_submit(const OpCall& call) {
 }
 JNNTILE_OP(attention_cache_write, cache_write_submit);
 
-// ids [qkv, cache, out], inputs [pos]: out (B, T, H, D) tiled (tb, tt, th, D) = softmax attention of the queries
-// of qkv (positions pos ..) over the keys and values of the cache at positions 0 .. pos + T - 1, causally.
+// ids [qkv, cache, out], inputs [pos]: out (B, T, G, H, D) tiled (tb, tt, 1, th, D), or (B, T, H, D) tiled
+// (tb, tt, th, D) where G = 1, = softmax attention of the queries of qkv (positions pos ..) over the keys and
+// values of the cache at positions 0 .. pos + T - 1, causally.
 void cached_attention_submit(const OpCall& call) {
   const TiledTensor &qkv = call.tensor(0), &cache = call.tensor(1), &out = call.tensor(2);
   const CacheLayout l = check_cache(call, qkv, cache, "cached attention");
-  const Index &s = qkv.shape, &ts = qkv.tile_shape;
-  if (out.dtype != DType::F32 || out.shape != Index{s[0], s[1], s[3], s[4]} ||
-      out.tile_shape != Index{ts[0], ts[1], ts[3], ts[4]})
-    throw std::invalid_argument("cached attention: out must be float32 (B, T, H, D) tiled (tb, tt, th, D): qkv " +
-                                qkv.describe() + ", out " + out.describe());
+  const bool group_axis = check_out(qkv, out, [&](const std::string& why) {
+    throw std::invalid_argument("cached attention: " + why + ": qkv " + qkv.describe() + ", out " + out.describe());
+  });
+  const int64_t G = l.groups;
+  auto out_tile = [&](int64_t ib, int64_t i, int64_t g, int64_t ih) {
+    return group_axis ? out.tile({ib, i, g, ih, 0}) : out.tile({ib, i, ih, 0});
+  };
   // The cache tiles up to the last position hold keys and values.
   require_cache_written(cache, l, 0, (l.pos + l.t - 1) / l.tc + 1,
                         "cached attention: the cache holds nothing at some of the positions 0 .. " +
@@ -292,26 +357,32 @@ void cached_attention_submit(const OpCall& call) {
         const Index q_ext = qkv.tile_extent({ib, i, 0, ih, 0});
         const int64_t q0 = l.pos + i * l.tq, last = q0 + q_ext[1] - 1;
         const int64_t rows = q_ext[0] * q_ext[1] * q_ext[3];
-        starpu_data_handle_t out_i = out.tile({ib, i, ih, 0}), q_i = qkv.tile({ib, i, 0, ih, 0});
-        // stats: (tb, tt, th, 2) running max and sum; lse: the finish writes it, nobody reads it
-        starpu_data_handle_t stats = temporary_vector(rows * 2, sizeof(float));
-        starpu_data_handle_t lse = temporary_vector(rows, sizeof(float));
+        // stats_g: (tb, tt, th, 2) running max and sum of group member g's queries
+        std::vector<starpu_data_handle_t> stats(G);
+        for (auto& handle : stats) handle = temporary_vector(rows * 2, sizeof(float));
         for (int64_t j = 0; j * l.tc <= last; ++j) {
           const Index k_ext = cache.tile_extent({ib, j, 0, ih, 0});
           const AttentionPair p{q_ext[0], q_ext[3], q_ext[1], k_ext[1], l.d, q0, j * l.tc, l.scale};
           starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
+          std::vector<Buffer> buffers;
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
+          buffers.push_back({cache.tile({ib, j, 0, ih, 0}), STARPU_R});
+          buffers.push_back({cache.tile({ib, j, 1, ih, 0}), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({out_tile(ib, i, g, ih), mode});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
           starpu_data_handle_t scratch = temporary_vector(attention::forward_scratch_size(p), sizeof(float));
-          submit_task(step_cl,
-                      {{q_i, STARPU_R}, {cache.tile({ib, j, 0, ih, 0}), STARPU_R},
-                       {cache.tile({ib, j, 1, ih, 0}), STARPU_R}, {out_i, mode}, {stats, mode},
-                       {scratch, STARPU_SCRATCH}},
-                      StepArgs{j == 0, p}, 4.0 * pair_flops(p));
+          buffers.push_back({scratch, STARPU_SCRATCH});
+          submit_task(step_cl, buffers, StepArgs{j == 0, G, p}, 4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
-        submit_task(finish_cl, {{stats, STARPU_R}, {out_i, STARPU_RW}, {lse, STARPU_W}}, RowsArgs{rows, l.d},
-                    double(rows * l.d));
-        starpu_data_unregister_submit(stats);
-        starpu_data_unregister_submit(lse);
+        for (int64_t g = 0; g < G; ++g) {
+          // lse: the finish writes it, nobody reads it
+          starpu_data_handle_t lse = temporary_vector(rows, sizeof(float));
+          submit_task(finish_cl, {{stats[g], STARPU_R}, {out_tile(ib, i, g, ih), STARPU_RW}, {lse, STARPU_W}},
+                      RowsArgs{rows, l.d}, double(rows * l.d));
+          starpu_data_unregister_submit(stats[g]);
+          starpu_data_unregister_submit(lse);
+        }
       }
 }
 JNNTILE_OP(attention_cached, cached_attention_submit);
