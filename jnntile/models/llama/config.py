@@ -10,6 +10,8 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+import numpy as np
+
 from jnntile.models import TileSizes, is_int
 
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -86,6 +88,25 @@ class LlamaConfig(TileSizes):
     def kv_groups(self) -> int:
         """Query heads per key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    def inverse_frequencies(self) -> np.ndarray:
+        """The rotary embedding's D/2 frequencies theta^(-2i/D) in float32, as Hugging Face computes them, with
+        Llama 3.1's scaling when configured (low frequencies divided by `factor`, a smooth blend between the two
+        wavelength bounds)."""
+        D = self.head_dim
+        inv_freq = (1.0 / (np.float32(self.rope_theta) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D))))
+        scaling = self.rope_scaling_dict
+        if scaling is None:
+            return inv_freq.astype(np.float32)
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
 
     def check_sequence_length(self, seq_len: int) -> None:
         """Refuses sequences this implementation would compute wrongly: longer than the positions the model

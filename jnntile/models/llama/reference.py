@@ -37,25 +37,6 @@ def init_params(config: LlamaConfig, seed: int) -> dict[str, jax.Array]:
     return params
 
 
-def inverse_frequencies(config: LlamaConfig) -> jax.Array:
-    """The rotary embedding's D/2 frequencies: theta^(-2i/D), with Llama 3.1's scaling when configured
-    (low frequencies divided by `factor`, a smooth blend between the two wavelength bounds)."""
-    D = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
-    scaling = config.rope_scaling_dict
-    if scaling is None:
-        return inv_freq
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return jnp.where(medium, smoothed, scaled)
-
-
 def rotary(x, positions, inv_freq):
     """x (B, T, heads, D) rotated by the angles positions (B, T) x inv_freq, halves paired as Hugging Face."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq          # (B, T, D/2)
@@ -79,7 +60,7 @@ def attention(params, prefix, config: LlamaConfig, x, positions):
     """Causal grouped-query attention with rotary embeddings: (B, T, C) -> (B, T, C)."""
     B, T, _ = x.shape
     H, KV, D, G = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.kv_groups
-    inv_freq = inverse_frequencies(config)
+    inv_freq = jnp.asarray(config.inverse_frequencies())
     q = rotary(_linear(params, prefix + "q_proj", x).reshape(B, T, H, D), positions, inv_freq)
     k = rotary(_linear(params, prefix + "k_proj", x).reshape(B, T, KV, D), positions, inv_freq)
     v = _linear(params, prefix + "v_proj", x).reshape(B, T, KV, D)

@@ -1,0 +1,91 @@
+"""rotary: values and gradients against the Llama reference's rotary embedding, for every tiling and offset."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+
+import jnntile
+from jnntile.models.llama import LlamaConfig
+from jnntile.models.llama import reference as ref
+from jnntile.ops.rotary import rotary
+
+# Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
+pytestmark = pytest.mark.usefixtures("placement")
+
+SHAPE = (2, 12, 4, 3, 8)  # B, T, P (two query parts, keys, values), H, D
+TILINGS = {
+    "one_tile": (2, 12, 1, 3, 8),
+    "many_tiles": (1, 4, 1, 1, 8),
+    "uneven_tiles": (2, 5, 1, 2, 8),  # T = 5 + 5 + 2, H = 2 + 1
+}
+INV_FREQ = LlamaConfig(head_dim=8, hidden_size=32, num_attention_heads=4, rope_theta=100.0).inverse_frequencies()
+
+
+def reference(x, pos, rotated_parts):
+    """The reference's rotation of parts < rotated_parts at positions pos, pos + 1, ...; the others as they are."""
+    B, T, P, H, D = x.shape
+    positions = jnp.broadcast_to(pos + jnp.arange(T), (B, T))
+    turned = ref.rotary(x[:, :, :rotated_parts].reshape(B, T, rotated_parts * H, D), positions, jnp.asarray(INV_FREQ))
+    return jnp.concatenate([turned.reshape(B, T, rotated_parts, H, D), x[:, :, rotated_parts:]], axis=2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("pos", [0, 37])
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_values_and_gradients(tiling, pos, jit):
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal(SHAPE).astype(np.float32)
+    weight = rng.standard_normal(SHAPE).astype(np.float32)
+    x = jnntile.from_array(x_np, TILINGS[tiling])
+
+    def loss(x, pos):
+        y = rotary(x, INV_FREQ, pos)
+        assert y.shape == SHAPE and y.tile_shape == TILINGS[tiling]
+        return jnp.sum(jnntile.to_array(y) * weight)
+
+    fn = jnntile.value_and_grad(loss)
+    value, grad = (jax.jit(fn) if jit else fn)(x, np.int32(pos))
+    ref_value, ref_grad = jax.value_and_grad(lambda z: jnp.sum(reference(z, pos, 3) * weight))(x_np)
+    assert rel_err(value, ref_value) <= 1e-5
+    assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+    np.testing.assert_allclose(rotary(x, INV_FREQ, pos).numpy(), reference(x_np, pos, 3), rtol=1e-5, atol=2e-6)
+
+
+def test_one_compiled_step_serves_every_offset():
+    x_np = np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32)
+    x = jnntile.from_array(x_np, TILINGS["uneven_tiles"])
+    step = jax.jit(lambda x, pos: jnntile.to_array(rotary(x, INV_FREQ, pos, rotated_parts=4)))
+    for pos in (0, 5, 1000):
+        assert rel_err(step(x, np.int32(pos)), reference(x_np, pos, 4)) <= 1e-5
+    assert step._cache_size() == 1
+
+
+def test_rotating_by_p_then_q_is_rotating_by_p_plus_q():
+    x_np = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
+    x = jnntile.from_array(x_np, TILINGS["many_tiles"])
+    twice = rotary(rotary(x, INV_FREQ, 3, rotated_parts=4), INV_FREQ, 0, rotated_parts=4).numpy()
+    # Positions add up row by row: row t turned by (3 + t) then by t is turned by 3 + 2t.
+    B, T, P, H, D = SHAPE
+    expected = ref.rotary(x_np.reshape(B, T, P * H, D), jnp.broadcast_to(3 + 2 * jnp.arange(T), (B, T)),
+                          jnp.asarray(INV_FREQ))
+    np.testing.assert_allclose(twice, np.asarray(expected).reshape(SHAPE), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs():
+    x = jnntile.zeros(SHAPE, tile_shape=TILINGS["one_tile"])
+    with pytest.raises(ValueError, match=r"must have shape \(B, T, P, H, D\)"):
+        rotary(jnntile.zeros((2, 12, 8)), INV_FREQ)
+    with pytest.raises(ValueError, match=r"use tile_shape \(2, 12, 1, 3, 8\)"):
+        rotary(jnntile.zeros(SHAPE, tile_shape=(2, 12, 2, 3, 8)), INV_FREQ)
+    with pytest.raises(ValueError, match=r"3 frequencies for head dimension D=8; it needs D / 2 = 4"):
+        rotary(x, INV_FREQ[:3])
+    with pytest.raises(ValueError, match=r"D=7 must be even"):
+        rotary(jnntile.zeros((1, 2, 2, 1, 7), tile_shape=(1, 2, 1, 1, 7)), INV_FREQ)
+    with pytest.raises(ValueError, match=r"rotated_parts=5 must be in \[0, 4\]"):
+        rotary(x, INV_FREQ, rotated_parts=5)
+    with pytest.raises(TypeError, match="pos must be an integer scalar"):
+        rotary(x, INV_FREQ, 1.5)
+    with pytest.raises(TypeError, match="float32"):
+        rotary(jnntile.from_array(np.zeros(SHAPE, np.int32)), INV_FREQ)

@@ -1,0 +1,55 @@
+#include <vector>
+
+#include "kernels/rotary.h"
+
+namespace jnntile {
+namespace {
+
+// Calls pair(first value's offset, cos, sin) for every pair of the tile, one cosine and sine per sequence
+// row and frequency, shared by the row's batch rows and heads.
+template <class Pair>
+void for_each_pair(const RotaryTile& t, Pair pair) {
+  const int64_t half = t.d / 2;
+  std::vector<float> cos_a(half), sin_a(half);
+  for (int64_t r = 0; r < t.nt; ++r) {
+    for (int64_t c = 0; c < half; ++c) {
+      const float a = float(t.pos0 + r) * t.inv_freq[c];
+      cos_a[c] = cosf(a);
+      sin_a[c] = sinf(a);
+    }
+    for (int64_t b = 0; b < t.nb; ++b)
+      for (int64_t h = 0; h < t.nh; ++h) {
+        const int64_t head = ((b * t.nt + r) * t.nh + h) * t.d;
+        for (int64_t c = 0; c < half; ++c) pair(head + c, head + c + half, cos_a[c], sin_a[c]);
+      }
+  }
+}
+
+}  // namespace
+
+template <>
+void rotary_forward<Device::Cpu>(const RotaryTile& t, const float* x, float* y) {
+  if (!t.rotate) {
+    for (int64_t i = 0; i < rotary::numel(t); ++i) y[i] = x[i];
+    return;
+  }
+  for_each_pair(t, [&](int64_t i, int64_t j, float cos_a, float sin_a) {
+    rotary::turn(x[i], x[j], cos_a, sin_a, y[i], y[j]);
+  });
+}
+
+template <>
+void rotary_backward<Device::Cpu>(const RotaryTile& t, const float* dy, float* dx) {
+  if (!t.rotate) {
+    for (int64_t i = 0; i < rotary::numel(t); ++i) dx[i] += dy[i];
+    return;
+  }
+  for_each_pair(t, [&](int64_t i, int64_t j, float cos_a, float sin_a) {
+    float a, b;
+    rotary::turn(dy[i], dy[j], cos_a, -sin_a, a, b);
+    dx[i] += a;
+    dx[j] += b;
+  });
+}
+
+}  // namespace jnntile

@@ -1,0 +1,53 @@
+// Rotary position embedding (RoPE) on one tile, halves paired as Hugging Face's
+// Llama does (`rotate_half`): for c < D/2 the pair (x[c], x[c + D/2]) of a head
+// turns by the angle pos * inv_freq[c], computed in float32 as there.
+//
+// A tile (nb, nt, 1, nh, d) of x (B, T, P, H, D) is nb * nt rows of nh heads of
+// d values; row t of the tile is at sequence position pos0 + t. The tiles of
+// the parts that are not rotated (the values, in a fused q/k/v tensor) are
+// copied, and their gradient passes unchanged.
+#pragma once
+#include <math.h>
+
+#include "kernels/device.h"
+
+namespace jnntile {
+
+// Head dimensions up to this many values: the frequencies travel in the task's arguments.
+constexpr int64_t kRotaryMaxHalf = 256;
+
+struct RotaryTile {
+  int64_t nb, nt, nh, d;  // tile extents: batch rows, sequence rows, heads, head dimension
+  int64_t pos0;           // sequence position of the tile's first row
+  bool rotate;            // false: a part that is copied (forward) or passed on (backward)
+  float inv_freq[kRotaryMaxHalf];
+};
+
+namespace rotary {
+
+JNNTILE_HD int64_t numel(const RotaryTile& t) { return t.nb * t.nt * t.nh * t.d; }
+
+// The angle of pair c at the position of element i of the tile (row-major), and the index of its first
+// value: i is any element of the pair.
+JNNTILE_HD float angle(const RotaryTile& t, int64_t i) {
+  const int64_t half = t.d / 2, row = i / (t.nh * t.d) % t.nt, c = i % t.d % half;
+  return float(t.pos0 + row) * t.inv_freq[c];
+}
+
+// The pair (a, b) = (x[c], x[c + D/2]) turned by +angle (forward) or -angle (backward, the transpose).
+JNNTILE_HD void turn(float a, float b, float cos_a, float sin_a, float& out_a, float& out_b) {
+  out_a = a * cos_a - b * sin_a;
+  out_b = b * cos_a + a * sin_a;
+}
+
+}  // namespace rotary
+
+// y = x turned by the tile's angles (or copied where !t.rotate), every element of the tile.
+template <Device D>
+void rotary_forward(const RotaryTile& t, const float* x, float* y);
+
+// dx += dy turned back (or dx += dy where !t.rotate).
+template <Device D>
+void rotary_backward(const RotaryTile& t, const float* dy, float* dx);
+
+}  // namespace jnntile

@@ -1,0 +1,75 @@
+// Rotary position embedding over the tiles of x (B, T, P, H, D) tiled
+// (tb, tt, 1, th, D): the parts p < rotated_parts on axis 2 (queries and keys
+// of a fused q/k/v tensor) turn by their positions' angles, the others (values)
+// are copied. One task per tile, forward and backward. The sequence position of
+// row t is pos + t: `pos` is a per-step value, extra input 0 (DESIGN invariant
+// 4), read at submit time, so one compiled step serves every offset (prefill
+// and decoding); the frequencies are fixed by the model and are an attribute.
+#include "kernels/rotary.h"
+#include "task.h"
+
+namespace jnntile {
+namespace {
+
+template <Device D>
+void forward_kernel(void** buffers, const RotaryTile& t) {
+  rotary_forward<D>(t, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+}
+
+template <Device D>
+void backward_kernel(void** buffers, const RotaryTile& t) {
+  rotary_backward<D>(t, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+}
+
+// Calls submit(tile index, RotaryTile) for every tile of x, after checking the layout and the attributes.
+template <class Submit>
+void for_each_tile(const OpCall& call, const TiledTensor& x, const TiledTensor& y, const char* op, Submit submit) {
+  if (x.dtype != DType::F32 || x.ndim() != 5 || x.tile_shape[2] != 1 || x.tile_shape[4] != x.shape[4] ||
+      x.shape[4] % 2 != 0)
+    throw std::invalid_argument(std::string(op) + ": x must be float32 (B, T, P, H, D) with an even D, tiled "
+                                "(tb, tt, 1, th, D): " + x.describe());
+  check_same_tiling(x, y, op);
+  auto freqs = call.attrs.get<ffi::Span<const double>>("inv_freq");
+  if (freqs.has_error()) throw std::invalid_argument(std::string(op) + ": missing attribute 'inv_freq'");
+  const int64_t half = x.shape[4] / 2, rotated = attr<int64_t>(call.attrs, "rotated_parts");
+  if (int64_t(freqs.value().size()) != half || half > kRotaryMaxHalf)
+    throw std::invalid_argument(std::string(op) + ": needs D / 2 frequencies, at most " +
+                                std::to_string(kRotaryMaxHalf) + ": " + x.describe());
+  const int64_t pos = int64_t(call.input_scalar(0));
+  RotaryTile t{};
+  for (int64_t c = 0; c < half; ++c) t.inv_freq[c] = float(freqs.value()[c]);
+  for (int64_t index = 0; index < x.num_tiles(); ++index) {
+    const Index coord = x.tile_coord(index), ext = x.tile_extent(coord);
+    t.nb = ext[0];
+    t.nt = ext[1];
+    t.nh = ext[3];
+    t.d = ext[4];
+    t.pos0 = pos + coord[1] * x.tile_shape[1];
+    t.rotate = coord[2] < rotated;
+    submit(index, t);
+  }
+}
+
+// ids [x, y], inputs [pos]; attrs inv_freq (D/2 floats), rotated_parts
+void rotary_submit(const OpCall& call) {
+  const TiledTensor &x = call.tensor(0), &y = call.tensor(1);
+  static starpu_codelet* cl = JNNTILE_CODELET(RotaryTile, forward_kernel, "rotary_forward");
+  for_each_tile(call, x, y, "rotary", [&](int64_t index, const RotaryTile& t) {
+    submit_task(cl, {{x.tiles[index], STARPU_R}, {y.tiles[index], STARPU_W}}, t, 6.0 * rotary::numel(t));
+  });
+}
+JNNTILE_OP(rotary, rotary_submit);
+
+// ids [dy, dx or -1], inputs [pos]: dx += dy turned back.
+void rotary_backward_submit(const OpCall& call) {
+  if (call.ids[1] < 0) return;
+  const TiledTensor &dy = call.tensor(0), &dx = call.tensor(1);
+  static starpu_codelet* cl = JNNTILE_CODELET(RotaryTile, backward_kernel, "rotary_backward");
+  for_each_tile(call, dy, dx, "rotary backward", [&](int64_t index, const RotaryTile& t) {
+    submit_task(cl, {{dy.tiles[index], STARPU_R}, {dx.tiles[index], STARPU_RW}}, t, 6.0 * rotary::numel(t));
+  });
+}
+JNNTILE_OP(rotary_backward, rotary_backward_submit);
+
+}  // namespace
+}  // namespace jnntile
