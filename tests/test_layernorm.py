@@ -1,4 +1,4 @@
-"""layer_norm: values and gradients against a jnp reference, for every tiling."""
+"""layer_norm and rms_norm: values and gradients against a jnp reference, for every tiling."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jnntile
-from jnntile.ops.layernorm import layer_norm
+from jnntile.ops.layernorm import layer_norm, rms_norm
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
 pytestmark = pytest.mark.usefixtures("placement")
@@ -107,3 +107,51 @@ def test_bad_inputs():
         layer_norm(jnntile.from_array(np.zeros((4, 6), np.int32), (2, 3)), w, b)
     with pytest.raises(ValueError, match="eps=-1.0 must be non-negative"):
         layer_norm(x, w, b, -1.0)
+
+
+# ---- RMS normalization (Llama's RMSNorm): the same kernels, uncentered ---------------------------
+
+def rms_reference(x, w):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS) * w
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_rms_norm_values_and_gradients(tiling, jit):
+    shape, tile = TILINGS[tiling]
+    (x, w, _), (x_np, w_np, _), weight = make_case(shape, tile, seed=3)
+    out = rms_norm(x, w, EPS)
+    assert out.shape == shape and out.tile_shape == tile
+    assert rel_err(out.numpy(), rms_reference(x_np, w_np)) <= 1e-5
+
+    def loss(x, w):
+        return jnp.sum(jnntile.to_array(rms_norm(x, w, EPS)) * weight)
+
+    fn = jnntile.value_and_grad(loss, argnums=(0, 1))
+    value, grads = (jax.jit(fn) if jit else fn)(x, w)
+    ref_value, ref_grads = jax.value_and_grad(lambda x, w: jnp.sum(rms_reference(x, w) * weight),
+                                              argnums=(0, 1))(x_np, w_np)
+    assert rel_err(value, ref_value) <= 1e-5
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
+def test_rms_norm_of_a_large_mean_keeps_it():
+    # Unlike layer norm, RMS normalization keeps the mean: a row of 1000 + noise comes out near 1.
+    rng = np.random.default_rng(4)
+    x_np = (1000.0 + rng.standard_normal((4, 12))).astype(np.float32)
+    w_np = np.ones(12, np.float32)
+    out = rms_norm(jnntile.from_array(x_np, (2, 5)), jnntile.from_array(w_np, (5,)), EPS).numpy()
+    x64 = x_np.astype(np.float64)
+    exact = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + EPS)
+    assert rel_err(out, exact) <= 1e-6
+
+
+def test_rms_norm_bad_inputs():
+    x = jnntile.zeros((4, 6), tile_shape=(2, 3))
+    with pytest.raises(ValueError, match=r"rms_norm: weight has shape \(5,\) but x \(4, 6\) needs \(6,\)"):
+        rms_norm(x, jnntile.zeros((5,)))
+    with pytest.raises(ValueError, match=r"rms_norm: weight tile_shape \(2,\) must equal x's tile"):
+        rms_norm(x, jnntile.zeros((6,), tile_shape=(2,)))
+    with pytest.raises(ValueError, match="eps=-1.0 must be non-negative"):
+        rms_norm(x, jnntile.zeros((6,), tile_shape=(3,)), -1.0)

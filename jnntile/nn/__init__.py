@@ -96,6 +96,17 @@ class LayerNorm(nnx.Module):
         return layernorm_ops.layer_norm(x, self.weight.get_value(), self.bias.get_value(), self.eps)
 
 
+class RMSNorm(nnx.Module):
+    """RMS normalization over the last axis (Llama's RMSNorm), with weight (ones) and no bias."""
+
+    def __init__(self, features: int, *, tile: int, eps: float = 1e-6):
+        self.eps = float(eps)
+        self.weight = _param(lambda: jnntile.full((features,), 1.0, tile_shape=(tile,)), (features,), (tile,))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return layernorm_ops.rms_norm(x, self.weight.get_value(), self.eps)
+
+
 class Embedding(nnx.Module):
     """A (num_embeddings, features) table looked up by int32 ids."""
 

@@ -1,5 +1,10 @@
-// Layer normalization over the last axis: the arithmetic of one row and one
-// element, and the family's entry points.
+// Layer normalization and RMS normalization over the last axis: the arithmetic
+// of one row and one element, and the family's entry points.
+//
+// RMS normalization (Llama's RMSNorm) is the uncentered case: the mean is taken
+// as 0, so M2 is the sum of squares, rstd = 1 / sqrt(mean(x^2) + eps), there is
+// no bias, and the dx term loses its mean(g). Every entry point takes
+// `centered` (true: layer norm).
 //
 // The normalized axis C may be split into several tiles, so per-row statistics
 // are built from per-tile partials (in double) and combined. In every kernel a
@@ -23,7 +28,8 @@ struct Moments {
 };
 
 // Two passes in double: the mean, then the squared deviations from it.
-JNNTILE_HD Moments strided_moments(const float* x, int64_t begin, int64_t n, int64_t stride) {
+// Uncentered: the mean is 0 and one pass sums the squares.
+JNNTILE_HD Moments strided_moments(const float* x, int64_t begin, int64_t n, int64_t stride, bool centered) {
   Moments m;
   double sum = 0.0;
   for (int64_t j = begin; j < n; j += stride) {
@@ -31,7 +37,7 @@ JNNTILE_HD Moments strided_moments(const float* x, int64_t begin, int64_t n, int
     m.count += 1.0;
   }
   if (m.count == 0.0) return m;
-  m.mean = sum / m.count;
+  m.mean = centered ? sum / m.count : 0.0;
   for (int64_t j = begin; j < n; j += stride) {
     double d = x[j] - m.mean;
     m.m2 += d * d;
@@ -62,7 +68,10 @@ JNNTILE_HD void row_stats(int64_t r, int64_t count, const double* const* partial
 
 JNNTILE_HD float xhat(float x, float mean, float rstd) { return (x - mean) * rstd; }
 
-JNNTILE_HD float y(float x, float mean, float rstd, float w, float b) { return xhat(x, mean, rstd) * w + b; }
+// b is null for RMS normalization (no bias).
+JNNTILE_HD float y(float x, float mean, float rstd, float w, const float* b, int64_t j) {
+  return b ? xhat(x, mean, rstd) * w + b[j] : xhat(x, mean, rstd) * w;
+}
 
 // Per row of the backward, with g = dy * w: the sums of g and of g * xhat.
 struct GradSums {
@@ -89,7 +98,8 @@ JNNTILE_HD double sum_partials(int64_t count, const double* const* partials, int
   return sum;
 }
 
-// The dx term of one element: rstd * (g - mean(g) - xhat * mean(g * xhat)).
+// The dx term of one element: rstd * (g - mean(g) - xhat * mean(g * xhat)); mean_g is 0 for RMS
+// normalization, whose output does not depend on a mean.
 JNNTILE_HD float dx(float x, float dy, float w, float mean, float rstd, float mean_g, float mean_gx) {
   return rstd * (dy * w - mean_g - xhat(x, mean, rstd) * mean_gx);
 }
@@ -104,7 +114,7 @@ JNNTILE_HD void add_param_terms(float x, float dy, float mean, float rstd, doubl
 
 // partial: (rows, 2) per row the tile's (mean, M2).
 template <Device D>
-void layernorm_partial(int64_t rows, int64_t n, const float* x, double* partial);
+void layernorm_partial(int64_t rows, int64_t n, bool centered, const float* x, double* partial);
 
 // stats from the partials of `count` C tiles of width tile_c (the last one
 // what is left of c). scratch: `count` pointers (GPU, see cuda::device_pointers).
@@ -112,7 +122,7 @@ template <Device D>
 void layernorm_stats(int64_t rows, int64_t count, const double* const* partials, int64_t tile_c, int64_t c,
                      double eps, float* stats, void* scratch);
 
-// y = (x - mean) * rstd * w + b;  w, b: (n,)
+// y = (x - mean) * rstd * w + b;  w, b: (n,), b null for RMS normalization
 template <Device D>
 void layernorm_normalize(int64_t rows, int64_t n, const float* x, const float* stats, const float* w,
                          const float* b, float* y);
@@ -127,10 +137,11 @@ template <Device D>
 void layernorm_backward_combine(int64_t rows, int64_t count, const double* const* partials, double* sums,
                                 void* scratch);
 
-// dx += layernorm::dx(...) with the means of sums over `c`, the whole normalized axis.
+// dx += layernorm::dx(...) with the means of sums over `c`, the whole normalized axis (mean(g) only where
+// centered).
 template <Device D>
-void layernorm_backward_dx(int64_t rows, int64_t n, int64_t c, const float* x, const float* stats, const float* w,
-                           const float* dy, const double* sums, float* dx);
+void layernorm_backward_dx(int64_t rows, int64_t n, int64_t c, bool centered, const float* x, const float* stats,
+                           const float* w, const float* dy, const double* sums, float* dx);
 
 // dw += sum over rows of dy * xhat, db += sum over rows of dy (either may be
 // null), each column summed in double over the rows in order.

@@ -1,4 +1,6 @@
-// Layer normalization over the last axis: y = (x - mean) / sqrt(var + eps) * w + b.
+// Layer normalization over the last axis: y = (x - mean) / sqrt(var + eps) * w + b,
+// and RMS normalization (attribute centered = 0, no b): y = x / sqrt(mean(x^2) + eps) * w,
+// with the mean taken as 0 throughout (kernels/layernorm.h).
 //
 // x: (..., C) tile (..., tc); w, b: (C,) tile (tc,); y like x; stats: (..., 2)
 // tile (..., 2) holds per row (mean, rstd), the residual of the backward. The
@@ -20,9 +22,10 @@ namespace jnntile {
 namespace {
 
 struct TileArgs {
-  int64_t rows;  // rows in the leading tile
-  int64_t n;     // width of this C tile
-  int64_t c;     // the whole normalized axis
+  int64_t rows;   // rows in the leading tile
+  int64_t n;      // width of this C tile
+  int64_t c;      // the whole normalized axis
+  bool centered;  // false: RMS normalization
 };
 
 struct CombineArgs {
@@ -40,7 +43,7 @@ struct ParamsArgs {
 // buffers: x, partial
 template <Device D>
 void partial_kernel(void** buffers, const TileArgs& a) {
-  layernorm_partial<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<double>(buffers[1]));
+  layernorm_partial<D>(a.rows, a.n, a.centered, tile_ptr<float>(buffers[0]), tile_ptr<double>(buffers[1]));
 }
 
 std::vector<const double*> partials(void** buffers, int64_t count) {
@@ -56,11 +59,12 @@ void stats_kernel(void** buffers, const CombineArgs& a) {
                      tile_ptr<float>(buffers[a.count]), tile_ptr<void>(buffers[a.count + 1]));
 }
 
-// buffers: x, stats, w, b, y
+// buffers: x, stats, w, b (where centered), y
 template <Device D>
 void normalize_kernel(void** buffers, const TileArgs& a) {
+  const float* b = a.centered ? tile_ptr<float>(buffers[3]) : nullptr;
   layernorm_normalize<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                         tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]));
+                         tile_ptr<float>(buffers[2]), b, tile_ptr<float>(buffers[a.centered ? 4 : 3]));
 }
 
 // buffers: x, stats, w, dy, partial
@@ -81,7 +85,7 @@ void backward_combine_kernel(void** buffers, const CombineArgs& a) {
 // buffers: x, stats, w, dy, sums, dx
 template <Device D>
 void backward_dx_kernel(void** buffers, const TileArgs& a) {
-  layernorm_backward_dx<D>(a.rows, a.n, a.c, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+  layernorm_backward_dx<D>(a.rows, a.n, a.c, a.centered, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
                            tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<double>(buffers[4]),
                            tile_ptr<float>(buffers[5]));
 }
@@ -119,12 +123,14 @@ void check_stats(const TiledTensor& x, const TiledTensor& stats, const char* op)
                                 stats.describe() + " for " + x.describe());
 }
 
-// ids [x, w, b, y, stats or -1]; attr eps. Without stats (no backward will
-// follow) the per-row statistics live in scratch.
+// ids [x, w, b or -1, y, stats or -1]; attrs eps, centered (b is -1 exactly when not centered). Without
+// stats (no backward will follow) the per-row statistics live in scratch.
 void layernorm_submit(const OpCall& call) {
-  const TiledTensor &x = call.tensor(0), &w = call.tensor(1), &b = call.tensor(2), &y = call.tensor(3);
+  const TiledTensor &x = call.tensor(0), &w = call.tensor(1), &y = call.tensor(3);
+  const bool centered = attr<int64_t>(call.attrs, "centered") != 0;
+  if (centered != (call.ids[2] >= 0)) throw std::invalid_argument("layer_norm: a bias exactly when centered");
   Layout l = check_layout(x, w, "layer_norm");
-  check_layout(x, b, "layer_norm");
+  if (centered) check_layout(x, call.tensor(2), "layer_norm");
   check_same_tiling(x, y, "layer_norm");
   bool keep_stats = call.ids[4] >= 0;
   if (keep_stats) check_stats(x, call.tensor(4), "layer_norm");
@@ -138,7 +144,7 @@ void layernorm_submit(const OpCall& call) {
     for (int64_t k = 0; k < l.k_tiles; ++k) {
       starpu_data_handle_t partial = temporary_vector(2 * rows, sizeof(double));
       submit_task(partial_cl, {{x.tiles[lead * l.k_tiles + k], STARPU_R}, {partial, STARPU_W}},
-                  TileArgs{rows, l.width(k), l.c}, 3.0 * rows * l.width(k));
+                  TileArgs{rows, l.width(k), l.c, centered}, 3.0 * rows * l.width(k));
       combine.push_back({partial, STARPU_R});
     }
     starpu_data_handle_t stats = keep_stats ? call.tensor(4).tiles[lead] : temporary_vector(2 * rows, sizeof(float));
@@ -148,10 +154,10 @@ void layernorm_submit(const OpCall& call) {
     submit_task(stats_cl, combine, CombineArgs{rows, l.k_tiles, l.tile_c, l.c, eps});
     for (int64_t k = 0; k < l.k_tiles; ++k) {
       int64_t t = lead * l.k_tiles + k;
-      submit_task(normalize_cl,
-                  {{x.tiles[t], STARPU_R}, {stats, STARPU_R}, {w.tiles[k], STARPU_R}, {b.tiles[k], STARPU_R},
-                   {y.tiles[t], STARPU_W}},
-                  TileArgs{rows, l.width(k), l.c}, 4.0 * rows * l.width(k));
+      std::vector<Buffer> buffers{{x.tiles[t], STARPU_R}, {stats, STARPU_R}, {w.tiles[k], STARPU_R}};
+      if (centered) buffers.push_back({call.tensor(2).tiles[k], STARPU_R});
+      buffers.push_back({y.tiles[t], STARPU_W});
+      submit_task(normalize_cl, buffers, TileArgs{rows, l.width(k), l.c, centered}, 4.0 * rows * l.width(k));
     }
     for (int64_t k = 0; k < l.k_tiles; ++k) starpu_data_unregister_submit(combine[k].handle);
     starpu_data_unregister_submit(pointers);
@@ -160,9 +166,10 @@ void layernorm_submit(const OpCall& call) {
 }
 JNNTILE_OP(layer_norm, layernorm_submit);
 
-// ids [x, w, stats, dy, dx or -1, dw or -1, db or -1]: accumulates the gradients that are given.
+// ids [x, w, stats, dy, dx or -1, dw or -1, db or -1]; attr centered: accumulates the gradients that are given.
 void layernorm_backward_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &w = call.tensor(1), &stats = call.tensor(2), &dy = call.tensor(3);
+  const bool centered = attr<int64_t>(call.attrs, "centered") != 0;
   Layout l = check_layout(x, w, "layer_norm backward");
   check_stats(x, stats, "layer_norm backward");
   check_same_tiling(x, dy, "layer_norm backward");
@@ -185,7 +192,7 @@ void layernorm_backward_submit(const OpCall& call) {
         submit_task(partial_cl,
                     {{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {w.tiles[k], STARPU_R},
                      {dy.tiles[t], STARPU_R}, {partial, STARPU_W}},
-                    TileArgs{rows, l.width(k), l.c}, 6.0 * rows * l.width(k));
+                    TileArgs{rows, l.width(k), l.c, centered}, 6.0 * rows * l.width(k));
         combine.push_back({partial, STARPU_R});
       }
       starpu_data_handle_t sums = temporary_vector(2 * rows, sizeof(double));
@@ -197,7 +204,7 @@ void layernorm_backward_submit(const OpCall& call) {
         submit_task(dx_cl,
                     {{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {w.tiles[k], STARPU_R},
                      {dy.tiles[t], STARPU_R}, {sums, STARPU_R}, {call.tensor(4).tiles[t], STARPU_RW}},
-                    TileArgs{rows, l.width(k), l.c}, 8.0 * rows * l.width(k));
+                    TileArgs{rows, l.width(k), l.c, centered}, 8.0 * rows * l.width(k));
       }
       for (const Buffer& buffer : combine) starpu_data_unregister_submit(buffer.handle);
     }

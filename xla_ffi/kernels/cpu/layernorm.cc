@@ -5,9 +5,9 @@
 namespace jnntile {
 
 template <>
-void layernorm_partial<Device::Cpu>(int64_t rows, int64_t n, const float* x, double* partial) {
+void layernorm_partial<Device::Cpu>(int64_t rows, int64_t n, bool centered, const float* x, double* partial) {
   for (int64_t r = 0; r < rows; ++r) {
-    layernorm::Moments m = layernorm::strided_moments(x + r * n, 0, n, 1);
+    layernorm::Moments m = layernorm::strided_moments(x + r * n, 0, n, 1, centered);
     partial[2 * r] = m.mean;
     partial[2 * r + 1] = m.m2;
   }
@@ -24,7 +24,7 @@ void layernorm_normalize<Device::Cpu>(int64_t rows, int64_t n, const float* x, c
                                       const float* b, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     float mean = stats[2 * r], rstd = stats[2 * r + 1];
-    for (int64_t j = 0; j < n; ++j) y[r * n + j] = layernorm::y(x[r * n + j], mean, rstd, w[j], b[j]);
+    for (int64_t j = 0; j < n; ++j) y[r * n + j] = layernorm::y(x[r * n + j], mean, rstd, w[j], b, j);
   }
 }
 
@@ -46,11 +46,12 @@ void layernorm_backward_combine<Device::Cpu>(int64_t rows, int64_t count, const 
 }
 
 template <>
-void layernorm_backward_dx<Device::Cpu>(int64_t rows, int64_t n, int64_t c, const float* x, const float* stats,
-                                        const float* w, const float* dy, const double* sums, float* dx) {
+void layernorm_backward_dx<Device::Cpu>(int64_t rows, int64_t n, int64_t c, bool centered, const float* x,
+                                        const float* stats, const float* w, const float* dy, const double* sums,
+                                        float* dx) {
   for (int64_t r = 0; r < rows; ++r) {
     float mean = stats[2 * r], rstd = stats[2 * r + 1];
-    float mean_g = float(sums[2 * r] / double(c)), mean_gx = float(sums[2 * r + 1] / double(c));
+    float mean_g = centered ? float(sums[2 * r] / double(c)) : 0.0f, mean_gx = float(sums[2 * r + 1] / double(c));
     for (int64_t j = 0; j < n; ++j)
       dx[r * n + j] += layernorm::dx(x[r * n + j], dy[r * n + j], w[j], mean, rstd, mean_g, mean_gx);
   }

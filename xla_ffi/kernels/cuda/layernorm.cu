@@ -7,9 +7,9 @@ namespace {
 using cuda::kWarp;
 
 // A warp per row: each lane the moments of every 32nd element, merged across the warp.
-__global__ void partial_kernel(int64_t rows, int64_t n, const float* x, double* partial) {
+__global__ void partial_kernel(int64_t rows, int64_t n, bool centered, const float* x, double* partial) {
   for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
-    layernorm::Moments m = layernorm::strided_moments(x + r * n, cuda::lane(), n, kWarp);
+    layernorm::Moments m = layernorm::strided_moments(x + r * n, cuda::lane(), n, kWarp, centered);
     m = cuda::warp_reduce(m, [](layernorm::Moments a, layernorm::Moments b) { return layernorm::merge(a, b); });
     if (cuda::lane() == 0) {
       partial[2 * r] = m.mean;
@@ -30,7 +30,7 @@ __global__ void normalize_kernel(int64_t rows, int64_t n, const float* x, const 
                                  const float* b, float* y) {
   for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
     float mean = stats[2 * r], rstd = stats[2 * r + 1];
-    for (int64_t j = cuda::lane(); j < n; j += kWarp) y[r * n + j] = layernorm::y(x[r * n + j], mean, rstd, w[j], b[j]);
+    for (int64_t j = cuda::lane(); j < n; j += kWarp) y[r * n + j] = layernorm::y(x[r * n + j], mean, rstd, w[j], b, j);
   }
 }
 
@@ -55,11 +55,11 @@ __global__ void backward_combine_kernel(int64_t rows, int64_t count, const doubl
 }
 
 // A warp per row, as normalize_kernel.
-__global__ void backward_dx_kernel(int64_t rows, int64_t n, int64_t c, const float* x, const float* stats,
-                                   const float* w, const float* dy, const double* sums, float* dx) {
+__global__ void backward_dx_kernel(int64_t rows, int64_t n, int64_t c, bool centered, const float* x,
+                                   const float* stats, const float* w, const float* dy, const double* sums, float* dx) {
   for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
     float mean = stats[2 * r], rstd = stats[2 * r + 1];
-    float mean_g = float(sums[2 * r] / double(c)), mean_gx = float(sums[2 * r + 1] / double(c));
+    float mean_g = centered ? float(sums[2 * r] / double(c)) : 0.0f, mean_gx = float(sums[2 * r + 1] / double(c));
     for (int64_t j = cuda::lane(); j < n; j += kWarp)
       dx[r * n + j] += layernorm::dx(x[r * n + j], dy[r * n + j], w[j], mean, rstd, mean_g, mean_gx);
   }
@@ -80,8 +80,8 @@ __global__ void backward_params_kernel(int64_t rows, int64_t n, const float* x, 
 }  // namespace
 
 template <>
-void layernorm_partial<Device::Cuda>(int64_t rows, int64_t n, const float* x, double* partial) {
-  partial_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(rows, n, x, partial);
+void layernorm_partial<Device::Cuda>(int64_t rows, int64_t n, bool centered, const float* x, double* partial) {
+  partial_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(rows, n, centered, x, partial);
   cuda::check_launch("layernorm_partial");
 }
 
@@ -119,10 +119,11 @@ void layernorm_backward_combine<Device::Cuda>(int64_t rows, int64_t count, const
 }
 
 template <>
-void layernorm_backward_dx<Device::Cuda>(int64_t rows, int64_t n, int64_t c, const float* x, const float* stats,
-                                         const float* w, const float* dy, const double* sums, float* dx) {
-  backward_dx_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(rows, n, c, x, stats, w, dy,
-                                                                                        sums, dx);
+void layernorm_backward_dx<Device::Cuda>(int64_t rows, int64_t n, int64_t c, bool centered, const float* x,
+                                         const float* stats, const float* w, const float* dy, const double* sums,
+                                         float* dx) {
+  backward_dx_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(rows, n, c, centered, x,
+                                                                                        stats, w, dy, sums, dx);
   cuda::check_launch("layernorm_backward_dx");
 }
 
