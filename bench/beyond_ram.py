@@ -125,10 +125,10 @@ def worker_generate(spec: dict) -> dict:
     import jnntile
     from jnntile import generate
     from jnntile import decoding
-    from jnntile.models import gpt2
+    from jnntile.models import families
 
     load, gen = {}, {}
-    from_hf, decode = gpt2.from_hf, decoding.Decoder.generate
+    from_hf, decode = families.from_hf, decoding.Decoder.generate
 
     def timed_from_hf(*args, **kwargs):
         before, t0 = _swap_bytes(), time.perf_counter()
@@ -161,7 +161,7 @@ def worker_generate(spec: dict) -> dict:
                        steady_written_mb_per_step=(marks[end][1][0] - marks[first][1][0]) / MB / (end - first))
         return out
 
-    gpt2.from_hf = timed_from_hf
+    families.from_hf = timed_from_hf
     decoding.Decoder.generate = timed_generate
     code = generate.main(spec["argv"])
     return dict(code=code, load=load, generate=gen, process_peak_rss_mb=vmhwm_mb())

@@ -61,7 +61,7 @@ def _reset_peak_rss() -> None:
 def worker(argv: list[str]) -> dict:
     """Runs the training CLI with its checkpoint calls timed; returns what was measured."""
     from jnntile import checkpoint, train
-    from jnntile.models import gpt2
+    from jnntile.models import families
 
     calls, depth = [], []
 
@@ -83,7 +83,7 @@ def worker(argv: list[str]) -> dict:
 
     checkpoint.save = timed("save", checkpoint.save)
     checkpoint.restore = timed("restore", checkpoint.restore)
-    gpt2.save_hf = timed("export_hf", gpt2.save_hf)
+    families.save_hf = timed("export_hf", families.save_hf)
     code = train.main(argv)
     return dict(code=code, calls=calls, process_peak_rss_mb=max([_status_mb("VmHWM")] +
                                                                  [c["peak_rss_mb"] for c in calls] +

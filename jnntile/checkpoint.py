@@ -2,7 +2,7 @@
 
 A checkpoint is a directory `ckpt-<step>` inside the output directory:
 
-    config.json, model.safetensors   a Hugging Face GPT-2 checkpoint (loadable with --init-from-hf)
+    config.json, model.safetensors   a Hugging Face checkpoint of the model's family (loadable with --init-from-hf)
     optimizer.safetensors            every optimizer-state leaf, in tree order
     state.json                       step, data position, RNG seed, model config and run settings
 
@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jnntile import tensorfile
-from jnntile.models.gpt2 import save_hf
-from jnntile.models.gpt2.hf import open_hf
+from jnntile.models import families
 from jnntile.tensor import Tensor
 
 LATEST = "latest"
@@ -61,7 +60,7 @@ def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict
     final = out_dir / f"ckpt-{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=out_dir))
     try:
-        save_hf(model, tmp)
+        families.save_hf(model, tmp)
         tensorfile.write_file(tmp / OPTIMIZER_FILE, _optimizer_values(opt_state))
         record = {"step": step, "config": dataclasses.asdict(model.config), **state}
         (tmp / STATE_FILE).write_text(json.dumps(record, indent=2))
@@ -154,7 +153,7 @@ def restore(path: str | os.PathLike, *, model, opt_state):
     differing = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v and not k.startswith("tile_")}
     if differing:
         raise ValueError(f"checkpoint {path} is of another model: (saved, requested) differ in {differing}")
-    _, params = open_hf(path)
+    _, params = families.of_checkpoint(path).hf.open_hf(path)
     for name, value in params.items():
         if value.code != "F32":  # anything else would not resume bit-identically
             raise ValueError(f"{value.path}: tensor {name!r} is {value.code}, a training checkpoint holds F32")

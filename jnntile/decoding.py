@@ -5,7 +5,7 @@ tiled like its activations) and takes `cache=` in its `__call__`: each attention
 layer then writes its keys and values at the cache's positions and attends over
 the cache (`KVCache.attend`), positions come from the cache (`KVCache.positions`),
 and the model calls `KVCache.block_done` after each block. The training forward
-and the decoding forward are the same modules (GPT-2's `jnntile/models/gpt2/model.py`).
+and the decoding forward are the same modules (`jnntile/models/<family>/model.py`).
 
 `Decoder(model, batch_size=B, max_len=T_max)` shares the model's parameters (no
 copy) and owns the cache: (B, T_max, 2, H, D) per layer, tiles like the
@@ -129,12 +129,11 @@ class Decoder:
     """Generates continuations of `batch_size` prompts with a model's weights, up to `max_len` positions each."""
 
     def __init__(self, model, *, batch_size: int, max_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-        config = model.config
         for name, value in (("batch_size", batch_size), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
             if value <= 0:
                 raise ValueError(f"{name}={value} must be positive")
-        if max_len > config.n_positions:
-            raise ValueError(f"max_len={max_len} is longer than the model's n_positions={config.n_positions}")
+        if max_len > model.max_positions:
+            raise ValueError(f"max_len={max_len} is longer than the {model.max_positions} positions the model has")
         self.model = model
         self.batch_size, self.max_len = batch_size, max_len
         self.prefill_chunk = min(prefill_chunk, max_len)

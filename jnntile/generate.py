@@ -1,11 +1,12 @@
-"""Continue prompts with a GPT-2 on tiled tensors: `python -m jnntile.generate`.
+"""Continue prompts with a language model on tiled tensors: `python -m jnntile.generate`.
 
     python -m jnntile.generate --checkpoint out --prompt "def main(" --max-new-tokens 100
     python -m jnntile.generate --hf gpt2_dir --prompt "Hello" --prompt "Tiles are" --temperature 0
 
 Weights come from a checkpoint of `python -m jnntile.train` (a ckpt-* directory,
 or a training --out directory for its latest checkpoint) or from a Hugging Face
-GPT-2 directory, and stay StarPU tiles under the memory limit and swap given
+checkpoint directory of a supported family (GPT-2; Llama, Mistral, Qwen2: its
+config.json's model_type tells), and stay StarPU tiles under the memory limit and swap given
 here, as in training: the model may be larger than RAM. The prompts are decoded
 together with a key/value cache (jnntile.decoding). The texts
 (prompt and continuation) go to stdout; progress and speed go to stderr.
@@ -27,9 +28,9 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, decoding, flags, memory
+from jnntile import checkpoint, decoding, flags
 from jnntile import data as data_mod
-from jnntile.models import gpt2
+from jnntile.models import families
 
 DEFAULTS = dict(max_new_tokens=50, temperature=0.8, top_k=40, seed=0)
 
@@ -40,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR",
                         help="a checkpoint of python -m jnntile.train (ckpt-* directory, or its --out directory)")
-    source.add_argument("--hf", metavar="DIR", help="a Hugging Face GPT-2 directory (config.json, model.safetensors)")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory (config.json and "
+                        "safetensors weights) of GPT-2 or the Llama family")
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                    help="text to continue; repeat for several prompts, decoded as one batch")
     p.add_argument("--tokenizer", metavar="PATH",
@@ -73,12 +75,12 @@ def _weights_dir(args) -> Path:
     if latest is None:
         raise ValueError(f"--checkpoint {path} is not a jnntile checkpoint: it has neither state.json (a ckpt-* "
                          f"directory) nor a '{checkpoint.LATEST}' file (a training --out directory); pass one of "
-                         "those, or --hf DIR for a Hugging Face GPT-2 directory")
+                         "those, or --hf DIR for a Hugging Face checkpoint directory")
     return latest
 
 
 def _read_config(weights: Path, args):
-    return gpt2.hf.read_config(weights, **flags.tile_settings(args))
+    return families.read_config(weights, **flags.tile_settings(args))
 
 
 def _tokenizer_candidates(args, weights: Path) -> list[Path]:
@@ -121,7 +123,7 @@ def _check_args(args) -> None:
 
 
 def _check_lengths(prompts: list[list[int]], args, config) -> int:
-    """The cache length the prompts need (positions read by the model); raises when beyond n_positions."""
+    """The cache length the prompts need (positions read by the model); raises when beyond the model's."""
     for text, ids in zip(args.prompt, prompts):
         if not ids:
             raise ValueError(f"--prompt {text!r} gives no tokens: every prompt needs at least one")
@@ -130,10 +132,10 @@ def _check_lengths(prompts: list[list[int]], args, config) -> int:
                              f"{config.vocab_size}: is the tokenizer the model's? (--tokenizer)")
     longest = max(len(p) for p in prompts)
     needed = longest + args.max_new_tokens - 1
-    if needed > config.n_positions:
-        most = config.n_positions - longest + 1
+    if needed > config.max_positions:
+        most = config.max_positions - longest + 1
         raise ValueError(f"the longest prompt ({longest} tokens) and --max-new-tokens={args.max_new_tokens} need "
-                         f"{needed} positions, beyond the model's n_positions={config.n_positions}: use "
+                         f"{needed} positions, beyond the model's {config.max_positions}: use "
                          + (f"--max-new-tokens {most} or less" if most > 0 else "a shorter prompt"))
     return needed
 
@@ -141,7 +143,7 @@ def _check_lengths(prompts: list[list[int]], args, config) -> int:
 def _check_memory(config, batch: int, length: int, limit_mb: int, swap_mb: int) -> None:
     """Refuses a model whose weights and cache exceed the memory limit plus swap (they live in tiles)."""
     weights = 4 * config.n_params()
-    cache = 4 * config.n_layer * batch * length * 2 * config.n_embd
+    cache = config.kv_cache_bytes(batch, length)
     if weights + cache > (limit_mb + swap_mb) * 2**20:
         raise ValueError(f"the weights ({weights / 2**20:.0f} MB) and the key/value cache ({cache / 2**20:.0f} MB) "
                          f"exceed the memory limit of {limit_mb} MB" + (f" plus {swap_mb} MB of swap" if swap_mb else "")
@@ -171,12 +173,11 @@ def generate(args) -> list[str]:
 
     started = time.perf_counter()
     tiles = {k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")}
-    tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (GPT2.kv_cache)
-    model = gpt2.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
+    tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (the models' kv_cache)
+    model = families.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
     decoder = decoding.Decoder(model, batch_size=len(prompts), max_len=length)
     log = sys.stderr
-    print(f"GPT-2 from {weights}: {config.n_params() / 1e6:.2f}M parameters, n_layer={config.n_layer} "
-          f"n_head={config.n_head} n_embd={config.n_embd} vocab={config.vocab_size}, loaded in "
+    print(f"{config.describe()} from {weights}, loaded in "
           f"{time.perf_counter() - started:.1f} s; tiles {model.tiles}; StarPU: {jnntile.runtime.describe()}",
           file=log, flush=True)
 

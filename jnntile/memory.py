@@ -1,8 +1,8 @@
-"""Memory planner: what a GPT-2 training step needs, before anything is allocated.
+"""Memory planner: what a training step of a model (GPT-2, the Llama family) needs, before anything is allocated.
 
 `plan(config, batch_size, seq_len, optimizer="adamw")` records the forward of the very
-`gpt2.GPT2` the step runs (`record_step`: the op layer submits nothing while it records), with
-the tile sizes `jnntile.models.gpt2.resolve_tiles` picks, then follows the step (forward,
+model of `config`'s family the step runs (`record_step`: the op layer submits nothing while it records), with
+the tile sizes `jnntile.models.resolve_tiles` picks, then follows the step (forward,
 backward, optimizer) and what the runtime does with memory (DESIGN invariant 7,
 jnntile/ops/_ffi.py); `plan_model` does the same for any model built from jnntile's modules:
 
@@ -25,7 +25,7 @@ that holds (and, with a GPU, until a CUDA worker's tasks fit its memory);
 `python -m jnntile.train` and this module's command line use it.
 
 `python -m jnntile.memory --model gpt2 --batch-size 8 --seq-len 1024
---memory-limit-mb 4096` prints the table and the verdict.
+--memory-limit-mb 4096` (or --model llama-1b, ...) prints the table and the verdict.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ from flax import nnx
 from jnntile import flags, runtime
 from jnntile import tensor as tensor_mod
 from jnntile.models import TILE_AXES
-from jnntile.models.gpt2.config import PRESETS, GPT2Config
-from jnntile.models import gpt2
-from jnntile.models.gpt2 import Tiles, resolve_tiles
+from jnntile.models import families
+from jnntile.models import Tiles, resolve_tiles
 
 MB = 2 ** 20
 F32 = 4
@@ -136,7 +135,7 @@ def record_step(build_model, loss) -> _RecordedStep:
 
 
 def _trace_step(config, batch_size: int, seq_len: int, tiles) -> _RecordedStep:
-    """The recorded step of `gpt2.GPT2(config)` with `tiles` on (batch_size, seq_len) tokens."""
+    """The recorded step of `config`'s model with `tiles` on (batch_size, seq_len) tokens."""
     config = dataclasses.replace(config, **{f"tile_{axis}": getattr(tiles, axis) for axis in TILE_AXES})
     ids = np.zeros((batch_size, seq_len), np.int32)
     dropout_seed = np.int32(0) if config.dropout > 0 else None  # training passes one; no dropout without
@@ -144,7 +143,7 @@ def _trace_step(config, batch_size: int, seq_len: int, tiles) -> _RecordedStep:
     def loss(model):
         return model(model.token_tensor(ids), model.token_tensor(ids), dropout_seed=dropout_seed)
 
-    return record_step(lambda: gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len), loss)
+    return record_step(lambda: families.build(config, batch_size=batch_size, seq_len=seq_len), loss)
 
 
 @dataclasses.dataclass
@@ -164,10 +163,10 @@ class MemoryPlan:
     peak_phase: str
     largest_task: int
     largest_task_name: str
-    config: object = None  # a GPT-2's (plan), None for another model (plan_model)
+    config: object = None  # a registered family's (plan), None for another model (plan_model)
     batch_size: int = 0
     seq_len: int = 0
-    tiles: object = None  # jnntile.models.gpt2.Tiles
+    tiles: object = None  # jnntile.models.Tiles
     grad_accum_steps: int = 1  # micro-batches of (batch_size, seq_len) per step
     tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
 
@@ -404,7 +403,7 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
 
 def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None,
          grad_accum_steps: int = 1) -> MemoryPlan:
-    """The memory plan of one training step of `models.gpt2.GPT2(config)` on (batch_size, seq_len) tokens.
+    """The memory plan of one training step of `config`'s model (its family's) on (batch_size, seq_len) tokens.
 
     Tile sizes are the config's (or the automatic ones), as `resolve_tiles`
     gives them; `workers` defaults to the runtime's. With `grad_accum_steps`
@@ -414,8 +413,8 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
-    if seq_len > config.n_positions:
-        raise ValueError(f"seq_len={seq_len} is longer than n_positions={config.n_positions}")
+    if seq_len > config.max_positions:
+        raise ValueError(f"seq_len={seq_len} is longer than the model's {config.max_positions} positions")
     if workers is None:
         workers = runtime.config().workers
     tiles = resolve_tiles(config, batch_size, seq_len)
@@ -475,12 +474,13 @@ def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, batch, tile and runtime flags of a training step (`python -m jnntile.train` takes the same)."""
-    parser.add_argument("--model", choices=list(PRESETS), default="tiny", help="GPT-2 preset (jnntile/models/gpt2/config.py)")
+    parser.add_argument("--model", choices=list(families.PRESETS), default="tiny",
+                        help="a preset of any family (jnntile/models/<family>/config.py)")
     for name in ("n-layer", "n-head", "n-embd", "vocab-size", "n-positions"):
         parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
     parser.add_argument("--dropout", type=float, default=None, help="override the preset")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=None, help="default: the model's n_positions")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the model's positions")
     parser.add_argument("--grad-accum-steps", type=int, default=1,
                         help="micro-batches of --batch-size per step (gradient accumulation)")
     flags.add_tile_flags(parser)
@@ -489,19 +489,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args):
-    """The GPT2Config the flags describe (preset, size overrides and tiles)."""
-    overrides = {}
-    for field in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "dropout"):
-        value = getattr(args, field, None)
-        if value is not None:
-            overrides[field] = value
-    return GPT2Config.preset(args.model, **overrides, **flags.tile_settings(args))
+    """The config the flags describe (preset, size overrides and tiles)."""
+    fields = {**families.PRESETS[args.model].config.FLAG_FIELDS, "vocab_size": "vocab_size", "dropout": "dropout"}
+    fields["n_positions"] = fields.pop("max_positions")
+    overrides = {fields[flag]: getattr(args, flag) for flag in fields if getattr(args, flag, None) is not None}
+    return families.preset(args.model, **overrides, **flags.tile_settings(args))
 
 
 def plan_from_args(args) -> MemoryPlan:
     """The plan of the step the flags describe, automatic tiles fitted to the limits (see `fit_tiles`)."""
     config = config_from_args(args)
-    seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.n_positions
+    seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.max_positions
     optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
     limit, _, gpu = limits_from_args(args)
     config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers)
@@ -536,7 +534,7 @@ def check_before_training(args) -> MemoryPlan:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jnntile.memory",
-                                     description="What one GPT-2 training step needs in memory, and whether it "
+                                     description="What one training step needs in memory, and whether it "
                                                  "runs on the GPU, in RAM or with disk swap under the limits.")
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -547,8 +545,7 @@ def main(argv=None) -> int:
 
     limit, swap_mb, gpu_mb = limits_from_args(args)
     config = memory_plan.config
-    print(f"GPT-2 {args.model}: n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} "
-          f"vocab_size={config.vocab_size}, {args.optimizer}")
+    print(f"{config.describe()} ({args.model}), {args.optimizer}")
     if memory_plan.tiles_note:
         print(memory_plan.tiles_note)
     print(memory_plan.table())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -69,6 +70,22 @@ class Reshaped:
         return f"Reshaped({self.tensor!r}, shape={self.shape})"
 
 
+class Derived:
+    """An array computed from a tiled tensor, read only when `write_file` writes it (one at a time): a Hugging
+    Face tensor cut out of a fused jnntile one, `compute(values of tensor)` of shape `shape`."""
+
+    def __init__(self, tensor: Tensor, shape, compute):
+        self.tensor, self.shape, self.compute = tensor, tuple(int(n) for n in shape), compute
+        self.dtype = np.dtype(tensor.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.ascontiguousarray(self.compute(self.tensor.numpy())).reshape(self.shape)
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self):
+        return f"Derived({self.tensor!r}, shape={self.shape})"
+
+
 class FileTensor:
     """One tensor of a safetensors file (header checked); nothing is read until asked."""
 
@@ -110,6 +127,58 @@ class FileTensor:
         if self.code == "BF16":  # bfloat16 is the top half of a float32
             return (raw.astype(np.uint32) << 16).view(np.float32)
         return raw.astype(raw.dtype.newbyteorder("="), copy=False)
+
+
+class Stacked:
+    """Tensors of a file seen as one: `parts` stacked along axis 0, each a FileTensor (or array) seen in a
+    row-major `view` shape with its axes permuted by `axes` (as np.transpose's). Hugging Face's q, k and v
+    projections become jnntile's fused one this way. Nothing is read until asked: `read` reads a block of
+    each part it overlaps, so `load_into` streams it chunk by chunk as it does a FileTensor.
+    """
+
+    def __init__(self, parts):
+        self.parts = [(source, tuple(view), tuple(axes)) for source, view, axes in parts]
+        shapes = [tuple(view[a] for a in axes) for _, view, axes in self.parts]
+        for (source, view, _), shape in zip(self.parts, shapes):
+            if math.prod(view) != math.prod(np.shape(source)):
+                raise ValueError(f"{source!r} cannot be seen as shape {view}: the sizes differ")
+            if shape[1:] != shapes[0][1:]:
+                raise ValueError(f"parts of shapes {shapes} cannot be stacked along axis 0")
+        self.shape = (sum(shape[0] for shape in shapes),) + shapes[0][1:]
+        self.dtype = np.result_type(*(source.dtype for source, _, _ in self.parts))
+
+    def __repr__(self):
+        return "stacked " + ", ".join(repr(source) for source, _, _ in self.parts)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.read()
+        return out if dtype is None else out.astype(dtype)
+
+    def read(self, shape=None, start=None, stop=None) -> np.ndarray:
+        """The block start:stop (default: all of it); `shape` must be the stacked shape."""
+        if shape is not None and tuple(shape) != self.shape:
+            raise ValueError(f"{self} has shape {self.shape}, not {tuple(shape)}")
+        start = (0,) * len(self.shape) if start is None else tuple(start)
+        stop = self.shape if stop is None else tuple(stop)
+        out = np.empty(tuple(b - a for a, b in zip(start, stop)), self.dtype)
+        offset = 0
+        for source, view, axes in self.parts:
+            rows = view[axes[0]]
+            lo, hi = max(start[0], offset), min(stop[0], offset + rows)
+            if lo < hi:
+                # The block in the permuted part's coordinates, then in the view's: axis axes[i] of the view
+                # is axis i of the part.
+                part_start, part_stop = (lo - offset,) + start[1:], (hi - offset,) + stop[1:]
+                view_start, view_stop = [0] * len(view), [0] * len(view)
+                for i, a in enumerate(axes):
+                    view_start[a], view_stop[a] = part_start[i], part_stop[i]
+                if isinstance(source, FileTensor):
+                    block = source.read(view, view_start, view_stop)
+                else:
+                    block = np.asarray(source).reshape(view)[tuple(map(slice, view_start, view_stop))]
+                out[lo - start[0]:hi - start[0]] = np.transpose(block, axes)
+            offset += rows
+        return out
 
 
 class SafetensorsFile(Mapping):
@@ -228,17 +297,17 @@ def _pwrite(fd, buffer: np.ndarray, offset: int) -> None:
 
 
 def write_file(path, tensors: Mapping, metadata: dict | None = None) -> None:
-    """Writes a new safetensors file holding `tensors` (name -> numpy or JAX array, Tensor or Reshaped).
+    """Writes a new safetensors file holding `tensors` (name -> numpy or JAX array, Tensor, Reshaped or Derived).
 
     Arrays are written whole; tiled tensors chunk by chunk, straight from their
-    tiles to their place in the file. The file is complete only when this
+    tiles to their place in the file; a Derived is computed when its turn comes. The file is complete only when this
     returns: callers write under a temporary name and rename.
     """
     entries, position = {}, 0
     for name, value in tensors.items():
         if isinstance(value, Tensor):
             value = Reshaped(value, value.shape)
-        elif not isinstance(value, Reshaped):
+        elif not isinstance(value, (Reshaped, Derived)):
             value = np.asarray(value, order="C")  # (ascontiguousarray would make scalars 1-d)
         nbytes = math.prod(value.shape) * value.dtype.itemsize
         entries[name] = (value, {"dtype": dtype_code(value.dtype), "shape": list(value.shape),
@@ -268,8 +337,9 @@ def _blocks(entries, data_start):
     whole, tiled tensors a chunk at a time."""
     for value, entry in entries:
         begin = data_start + entry["data_offsets"][0]
-        if isinstance(value, np.ndarray):
-            yield value.reshape(-1), [(begin, value.size)]
+        if isinstance(value, (np.ndarray, Derived)):
+            array = np.asarray(value).reshape(-1)
+            yield array, [(begin, array.size)]
             continue
         itemsize = value.dtype.itemsize
         for chunk, block in data_ops.read_chunks(value.tensor):
@@ -278,7 +348,7 @@ def _blocks(entries, data_start):
             del block  # one chunk in memory at a time
 
 
-def _finite(source: FileTensor, block: np.ndarray) -> np.ndarray:
+def _finite(source: FileTensor | Stacked, block: np.ndarray) -> np.ndarray:
     """`block` of `source`, refused when it holds NaN or infinities: training or sampling from them would
     only produce NaN, far from the file that caused it."""
     if block.dtype.kind == "f" and not np.isfinite(block).all():
@@ -289,10 +359,27 @@ def _finite(source: FileTensor, block: np.ndarray) -> np.ndarray:
 
 def load_into(t: Tensor, source) -> Tensor:
     """Overwrites every tile of `t` from `source` of the same size (any row-major shape): a FileTensor, read
-    chunk by chunk, or an array; returns `t` with the token of the write. Blocks."""
+    chunk by chunk, a Stacked of t's shape, read so too, or an array; returns `t` with the token of the write.
+    Blocks."""
     if math.prod(np.shape(source)) != t.size:
         raise ValueError(f"{source!r} cannot fill {t!r}: the sizes differ")
-    if isinstance(source, FileTensor):
+    if isinstance(source, (FileTensor, Stacked)):
         return data_ops.write_chunks(t, lambda chunk: _finite(source, source.read(t.shape, chunk.start, chunk.stop)))
     array = np.asarray(source).reshape(t.shape)
     return data_ops.write_chunks(t, lambda chunk: array[chunk.slices])
+
+
+def write_atomically(path: Path, write) -> None:
+    """Calls write(temporary path) and renames the result to `path`: a crash never leaves a half-written file."""
+    # The temporary file lives in the same directory so os.replace is a rename
+    # within one file system, which is atomic.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        # Temporary files are owner-only; a checkpoint is meant to be shared.
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

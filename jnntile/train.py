@@ -38,8 +38,7 @@ from tqdm import tqdm
 import jnntile
 from jnntile import checkpoint, decoding, distributed, flags, memory, nn, optim
 from jnntile import data as data_mod
-from jnntile.models import gpt2
-from jnntile.models.gpt2.config import PRESETS, GPT2Config
+from jnntile.models import families
 
 DEFAULTS = dict(model="tiny", batch_size=8, grad_accum_steps=1, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
                 weight_decay=0.1, grad_clip=1.0, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
@@ -49,7 +48,9 @@ DEFAULTS = dict(model="tiny", batch_size=8, grad_accum_steps=1, seq_len=128, ste
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jnntile.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=list(PRESETS), default=DEFAULTS["model"], help="size preset")
+    p.add_argument("--model", choices=list(families.PRESETS), default=DEFAULTS["model"],
+                   help="size preset: GPT-2's tiny, small, gpt2 ... or the Llama family's llama-tiny, smollm-135m, "
+                        "llama-1b, tinyllama-1.1b, llama-8b")
     p.add_argument("--n-layer", type=int, help="override the preset's layer count")
     p.add_argument("--n-head", type=int, help="override the preset's head count")
     p.add_argument("--n-embd", type=int, help="override the preset's width")
@@ -76,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-order", choices=list(data_mod.BATCH_ORDERS), default=DEFAULTS["data_order"])
     p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    p.add_argument("--init-from-hf", metavar="DIR", help="start from a Hugging Face GPT-2 checkpoint directory")
+    p.add_argument("--init-from-hf", metavar="DIR", help="start from a Hugging Face checkpoint directory (GPT-2, "
+                   "Llama, Mistral, Qwen2: its config.json's model_type tells)")
     p.add_argument("--export-hf", metavar="DIR", help="write the final weights as a Hugging Face checkpoint")
     flags.add_runtime_flags(p)
     p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="text samples printed at the end")
@@ -148,18 +150,22 @@ def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | Non
     return train, train.validation()
 
 
-def _config(args, data_vocab: int) -> GPT2Config:
+def _config(args, data_vocab: int):
     tiles = flags.tile_settings(args)
     if args.init_from_hf:
-        config, _ = gpt2.hf.open_hf(args.init_from_hf)  # checks both files before anything starts
+        config, _ = families.of_checkpoint(args.init_from_hf).hf.open_hf(args.init_from_hf)  # checks every file
         if data_vocab > config.vocab_size:
             raise ValueError(f"the data uses {data_vocab} token ids but {args.init_from_hf} has a vocabulary of "
                              f"{config.vocab_size}")
         return dataclasses.replace(config, **tiles)
-    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "dropout") if getattr(args, k) is not None}
-    config = GPT2Config.preset(args.model, vocab_size=data_vocab, **overrides, **tiles)
-    if args.seq_len > config.n_positions:
-        config = dataclasses.replace(config, n_positions=args.seq_len)
+    family = families.PRESETS[args.model]
+    fields = family.config.FLAG_FIELDS  # the family's names of --n-layer, --n-head, --n-embd
+    overrides = {fields[k]: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None}
+    if args.dropout is not None:
+        overrides["dropout"] = args.dropout
+    config = families.preset(args.model, vocab_size=data_vocab, **overrides, **tiles)
+    if args.seq_len > config.max_positions:
+        config = dataclasses.replace(config, **{fields["max_positions"]: args.seq_len})
     return config
 
 
@@ -278,7 +284,7 @@ PER_RANK_FLAGS = {"data", "out", "quiet", "init_from_hf", "export_hf", "workers"
                   "swap_size_mb", "swap_backend", "gpu_memory_limit_mb", "cuda_workers"}
 
 
-def _same_on_every_rank(args, config: GPT2Config, dataset) -> dict:
+def _same_on_every_rank(args, config, dataset) -> dict:
     """What the ranks of a distributed run must agree on: flags, the model with its tiles, the data."""
     tokens = np.asarray(dataset.tokens)
     return {**{f"--{k.replace('_', '-')}": v for k, v in vars(args).items() if k not in PER_RANK_FLAGS},
@@ -314,7 +320,7 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     plt.close(fig)
 
 
-def generate_samples(model: gpt2.GPT2, dataset, args) -> list[str]:
+def generate_samples(model, dataset, args) -> list[str]:
     """Continues a few prompts from the validation data with the trained weights (top-40, temperature 0.8).
 
     Decoding runs on the tiled model with a key/value cache (jnntile.decoding),
@@ -322,7 +328,7 @@ def generate_samples(model: gpt2.GPT2, dataset, args) -> list[str]:
     trained context (seq_len positions): a prompt of up to 16 tokens, shorter if
     --sample-tokens needs the room.
     """
-    window = min(args.seq_len, model.config.n_positions)
+    window = min(args.seq_len, model.max_positions)
     new_tokens = min(args.sample_tokens, window - 1)
     if new_tokens < args.sample_tokens:
         print(f"samples of {new_tokens} tokens: the model was trained on {window} positions")
@@ -396,11 +402,11 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     jnntile.runtime.start()
 
     if args.init_from_hf and not resume_from:
-        model = gpt2.from_hf(args.init_from_hf, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
+        model = families.from_hf(args.init_from_hf, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
                              **{k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")})
     else:  # a checkpoint to resume from overwrites every parameter: no initial values needed
         with nn.uninitialized() if resume_from else contextlib.nullcontext():
-            model = gpt2.GPT2(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)
+            model = families.build(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)
     tx, schedule = _make_optimizer(args)
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)
@@ -416,15 +422,14 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         metrics_path.unlink()
 
     train_step, eval_step = make_steps(graphdef, tx, args.grad_accum_steps)
-    n_params = config.n_params()
     if lead:
         if tiles_note:
             print(tiles_note, flush=True)
         batch = f"batch {args.batch_size} x {args.seq_len}" + (
             f" x {args.grad_accum_steps} micro-batches per step" if args.grad_accum_steps > 1 else "") + (
             f" ({batch_size} per rank)" if ranks > 1 else "")
-        print(f"GPT-2 {args.model}: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
-              f"n_embd={config.n_embd} vocab={config.vocab_size}; tiles {model.tiles}; {batch}; StarPU: "
+        source = args.init_from_hf or args.model
+        print(f"{config.describe()} ({source}); tiles {model.tiles}; {batch}; StarPU: "
               f"{jnntile.runtime.describe()} (planned peak {plan.peak / 2**20:.0f} MB{' per rank' if ranks > 1 else ''}: "
               f"{verdict})",
               flush=True)
@@ -503,7 +508,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     plot_losses(metrics_path, out / "loss.png")
     final_model = nnx.merge(graphdef, params)
     if args.export_hf:
-        gpt2.save_hf(final_model, args.export_hf)
+        families.save_hf(final_model, args.export_hf)
         print(f"exported Hugging Face checkpoint to {args.export_hf}")
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     summary = {"step": step, "losses": losses, "checkpoint": str(path), "first_loss": rows[0]["loss"] if rows else None,

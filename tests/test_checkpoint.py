@@ -27,7 +27,7 @@ from flax import nnx
 import jnntile
 from jnntile import checkpoint, memory, optim, tensorfile
 from jnntile import data as data_mod
-from jnntile.models import gpt2
+from jnntile.models import families, gpt2
 from jnntile.models.gpt2.config import GPT2Config
 from jnntile.models.gpt2.hf import load_hf, open_hf
 from jnntile.ops import data
@@ -154,9 +154,9 @@ def test_damaged_files_are_refused_naming_the_file_and_the_problem(tmp_path, dam
 # ---- Hugging Face files ----------------------------------------------------------------------------
 
 def test_hugging_face_round_trip_is_bit_exact_in_small_chunks(tmp_path, small_chunks):
-    model = gpt2.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_seq=8, tile_embd=12, tile_heads=1,
+    model = families.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_seq=8, tile_embd=12, tile_heads=1,
                          tile_hidden=40, tile_vocab=40)
-    gpt2.save_hf(model, tmp_path / "out")
+    families.save_hf(model, tmp_path / "out")
     original, saved = safetensors.numpy.load_file(FIXTURE / "model.safetensors"), \
         safetensors.numpy.load_file(tmp_path / "out" / "model.safetensors")
     assert set(saved) == set(original)

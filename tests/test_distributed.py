@@ -162,7 +162,7 @@ def test_command_with_a_memory_limit_and_swap_per_rank(dataset, tmp_path):
     assert rel_err([r["loss"] for r in rows["two"]], [r["loss"] for r in rows["one"]]) <= 1e-5
     assert rows["two"][-1]["val_loss"] == pytest.approx(rows["one"][-1]["val_loss"], rel=1e-5)
     # Rank 0 alone prints and writes; every rank trained on its half of each batch under its own limit and swap.
-    assert result.stdout.count("GPT-2 tiny") == 1 and result.stdout.count("--- sample 0 ---") == 1
+    assert result.stdout.count("(tiny); tiles") == 1 and result.stdout.count("--- sample 0 ---") == 1
     assert "batch 4 x 32 (2 per rank)" in result.stdout and "rank 0 of 2 (StarPU-MPI" in result.stdout
     assert "memory limit 3 MB, swap 64 MB in" in result.stdout
     assert (tmp_path / "two" / "latest").read_text() == "ckpt-0000003"

@@ -260,7 +260,7 @@ def test_decoder_bad_inputs(weights, prompts):
         decoder.generate(prompts, 9)
     with pytest.raises(ValueError, match="temperature=-1"):
         decoder.generate(prompts, 4, temperature=-1)
-    with pytest.raises(ValueError, match="longer than the model's n_positions=32"):
+    with pytest.raises(ValueError, match="longer than the 32 positions the model has"):
         decoding.Decoder(decoder.model, batch_size=3, max_len=33)
 
 
@@ -355,7 +355,7 @@ def test_cli_from_a_training_checkpoint(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--hf", str(FIXTURE)], "the following arguments are required: --prompt"),
     (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "40"],
-     "need 41 positions, beyond the model's n_positions=32: use --max-new-tokens 31 or less"),
+     "need 41 positions, beyond the model's 32: use --max-new-tokens 31 or less"),
     (["--hf", str(FIXTURE), "--prompt", "", "--max-new-tokens", "4"], "gives no tokens"),
     (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0 must be positive"),
     (["--hf", str(FIXTURE), "--prompt", "hi", "--temperature", "nan"], "--temperature=nan must be 0 (greedy)"),

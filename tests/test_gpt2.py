@@ -15,7 +15,7 @@ from conftest import rel_err
 from flax import nnx
 
 import jnntile
-from jnntile.models import gpt2
+from jnntile.models import families, gpt2
 from jnntile.models.gpt2 import reference as ref
 from jnntile.models.gpt2.config import GPT2Config
 from jnntile.models.gpt2.hf import load_hf
@@ -102,7 +102,7 @@ def test_matches_reference_under_jit(tiling):
 
 
 def test_loss_from_hugging_face_checkpoint_matches_reference():
-    model = gpt2.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_seq=5, tile_embd=12, tile_vocab=40)
+    model = families.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_seq=5, tile_embd=12, tile_vocab=40)
     config, params = load_hf(FIXTURE)
     idx, targets = _batch(config, seed=3)
     _, loss = model(model.token_tensor(idx), model.token_tensor(targets, allow_ignore=True))
@@ -121,8 +121,8 @@ def test_a_model_built_for_loading_computes_no_initial_values():
 
 
 def test_save_to_hugging_face_round_trips_exactly(tmp_path):
-    model = gpt2.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_embd=12)
-    gpt2.save_hf(model, tmp_path / "out")
+    model = families.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_embd=12)
+    families.save_hf(model, tmp_path / "out")
     config, params = load_hf(tmp_path / "out")
     _, original = load_hf(FIXTURE)
     assert config == load_hf(FIXTURE)[0]
@@ -180,7 +180,7 @@ def test_checkpoint_with_missing_or_misshapen_tensor(tmp_path):
 
     save_file({k: np.ascontiguousarray(v) for k, v in params.items()}, save_dir / "model.safetensors")
     with pytest.raises(ValueError, match="h.0.mlp.c_fc.bias"):
-        gpt2.from_hf(save_dir, batch_size=B, seq_len=T)
+        families.from_hf(save_dir, batch_size=B, seq_len=T)
     model = gpt2.GPT2(config, batch_size=B, seq_len=T)
     _, params = load_hf(FIXTURE)
     params["wpe.weight"] = params["wpe.weight"][:, :-1]

@@ -4,8 +4,21 @@ Face files, and a pure-JAX reference that only tests and benchmarks use as an or
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
+from pathlib import Path
 from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jnntile
+from jnntile import runtime
+from jnntile.ops import embedding as embedding_ops
+from jnntile.ops import loss as loss_ops
+from jnntile.tensor import Tensor
 
 # The logical axes a model cuts into tiles, each with a tile_<axis> field on its config (None: automatic).
 # tile_heads counts heads per tile; tile_hidden is the MLP's hidden axis.
@@ -23,6 +36,10 @@ class TileSizes:
     tile_hidden: Optional[int] = None
     tile_vocab: Optional[int] = None
 
+    def axis_sizes(self) -> dict[str, int]:
+        """The size of the embd, heads (key/value heads where queries share them), hidden and vocab axes."""
+        raise NotImplementedError
+
     def check_tile_sizes(self) -> None:
         for axis in TILE_AXES:
             value = getattr(self, f"tile_{axis}")
@@ -30,6 +47,125 @@ class TileSizes:
                 raise ValueError(f"tile_{axis}={value!r} must be a positive integer, or None to let jnntile choose")
 
 
+HF_CONFIG_FILE = "config.json"
+
+
+def read_hf_config(directory) -> dict:
+    """The JSON object of a Hugging Face checkpoint's config.json, or an error naming what is wrong with it."""
+    path = Path(directory) / HF_CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a Hugging Face checkpoint directory holds {HF_CONFIG_FILE} and "
+                                "its safetensors weights")
+    try:
+        hf = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} does not parse as JSON ({e}): the checkpoint is damaged") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} is not a JSON object: the checkpoint is damaged")
+    return hf
+
+
+def config_from_hf(directory, config_class, **tiles):
+    """`config_class.from_hf_dict` of a checkpoint directory's config.json, with `tiles`; errors name the file."""
+    try:
+        return config_class.from_hf_dict(read_hf_config(directory), **tiles)
+    except ValueError as e:
+        raise ValueError(f"{Path(directory) / HF_CONFIG_FILE}: {e}") from None
+
+
 def is_int(value) -> bool:
     """An integer (numpy's too) that is not a bool (True would pass as 1)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile size per logical axis (TILE_AXES), resolved from the config and the batch shape."""
+
+    batch: int
+    seq: int
+    embd: int
+    heads: int
+    hidden: int
+    vocab: int
+
+
+# Automatic tiles: token rows per tile (tile_batch x tile_seq) and the largest
+# tile on the other axes. On CPU workers a 512-row tile keeps a task near a
+# millisecond or more (measured on GPT-2's tiny preset, 8 x 128 tokens: 1-row
+# batch tiles gave 10.6K tokens/s in 1666 tasks per step, 4-row tiles 15.2K in
+# 531); a GPU wants far larger tasks to hide a launch and a transfer.
+CPU_TILES = {"rows": 512, "embd": 1024, "hidden": 2048, "vocab": 8192}
+GPU_TILES = {"rows": 4096, "embd": 4096, "hidden": 8192, "vocab": 16384}
+
+
+def even_tile(n: int, largest: int) -> int:
+    """The tile that cuts n into the fewest equal parts of at most `largest` (3072, 2048 -> 1536, not 2048 + 1024)."""
+    parts = -(-n // max(1, min(largest, n)))
+    return -(-n // parts)
+
+
+def resolve_tiles(config, batch_size: int, seq_len: int) -> Tiles:
+    """Tile sizes for a model config (`axis_sizes`, `head_dim`): the config's where given, else automatic
+    ones: even splits of every axis, about CPU_TILES["rows"] token rows per tile (GPU_TILES with a CUDA
+    worker). Raises naming the field that does not fit."""
+    sizes = {"batch": batch_size, "seq": seq_len, **config.axis_sizes()}
+    largest = GPU_TILES if runtime.gpu_memory_mb() else CPU_TILES
+    seq = even_tile(seq_len, largest["rows"])
+    auto = Tiles(
+        batch=even_tile(batch_size, max(1, largest["rows"] // seq)),
+        seq=seq,
+        embd=even_tile(sizes["embd"], largest["embd"]),
+        heads=even_tile(sizes["heads"], max(1, largest["embd"] // config.head_dim)),
+        hidden=even_tile(sizes["hidden"], largest["hidden"]),
+        vocab=even_tile(sizes["vocab"], largest["vocab"]),
+    )
+    tiles = Tiles(**{
+        axis: getattr(config, f"tile_{axis}") if getattr(config, f"tile_{axis}") is not None else getattr(auto, axis)
+        for axis in TILE_AXES
+    })
+    for axis, limit in sizes.items():
+        value = getattr(tiles, axis)
+        if value > limit:
+            raise ValueError(f"tile_{axis}={value} is larger than its axis ({limit}); use at most {limit}")
+    return tiles
+
+
+class LanguageModel(nnx.Module):
+    """What every family's causal LM shares: built for (batch_size, seq_len) token ids with `tiles`; its
+    `config` has `vocab_size` and `max_positions`."""
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_positions
+
+    def token_tensor(self, ids, *, allow_ignore: bool = False, ignore_index: int = -100) -> Tensor:
+        """An int32 (B, T) Tensor of token ids tiled like the activations. Under jit, writes each call.
+
+        Concrete ids are checked against the vocabulary before anything is submitted
+        (targets may also hold `ignore_index` when `allow_ignore`).
+        """
+        if tuple(ids.shape) != (self.batch_size, self.seq_len):
+            raise ValueError(f"token ids of shape {tuple(ids.shape)}; this model was built for "
+                             f"(batch_size, seq_len) = ({self.batch_size}, {self.seq_len})")
+        if not isinstance(ids, jax.core.Tracer):
+            checked = np.asarray(ids)
+            if allow_ignore:
+                checked = checked[checked != ignore_index]
+            embedding_ops.check_ids(checked, self.config.vocab_size)
+        return jnntile.from_array(jnp.asarray(ids, jnp.int32) if isinstance(ids, jax.Array) else
+                                  np.asarray(ids, np.int32), (self.tiles.batch, self.tiles.seq))
+
+    def logits_and_loss(self, x: Tensor, targets: Tensor | None, ignore_index: int, cache=None):
+        """(logits, loss or None) of the last block's output x through the model's `head`; (None, None) for a
+        decoding program that reads no logits (a prefill)."""
+        if cache is not None and not cache.logits:
+            return None, None
+        logits = self.head(x)
+        loss = None if targets is None else loss_ops.cross_entropy(logits, targets, ignore_index)
+        return logits, loss
+
+    def named_params(self) -> dict[str, nnx.Param]:
+        """Parameter variables by their path in the module ("h.0.attn.c_attn.weight", "layers.0.mlp...")."""
+        return {".".join(str(p) for p in path): variable for path, variable in nnx.iter_graph(self)
+                if isinstance(variable, nnx.Param)}

@@ -63,22 +63,26 @@ def param_seed(seed: int, name: str) -> int:
 class Linear(nnx.Module):
     """y = x @ W + b, contracting the last `in_ndim` axes of x with the first of W.
 
-    W: (*in_shape, *out_shape) tiled (*in_tiles, *out_tiles); b: out_shape.
+    W: (*in_shape, *out_shape) tiled (*in_tiles, *out_tiles); b: out_shape. With
+    `weight_out_first`, W is (*out_shape, *in_shape), as torch.nn.Linear stores it,
+    and y = x @ W^T: Hugging Face's weights then load without a transpose.
     """
 
     def __init__(self, in_shape, out_shape, *, in_tiles, out_tiles, seed: int, name: str,
-                 std: float = 0.02, use_bias: bool = True):
+                 std: float = 0.02, use_bias: bool = True, weight_out_first: bool = False):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         self.in_ndim = len(in_shape)
-        weight_tiles = tuple(in_tiles) + tuple(out_tiles)
-        self.weight = _param(lambda: jnntile.random_normal(in_shape + out_shape, param_seed(seed, name + ".weight"),
-                                                           std=std, tile_shape=weight_tiles),
-                             in_shape + out_shape, weight_tiles)
+        self.weight_out_first = weight_out_first
+        shape = out_shape + in_shape if weight_out_first else in_shape + out_shape
+        weight_tiles = tuple(out_tiles) + tuple(in_tiles) if weight_out_first else tuple(in_tiles) + tuple(out_tiles)
+        self.weight = _param(lambda: jnntile.random_normal(shape, param_seed(seed, name + ".weight"), std=std,
+                                                           tile_shape=weight_tiles),
+                             shape, weight_tiles)
         self.bias = _param(lambda: jnntile.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
                            tuple(out_tiles)) if use_bias else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        y = gemm.matmul(x, self.weight.get_value(), ndim=self.in_ndim)
+        y = gemm.matmul(x, self.weight.get_value(), ndim=self.in_ndim, trans_b=self.weight_out_first)
         if self.bias is not None:
             y = bias_ops.add_bias(y, self.bias.get_value())
         return y

@@ -62,6 +62,24 @@ class GPT2Config(TileSizes):
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    # The fields that the commands' --n-layer, --n-head, --n-embd and a longer --seq-len set.
+    FLAG_FIELDS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "max_positions": "n_positions"}
+
+    @property
+    def max_positions(self) -> int:
+        return self.n_positions
+
+    def describe(self) -> str:
+        return (f"GPT-2, {self.n_params() / 1e6:.2f}M parameters, n_layer={self.n_layer} n_head={self.n_head} "
+                f"n_embd={self.n_embd} vocab={self.vocab_size}")
+
+    def kv_cache_bytes(self, batch: int, length: int) -> int:
+        """Bytes of the key/value cache (float32) of `batch` sequences of `length` positions."""
+        return 4 * self.n_layer * batch * length * 2 * self.n_embd
+
+    def axis_sizes(self) -> dict[str, int]:
+        return {"embd": self.n_embd, "heads": self.n_head, "hidden": 4 * self.n_embd, "vocab": self.vocab_size}
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every parameter, with Hugging Face's names and layouts, in its state-dict order."""
         C, V, P = self.n_embd, self.vocab_size, self.n_positions

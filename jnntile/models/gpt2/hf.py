@@ -17,18 +17,18 @@ benchmarks that run the pure-JAX reference).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from jnntile.ops import data as data_ops
-from jnntile.tensorfile import FileTensor, Reshaped, SafetensorsFile, write_file
+from jnntile.tensorfile import FileTensor, Reshaped, SafetensorsFile, write_atomically, write_file
+
+from jnntile.models import HF_CONFIG_FILE as CONFIG_FILE
+from jnntile.models import config_from_hf
 
 from .config import GPT2Config
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 _PREFIX = "transformer."
 # Non-parameter buffers (the causal mask and its fill value) that older
@@ -39,23 +39,10 @@ _LM_HEAD = "lm_head.weight"
 
 def read_config(directory, **tiles) -> GPT2Config:
     """The GPT2Config of a Hugging Face GPT-2 checkpoint directory (its config.json), with `tiles` (tile_* sizes)."""
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a Hugging Face GPT-2 checkpoint needs "
-                                f"{CONFIG_FILE} and {WEIGHTS_FILE}")
-    try:
-        hf = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} does not parse as JSON ({e}): the checkpoint is damaged") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path} is not a JSON object: the checkpoint is damaged")
-    try:
-        return GPT2Config.from_hf_dict(hf, **tiles)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    return config_from_hf(directory, GPT2Config, **tiles)
 
 
-def open_hf(directory) -> tuple[GPT2Config, dict[str, FileTensor]]:
+def open_hf(directory, **tiles) -> tuple[GPT2Config, dict[str, FileTensor]]:
     """(config, params) of a Hugging Face GPT-2 checkpoint directory, checked and unread.
 
     Params are keyed by reference (unprefixed) names; each is read when asked
@@ -65,7 +52,7 @@ def open_hf(directory) -> tuple[GPT2Config, dict[str, FileTensor]]:
     """
     directory = Path(directory)
     weights_path = directory / WEIGHTS_FILE
-    config = read_config(directory)
+    config = read_config(directory, **tiles)
     if not weights_path.is_file():
         raise FileNotFoundError(f"{weights_path} not found: a Hugging Face GPT-2 checkpoint needs "
                                 f"{CONFIG_FILE} and {WEIGHTS_FILE}")
@@ -109,9 +96,9 @@ def save_hf(directory, config: GPT2Config, params: dict) -> None:
                np.asarray(value, np.float32) for name, value in checked.items()}
 
     # "format": "pt" is the metadata transformers requires to load the file.
-    _write_atomically(directory / WEIGHTS_FILE, lambda path: write_file(path, tensors, metadata={"format": "pt"}))
+    write_atomically(directory / WEIGHTS_FILE, lambda path: write_file(path, tensors, metadata={"format": "pt"}))
     text = json.dumps(config.to_hf_dict(), indent=2) + "\n"
-    _write_atomically(directory / CONFIG_FILE, lambda path: Path(path).write_text(text))
+    write_atomically(directory / CONFIG_FILE, lambda path: Path(path).write_text(text))
 
 
 def _checked(tensors: dict, config: GPT2Config, source) -> dict:
@@ -150,18 +137,3 @@ def _same_values(a: FileTensor, b: FileTensor) -> bool:
         if not np.array_equal(block(a).astype(np.float32), block(b).astype(np.float32)):
             return False
     return True
-
-
-def _write_atomically(path: Path, write) -> None:
-    # The temporary file lives in the same directory so os.replace is a rename
-    # within one file system, which is atomic.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        # Temporary files are owner-only; a checkpoint is meant to be shared.
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -16,83 +16,21 @@ attention probabilities (the fused attention never materialises them).
 
 from __future__ import annotations
 
-import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jnntile
-from jnntile import nn, runtime, tensorfile
+from jnntile import nn, tensorfile
 from jnntile.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import elementwise as ew
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import gemm
-from jnntile.ops import loss as loss_ops
 from jnntile.tensor import Tensor
 
-from jnntile.models import TILE_AXES
+from jnntile.models import LanguageModel, Tiles, resolve_tiles
 
-from . import hf
 from .config import GPT2Config
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Tile size per logical axis, resolved from the config and the batch shape."""
-
-    batch: int
-    seq: int
-    embd: int
-    heads: int
-    hidden: int
-    vocab: int
-
-
-# Automatic tiles: token rows per tile (tile_batch x tile_seq) and the largest
-# tile on the other axes. On CPU workers a 512-row tile keeps a task near a
-# millisecond or more (measured on the tiny preset, 8 x 128 tokens: 1-row batch
-# tiles gave 10.6K tokens/s in 1666 tasks per step, 4-row tiles 15.2K in 531);
-# a GPU wants far larger tasks to hide a launch and a transfer.
-CPU_TILES = {"rows": 512, "embd": 1024, "hidden": 2048, "vocab": 8192}
-GPU_TILES = {"rows": 4096, "embd": 4096, "hidden": 8192, "vocab": 16384}
-
-
-def even_tile(n: int, largest: int) -> int:
-    """The tile that cuts n into the fewest equal parts of at most `largest` (3072, 2048 -> 1536, not 2048 + 1024)."""
-    parts = -(-n // max(1, min(largest, n)))
-    return -(-n // parts)
-
-
-def resolve_tiles(config: GPT2Config, batch_size: int, seq_len: int) -> Tiles:
-    """Tile sizes: the config's where given, else automatic ones: even splits of every axis, about
-    CPU_TILES["rows"] token rows per tile (GPU_TILES with a CUDA worker). Raises naming the field that
-    does not fit."""
-    C, H = config.n_embd, config.n_head
-    head_dim = config.head_dim
-    largest = GPU_TILES if runtime.gpu_memory_mb() else CPU_TILES
-    seq = even_tile(seq_len, largest["rows"])
-    auto = Tiles(
-        batch=even_tile(batch_size, max(1, largest["rows"] // seq)),
-        seq=seq,
-        embd=even_tile(C, largest["embd"]),
-        heads=even_tile(H, max(1, largest["embd"] // head_dim)),
-        hidden=even_tile(4 * C, largest["hidden"]),
-        vocab=even_tile(config.vocab_size, largest["vocab"]),
-    )
-    tiles = Tiles(**{
-        axis: getattr(config, f"tile_{axis}") if getattr(config, f"tile_{axis}") is not None else getattr(auto, axis)
-        for axis in TILE_AXES
-    })
-    limits = {"batch": batch_size, "seq": seq_len, "embd": C, "heads": H, "hidden": 4 * C,
-              "vocab": config.vocab_size}
-    for axis, limit in limits.items():
-        value = getattr(tiles, axis)
-        if value > limit:
-            raise ValueError(f"tile_{axis}={value} is larger than its axis ({limit}); use at most {limit}")
-    return tiles
 
 
 class CausalSelfAttention(nnx.Module):
@@ -139,7 +77,7 @@ class Block(nnx.Module):
         return ew.add(x, self.mlp_dropout(self.mlp(self.ln_2(x)), dropout_seed))
 
 
-class GPT2(nnx.Module):
+class GPT2(LanguageModel):
     """GPT-2 with a tied LM head. Tiles are fixed at construction for (batch_size, seq_len)."""
 
     def __init__(self, config: GPT2Config, *, batch_size: int, seq_len: int, seed: int = 0):
@@ -155,28 +93,6 @@ class GPT2(nnx.Module):
         self.embd_dropout = nn.Dropout(config.dropout, site=0)
         self.h = nnx.List([Block(config, tiles, seed, i) for i in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(C, tile=tiles.embd, eps=config.layer_norm_epsilon)
-
-    # ---- inputs
-
-    def token_tensor(self, ids, *, allow_ignore: bool = False, ignore_index: int = -100) -> Tensor:
-        """An int32 (B, T) Tensor of token ids tiled like the activations. Under jit, writes each call.
-
-        Concrete ids are checked against the vocabulary before anything is submitted
-        (targets may also hold `ignore_index` when `allow_ignore`).
-        """
-        self._check_batch_shape(ids)
-        if not isinstance(ids, jax.core.Tracer):
-            checked = np.asarray(ids)
-            if allow_ignore:
-                checked = checked[checked != ignore_index]
-            embedding_ops.check_ids(checked, self.config.vocab_size)
-        return jnntile.from_array(jnp.asarray(ids, jnp.int32) if isinstance(ids, jax.Array) else
-                                  np.asarray(ids, np.int32), (self.tiles.batch, self.tiles.seq))
-
-    def _check_batch_shape(self, ids):
-        if tuple(ids.shape) != (self.batch_size, self.seq_len):
-            raise ValueError(f"token ids of shape {tuple(ids.shape)}; this model was built for "
-                             f"(batch_size, seq_len) = ({self.batch_size}, {self.seq_len})")
 
     # ---- forward
 
@@ -196,11 +112,7 @@ class GPT2(nnx.Module):
             x = block(x, dropout_seed, cache, layer)
             if cache is not None:
                 cache.block_done(layer, x)
-        if cache is not None and not cache.logits:
-            return None, None
-        logits = self.head(x)
-        loss = None if targets is None else loss_ops.cross_entropy(logits, targets, ignore_index)
-        return logits, loss
+        return self.logits_and_loss(x, targets, ignore_index, cache)
 
     def kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty key/value cache for decoding `batch_size` sequences of up to `max_len` positions."""
@@ -221,14 +133,6 @@ class GPT2(nnx.Module):
         return gemm.matmul(self.ln_f(x), self.wte.weight.get_value(), trans_b=True)
 
     # ---- Hugging Face layout
-
-    def named_params(self) -> dict[str, nnx.Param]:
-        """Parameter variables by Hugging Face name ("h.0.attn.c_attn.weight", ...)."""
-        out = {}
-        for path, variable in nnx.iter_graph(self):
-            if isinstance(variable, nnx.Param):
-                out[".".join(str(p) for p in path)] = variable
-        return out
 
     def _hf_shapes(self) -> dict[str, tuple]:
         return {name: _to_hf_shape(name, p.get_value().shape) for name, p in self.named_params().items()}
@@ -274,22 +178,3 @@ def loss_and_grads(model: GPT2, idx, targets, *, dropout_seed=None):
         return loss
 
     return nn.value_and_grad(loss_fn)(model, idx, targets, dropout_seed)
-
-
-def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **config_overrides) -> GPT2:
-    """A model built from a Hugging Face GPT-2 checkpoint directory (config.json + model.safetensors).
-
-    `config_overrides` sets fields config.json does not hold, such as tile sizes.
-    """
-    config, params = hf.open_hf(directory)
-    if config_overrides:
-        config = dataclasses.replace(config, **config_overrides)
-    with nn.uninitialized():  # every parameter is overwritten from the file next
-        model = GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
-    model.load_hf_params(params)
-    return model
-
-
-def save_hf(model: GPT2, directory) -> None:
-    """Writes the model as a Hugging Face GPT-2 checkpoint directory."""
-    hf.save_hf(directory, model.config, model.to_hf_params())

@@ -1,6 +1,8 @@
-"""The Llama family (Llama 2/3, TinyLlama, SmolLM, Qwen2, Mistral): its configuration (`config`) and the
-pure-JAX reference (`reference`, a test oracle). The tiled model comes with the Llama ops."""
+"""The Llama family (Llama 2/3, TinyLlama, SmolLM, Qwen2, Mistral): its configuration (`config`), the tiled
+model (`model`), Hugging Face files (`hf`) and the pure-JAX reference (`reference`, a test oracle). The model's
+API is re-exported here: `llama.Llama`."""
 
 from .config import PRESETS, LlamaConfig
+from .model import Llama, loss_and_grads
 
-__all__ = ["LlamaConfig", "PRESETS"]
+__all__ = ["Llama", "LlamaConfig", "PRESETS", "loss_and_grads"]

@@ -89,6 +89,28 @@ class LlamaConfig(TileSizes):
         """Query heads per key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    # The fields that the commands' --n-layer, --n-head, --n-embd and a longer --seq-len set.
+    FLAG_FIELDS = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size",
+                   "max_positions": "max_position_embeddings"}
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings
+
+    def describe(self) -> str:
+        return (f"{self.model_type}, {self.n_params() / 1e6:.2f}M parameters, layers={self.num_hidden_layers} "
+                f"heads={self.num_attention_heads} (key/value {self.num_key_value_heads}) hidden={self.hidden_size} "
+                f"vocab={self.vocab_size}")
+
+    def kv_cache_bytes(self, batch: int, length: int) -> int:
+        """Bytes of the key/value cache (float32) of `batch` sequences of `length` positions."""
+        return 4 * self.num_hidden_layers * batch * length * 2 * self.num_key_value_heads * self.head_dim
+
+    def axis_sizes(self) -> dict[str, int]:
+        # Tiles cut the key/value heads; each takes the query heads of its groups along.
+        return {"embd": self.hidden_size, "heads": self.num_key_value_heads, "hidden": self.intermediate_size,
+                "vocab": self.vocab_size}
+
     def inverse_frequencies(self) -> np.ndarray:
         """The rotary embedding's D/2 frequencies theta^(-2i/D) in float32, as Hugging Face computes them, with
         Llama 3.1's scaling when configured (low frequencies divided by `factor`, a smooth blend between the two

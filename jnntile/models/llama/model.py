@@ -1,0 +1,169 @@
+"""Llama-family models (Llama 2/3, TinyLlama, SmolLM, Qwen2, Mistral) on jnntile: Flax NNX modules whose
+every operation is tiled StarPU tasks.
+
+Shapes: B batch, T sequence, C hidden_size, I intermediate_size, V vocab, KV key/value heads, G query heads
+per key/value head (grouped-query attention), D head_dim. Weights are stored output-first, as torch.nn.Linear
+does (`nn.Linear(weight_out_first=True)`), and where Hugging Face has one tensor this model has the same one.
+Two products are fused so that one task reads each input tile once:
+
+    self_attn.qkv_proj   HF q_proj (KV*G*D, C), k_proj, v_proj (KV*D, C)    here (G + 2, KV, D, C): query head
+                         kv * G + g at [g, kv], keys at [G], values at [G + 1]; the biases (Qwen2) alike
+    self_attn.o_proj     HF (C, KV*G*D)                                      here (C, G, KV, D) ((C, KV, D) where G = 1)
+    mlp.gate_up_proj     HF gate_proj, up_proj (I, C)                        here (2, I, C)
+
+`hf.py` converts both ways. The attention output (B, T, G, KV, D) is then contracted by o_proj over (G, KV, D),
+and the rotary embedding turns the G query parts and the keys of qkv (the values are copied).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jnntile import nn, tensorfile
+from jnntile.decoding import KVCache
+from jnntile.ops import attention as attention_ops
+from jnntile.ops import elementwise as ew
+from jnntile.ops import gated
+from jnntile.ops import gemm
+from jnntile.ops import rotary as rotary_ops
+from jnntile.tensor import Tensor
+
+from jnntile.models import LanguageModel, Tiles, resolve_tiles
+
+from . import hf
+from .config import LlamaConfig
+
+
+def _linear(in_shape, out_shape, in_tiles, out_tiles, *, seed, name, bias=False):
+    return nn.Linear(in_shape, out_shape, in_tiles=in_tiles, out_tiles=out_tiles, seed=seed, name=name,
+                     use_bias=bias, weight_out_first=True)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, tiles: Tiles, seed: int, prefix: str):
+        C, KV, G, D = config.hidden_size, config.num_key_value_heads, config.kv_groups, config.head_dim
+        self.groups = G
+        self.inv_freq = tuple(float(f) for f in config.inverse_frequencies())
+        self.qkv_proj = _linear((C,), (G + 2, KV, D), (tiles.embd,), (1, tiles.heads, D), seed=seed,
+                                name=prefix + "qkv_proj", bias=config.qkv_bias)
+        # The attention output is (B, T, KV, D) where G = 1 (multi-head attention).
+        heads, head_tiles = ((KV, D), (tiles.heads, D)) if G == 1 else ((G, KV, D), (1, tiles.heads, D))
+        self.o_proj = _linear(heads, (C,), head_tiles, (tiles.embd,), seed=seed, name=prefix + "o_proj",
+                              bias=config.o_bias)
+
+    def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it."""
+        qkv = self.qkv_proj(x)                                  # (B, T, G + 2, KV, D)
+        pos = jnp.int32(0) if cache is None else cache.pos
+        qkv = rotary_ops.rotary(qkv, self.inv_freq, pos, rotated_parts=self.groups + 1)
+        y = attention_ops.causal_attention(qkv) if cache is None else cache.attend(layer, qkv)  # (B, T, G, KV, D)
+        return self.o_proj(y)                                   # (B, T, C)
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, tiles: Tiles, seed: int, prefix: str):
+        C, I = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = _linear((C,), (2, I), (tiles.embd,), (1, tiles.hidden), seed=seed,
+                                    name=prefix + "gate_up_proj")
+        self.down_proj = _linear((I,), (C,), (tiles.hidden,), (tiles.embd,), seed=seed, name=prefix + "down_proj")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.down_proj(gated.swiglu(self.gate_up_proj(x)))  # (B, T, 2, I) -> (B, T, I) -> (B, T, C)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, tiles: Tiles, seed: int, index: int):
+        prefix = f"model.layers.{index}."
+        C, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = nn.RMSNorm(C, tile=tiles.embd, eps=eps)
+        self.self_attn = Attention(config, tiles, seed, prefix + "self_attn.")
+        self.post_attention_layernorm = nn.RMSNorm(C, tile=tiles.embd, eps=eps)
+        self.mlp = MLP(config, tiles, seed, prefix + "mlp.")
+
+    def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        x = ew.add(x, self.self_attn(self.input_layernorm(x), cache, layer))
+        return ew.add(x, self.mlp(self.post_attention_layernorm(x)))
+
+
+class Llama(LanguageModel):
+    """A Llama-family causal LM, its head tied to the embeddings or not. Tiles are fixed at construction for
+    (batch_size, seq_len)."""
+
+    def __init__(self, config: LlamaConfig, *, batch_size: int, seq_len: int, seed: int = 0):
+        config.check_sequence_length(seq_len)
+        if config.dropout:
+            raise ValueError(f"dropout={config.dropout}: the Llama family here has no dropout; use --dropout 0")
+        self.config = config
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.tiles = tiles = resolve_tiles(config, batch_size, seq_len)
+        C, V = config.hidden_size, config.vocab_size
+        self.embed_tokens = nn.Embedding(V, C, tiles=(tiles.vocab, tiles.embd), seed=seed,
+                                         name="model.embed_tokens")
+        self.layers = nnx.List([DecoderLayer(config, tiles, seed, i) for i in range(config.num_hidden_layers)])
+        self.norm = nn.RMSNorm(C, tile=tiles.embd, eps=config.rms_norm_eps)
+        # An untied head is a (V, C) table like the embeddings: logits = x @ lm_head^T.
+        self.lm_head = None if config.tie_word_embeddings else nn.Embedding(
+            V, C, tiles=(tiles.vocab, tiles.embd), seed=seed, name="lm_head")
+
+    # ---- forward
+
+    def __call__(self, idx: Tensor, targets: Tensor | None = None, *, dropout_seed=None,
+                 ignore_index: int = -100, cache: KVCache | None = None):
+        """idx, targets: int32 (B, T) Tensors. Returns (logits (B, T, V) Tensor, loss scalar Tensor or None).
+
+        Llama has no dropout: `dropout_seed` is accepted and unused. With a key/value cache (`kv_cache`,
+        jnntile.decoding), idx holds the tokens at the cache's positions pos .. pos + T - 1; a cache that reads
+        no logits (a prefill) skips the head and returns (None, None).
+        """
+        x = self.embed_tokens(idx)                              # (B, T, C)
+        for layer, block in enumerate(self.layers):
+            x = block(x, cache, layer)
+            if cache is not None:
+                cache.block_done(layer, x)
+        return self.logits_and_loss(x, targets, ignore_index, cache)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Logits (B, T, V) of the last layer's output: final RMSNorm, then the (tied) head."""
+        table = self.embed_tokens if self.lm_head is None else self.lm_head
+        return gemm.matmul(self.norm(x), table.weight.get_value(), trans_b=True)
+
+    def kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty key/value cache (of the key/value heads) for decoding `batch_size` sequences of up to
+        `max_len` positions."""
+        config = self.config
+        return KVCache.empty(config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads,
+                             config.head_dim, tile_batch=min(config.tile_batch or batch_size, batch_size),
+                             tile_seq=self.tiles.seq, tile_heads=self.tiles.heads)
+
+    # ---- Hugging Face files
+
+    def to_hf_params(self) -> dict:
+        """Every parameter in Hugging Face names and layouts, unread (`hf.from_model`)."""
+        return hf.from_model(self.config, {name: p.get_value() for name, p in self.named_params().items()})
+
+    def load_hf_params(self, params: dict) -> None:
+        """Overwrites every parameter from Hugging Face tensors by name (arrays, or the unread tensors of
+        `hf.open_hf`, streamed into the tiles chunk by chunk). Checks every shape before writing."""
+        sources = hf.to_model(self.config, hf.checked(params, self.config, "the params to load"))
+        mine = self.named_params()
+        if set(sources) != set(mine):
+            raise ValueError(f"parameters do not match the model: missing {sorted(set(mine) - set(sources))[:5]}, "
+                             f"unexpected {sorted(set(sources) - set(mine))[:5]}")
+        for name, variable in mine.items():
+            if tuple(np.shape(sources[name])) != variable.get_value().shape:
+                raise ValueError(f"parameter {name} comes as shape {tuple(np.shape(sources[name]))}, expected "
+                                 f"{variable.get_value().shape}")
+        for name, variable in mine.items():
+            variable.set_value(tensorfile.load_into(variable.get_value(), sources[name]))
+
+
+def loss_and_grads(model: Llama, idx, targets):
+    """Loss (a JAX scalar) and gradients (nnx.State of Tensors) for token arrays idx, targets (B, T)."""
+
+    def loss_fn(m: Llama, idx, targets):
+        _, loss = m(m.token_tensor(idx), m.token_tensor(targets, allow_ignore=True))
+        return loss
+
+    return nn.value_and_grad(loss_fn)(model, idx, targets)
