@@ -48,7 +48,10 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
 END_OF_TEXT = "<|endoftext|>"
+# Token ids are stored as uint16, as nanoGPT's files, where the vocabulary allows; a pretrained tokenizer of
+# more than 65536 tokens (Llama 3, Qwen2) gets uint32 files, which meta.json's "dtype" names.
 TOKEN_DTYPE = np.uint16
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # uint16 holds ids 0..65535, so at most 65536 distinct tokens.
 MAX_VOCAB_SIZE = int(np.iinfo(TOKEN_DTYPE).max) + 1
 # Byte-level BPE always contains the 256 byte tokens, plus our special token.
@@ -199,18 +202,48 @@ def _train_tokenizer(documents: list[str], vocab_size: int, progress: bool) -> B
     return tokenizer
 
 
-def _tokenize(tokenizer: ByteLevelBPETokenizer, documents: list[str], progress: bool) -> np.ndarray:
-    """The token stream: each document's ids followed by the end-of-text id."""
-    end_of_text = tokenizer.token_to_id(END_OF_TEXT)
+def token_dtype(vocab_size: int):
+    """uint16 where the vocabulary fits (nanoGPT's files), else uint32."""
+    return np.uint16 if vocab_size <= MAX_VOCAB_SIZE else np.uint32
+
+
+def _tokenize(tokenizer: Tokenizer, documents: list[str], end_of_text: int | None, progress: bool) -> np.ndarray:
+    """The token stream: each document's ids followed by the end-of-text id (when the tokenizer has one)."""
+    dtype = token_dtype(tokenizer.get_vocab_size())
     pieces = []
     with tqdm(total=len(documents), unit="doc", desc="tokenizing", disable=not progress) as bar:
         for start in range(0, len(documents), _ENCODE_CHUNK_DOCS):
             chunk = documents[start : start + _ENCODE_CHUNK_DOCS]
             for encoding in tokenizer.encode_batch(chunk):
-                pieces.append(np.asarray(encoding.ids, dtype=TOKEN_DTYPE))
-                pieces.append(np.asarray([end_of_text], dtype=TOKEN_DTYPE))
+                pieces.append(np.asarray(encoding.ids, dtype=dtype))
+                if end_of_text is not None:
+                    pieces.append(np.asarray([end_of_text], dtype=dtype))
             bar.update(len(chunk))
     return np.concatenate(pieces)
+
+
+def load_pretrained_tokenizer(directory: str | os.PathLike) -> tuple[Tokenizer, int | None]:
+    """(tokenizer, end-of-text id or None) of a model directory's tokenizer.json (a Hugging Face checkpoint's:
+    Llama 3, SmolLM, Qwen2 byte-level BPE, Llama 2's SentencePiece-derived files). The end of a document is
+    tokenizer_config.json's eos_token, else config.json's eos_token_id, else none."""
+    directory = Path(directory)
+    path = directory / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"--tokenizer {directory}: no {TOKENIZER_FILE} there (a Hugging Face model "
+                                "directory holds one)")
+    tokenizer = _read_tokenizer(path)
+    for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
+        try:
+            value = json.loads((directory / name).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, dict):  # {"content": "</s>", ...}
+            value = value.get("content")
+        if isinstance(value, str):
+            value = tokenizer.token_to_id(value)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < tokenizer.get_vocab_size():
+            return tokenizer, value
+    return tokenizer, None
 
 
 def _prepare_documents(
@@ -222,14 +255,19 @@ def _prepare_documents(
     vocab_size: int,
     val_fraction: float,
     progress: bool,
+    pretrained: tuple[Tokenizer, int | None] | None = None,
 ) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     # meta.json marks a complete dataset: drop a stale one first so a run
     # interrupted while replacing the other files is not mistaken for complete.
     (out_dir / META_FILE).unlink(missing_ok=True)
 
-    tokenizer = _train_tokenizer(documents, vocab_size, progress)
-    tokens = _tokenize(tokenizer, documents, progress)
+    if pretrained is None:
+        tokenizer = _train_tokenizer(documents, vocab_size, progress)
+        end_of_text = tokenizer.token_to_id(END_OF_TEXT)
+    else:
+        tokenizer, end_of_text = pretrained
+    tokens = _tokenize(tokenizer, documents, end_of_text, progress)
     val_tokens = min(max(1, int(len(tokens) * val_fraction)), len(tokens) - 1)
     train_tokens = len(tokens) - val_tokens
 
@@ -251,8 +289,8 @@ def _prepare_documents(
         "max_bytes": max_bytes,
         "val_fraction": val_fraction,
         "tokenizer": TOKENIZER_FILE,
-        "end_of_text_id": tokenizer.token_to_id(END_OF_TEXT),
-        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "end_of_text_id": end_of_text,
+        "dtype": tokens.dtype.name,
     }
     with _atomic_output(out_dir / META_FILE) as temporary:
         temporary.write_text(json.dumps(meta, indent=2) + "\n")
@@ -268,13 +306,17 @@ def prepare_dataset(
     glob: str = DEFAULT_GLOB,
     max_bytes: int | None = None,
     progress: bool = True,
+    tokenizer: str | os.PathLike | None = None,
 ) -> Path:
     """Tokenize a text file, or a folder's files matching `glob`, into a dataset in `out_dir`.
 
     Each file is one document. `max_bytes` caps how much source text is read.
-    Returns `out_dir`.
+    `tokenizer`, a model directory, gives a pretrained tokenizer (its tokenizer.json) instead of
+    training a BPE of `vocab_size` tokens. Returns `out_dir`.
     """
-    _check_vocab_size(vocab_size)
+    pretrained = None if tokenizer is None else load_pretrained_tokenizer(tokenizer)
+    if pretrained is None:
+        _check_vocab_size(vocab_size)
     _check_val_fraction(val_fraction)
     _check_max_bytes(max_bytes)
     source = Path(source)
@@ -292,6 +334,7 @@ def prepare_dataset(
         vocab_size=vocab_size,
         val_fraction=val_fraction,
         progress=progress,
+        pretrained=pretrained,
     )
 
 
@@ -336,7 +379,7 @@ def _is_prepared(out_dir: Path, expected: dict) -> bool:
         return False
     if any(meta.get(key) != value for key, value in expected.items()):
         return False
-    itemsize = np.dtype(TOKEN_DTYPE).itemsize
+    itemsize = np.dtype(TOKEN_DTYPES.get(meta.get("dtype"), TOKEN_DTYPE)).itemsize
     sizes_match = [
         (out_dir / TRAIN_FILE, meta.get("train_tokens", -1) * itemsize),
         (out_dir / VAL_FILE, meta.get("val_tokens", -1) * itemsize),
@@ -431,7 +474,14 @@ class TokenDataset:
                 f"token file {path} does not exist; prepare one with `python -m jnntile.data` "
                 f"or pass the path of a .bin file"
             )
-        itemsize = np.dtype(TOKEN_DTYPE).itemsize
+        meta_path = path.parent / META_FILE
+        self.meta = _read_meta(meta_path) if meta_path.is_file() else {}
+        dtype_name = self.meta.get("dtype", "uint16")
+        if dtype_name not in TOKEN_DTYPES:
+            raise ValueError(f"{meta_path} gives dtype={dtype_name!r}; token files are {' or '.join(TOKEN_DTYPES)}; "
+                             "prepare the dataset again with `python -m jnntile.data`")
+        dtype = np.dtype(TOKEN_DTYPES[dtype_name])
+        itemsize = dtype.itemsize
         size = path.stat().st_size
         if size == 0:
             raise ValueError(f"token file {path} is empty (0 bytes); prepare it again with `python -m jnntile.data`")
@@ -442,16 +492,14 @@ class TokenDataset:
             )
         if size % itemsize:
             raise ValueError(
-                f"token file {path} has {size} bytes, not a multiple of {itemsize}: it is not a raw uint16 "
+                f"token file {path} has {size} bytes, not a multiple of {itemsize}: it is not a raw {dtype_name} "
                 f"token file or was cut short; prepare it again with `python -m jnntile.data`"
             )
         self.path = path
-        self.tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
 
         tokenizer_path = path.parent / TOKENIZER_FILE
         self.tokenizer = _read_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None
-        meta_path = path.parent / META_FILE
-        self.meta = _read_meta(meta_path) if meta_path.is_file() else {}
 
         if "vocab_size" in self.meta:
             self.vocab_size = self.meta["vocab_size"]
@@ -463,10 +511,10 @@ class TokenDataset:
         else:  # a bare file: the vocabulary must hold its ids and those of the validation file beside it
             validation = self.validation()
             self.vocab_size = max(int(self.tokens.max()) + 1, validation.vocab_size if validation else 0)
-        if self.vocab_size > MAX_VOCAB_SIZE:
+        if self.vocab_size > np.iinfo(dtype).max + 1:
             raise ValueError(
                 f"{meta_path if 'vocab_size' in self.meta else tokenizer_path} gives vocab_size="
-                f"{self.vocab_size}, but uint16 token files hold at most {MAX_VOCAB_SIZE} tokens; "
+                f"{self.vocab_size}, but {dtype_name} token files hold at most {np.iinfo(dtype).max + 1} tokens; "
                 f"prepare the dataset again with --vocab-size <= {MAX_VOCAB_SIZE}"
             )
         if "vocab_size" in self.meta or self.tokenizer is not None:
@@ -575,6 +623,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"BPE vocabulary size, {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE} (default {DEFAULT_VOCAB_SIZE})",
     )
     parser.add_argument(
+        "--tokenizer", metavar="DIR",
+        help="a model directory whose tokenizer.json to use (e.g. a Hugging Face Llama checkpoint) instead of "
+             "training a BPE tokenizer; --vocab-size is then the tokenizer's",
+    )
+    parser.add_argument(
         "--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
         help=f"fraction of tokens, taken from the end, held out for validation (default {DEFAULT_VAL_FRACTION})",
     )
@@ -616,6 +669,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 val_fraction=args.val_fraction,
                 glob=args.glob or DEFAULT_GLOB,
                 max_bytes=args.max_bytes,
+                tokenizer=args.tokenizer,
             )
     except (FileNotFoundError, ValueError) as error:
         # These carry a message meant for the user; a traceback would bury it.

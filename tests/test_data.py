@@ -311,3 +311,54 @@ def test_corrupt_tokenizer_json_is_named(prepared, tmp_path):
     (copy / "tokenizer.json").write_text("garbage")
     with pytest.raises(ValueError, match=rf"{copy / 'tokenizer.json'} is not a tokenizers file"):
         data.TokenDataset(copy)
+
+
+# ---- a pretrained tokenizer (--tokenizer DIR) ------------------------------------------------
+
+LLAMA_DIR = Path(__file__).parent / "data" / "hf_tiny_llama"
+
+
+def test_a_model_directory_s_tokenizer_prepares_the_text(tmp_path):
+    # Llama 2's SentencePiece-derived tokenizer.json; documents end with its eos_token (tokenizer_config.json).
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    texts = ["Tiles move between RAM and disk.", "StarPU runs the tasks; ünïcode too."]
+    for i, text in enumerate(texts):
+        (docs / f"{i}.txt").write_text(text)
+    out = data.prepare_dataset(docs, tmp_path / "out", val_fraction=0.2, glob="*.txt", progress=False,
+                               tokenizer=LLAMA_DIR)
+    meta = json.loads((out / "meta.json").read_text())
+    tokenizer = data.Tokenizer.from_file(str(LLAMA_DIR / "tokenizer.json"))
+    eos = tokenizer.token_to_id("</s>")
+    assert meta["vocab_size"] == tokenizer.get_vocab_size() == 320 and meta["end_of_text_id"] == eos
+    assert meta["dtype"] == "uint16"
+    stream = np.concatenate([np.fromfile(out / "train.bin", np.uint16), np.fromfile(out / "val.bin", np.uint16)])
+    expected = [i for text in texts for i in tokenizer.encode(text).ids + [eos]]
+    assert stream.tolist() == expected
+    assert data.TokenDataset(out).decode(tokenizer.encode(texts[0]).ids).endswith(texts[0])
+
+
+def test_a_vocabulary_beyond_uint16_gets_uint32_token_files(tmp_path):
+    # Llama 3's and Qwen2's vocabularies (128256, 151936) do not fit uint16 ids: the files hold uint32 and
+    # meta.json says so.
+    from tokenizers import models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(70_000)}
+    tokenizer = data.Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "config.json").write_text(json.dumps({"eos_token_id": 69_999}))
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i}" for i in range(65_530, 65_560)))
+    out = data.prepare_dataset(text, tmp_path / "out", val_fraction=0.1, progress=False, tokenizer=model_dir)
+    assert json.loads((out / "meta.json").read_text())["dtype"] == "uint32"
+    train, val = data.TokenDataset(out), data.TokenDataset(out / "val.bin")
+    assert train.vocab_size == 70_000
+    assert np.concatenate([train.tokens, val.tokens]).tolist() == list(range(65_530, 65_560)) + [69_999]
+
+
+def test_a_directory_without_tokenizer_json_is_refused(text_file, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json there"):
+        data.prepare_dataset(text_file, tmp_path / "out", progress=False, tokenizer=tmp_path)

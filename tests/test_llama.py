@@ -22,6 +22,7 @@ import safetensors.numpy
 from conftest import rel_err
 
 import jnntile
+from jnntile import data as data_mod
 from jnntile import decoding
 from jnntile import generate as generate_mod
 from jnntile import train as train_mod
@@ -153,3 +154,22 @@ def test_train_resume_export_and_generate_from_the_command_line(dataset, tmp_pat
         ["--checkpoint", str(tmp_path / "parts"), "--prompt", "alpha beta", "--max-new-tokens", "4",
          "--temperature", "0"]))
     assert len(texts) == 1 and texts[0].startswith("alpha beta")
+
+
+def test_fine_tune_a_hugging_face_llama_on_text_prepared_with_its_tokenizer(tmp_path):
+    directory, _, _ = _fixture("llama")
+    text = tmp_path / "text.txt"
+    rng = np.random.default_rng(0)
+    text.write_text("\n".join(" ".join(rng.choice(["tiles", "move", "between", "RAM", "and", "disk"], 20))
+                              for _ in range(200)))
+    data_mod.main([str(text), "--out", str(tmp_path / "data"), "--tokenizer", str(directory)])
+    summary = train_mod.train(train_mod.parse_args(
+        ["--data", str(tmp_path / "data"), "--init-from-hf", str(directory), "--batch-size", "2", "--seq-len", "16",
+         "--steps", "4", "--eval-interval", "0", "--samples", "0", "--quiet", "--out", str(tmp_path / "out"),
+         "--export-hf", str(tmp_path / "tuned")]))
+    assert summary["last_loss"] < summary["first_loss"]
+    assert hf.read_config(tmp_path / "tuned") == hf.read_config(directory)
+    texts = generate_mod.generate(generate_mod.parse_args(
+        ["--hf", str(tmp_path / "tuned"), "--tokenizer", str(directory), "--prompt", "tiles move", "--max-new-tokens",
+         "3", "--temperature", "0"]))
+    assert texts[0].startswith("tiles move")
