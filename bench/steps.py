@@ -1,4 +1,5 @@
-"""The training steps the benchmarks time, and how they time them: jnntile's GPT-2 and the pure-JAX reference.
+"""The training steps the benchmarks time, and how they time them: jnntile's model and the pure-JAX reference
+of its family (GPT-2, Llama).
 
 Both train the same model on the same batch with AdamW and global-norm
 clipping under `jax.jit`; the reference donates its parameters and optimizer
@@ -17,27 +18,32 @@ import optax
 from flax import nnx
 
 from jnntile import distributed, optim
-from jnntile.models import gpt2
+from jnntile.models import families, gpt2, llama
 from jnntile.models.gpt2 import reference as gpt2_reference
-from jnntile.models.gpt2.config import GPT2Config
+from jnntile.models.llama import reference as llama_reference
 from jnntile.train import make_steps
 
 LEARNING_RATE = 1e-4
 MAX_NORM = 1.0
 
 
-def random_batch(config: GPT2Config, batch_size: int, seq_len: int, seed: int = 0):
+def reference_of(config):
+    """The pure-JAX reference module (init_params, loss) of a config's family."""
+    return {gpt2.GPT2Config: gpt2_reference, llama.LlamaConfig: llama_reference}[type(config)]
+
+
+def random_batch(config, batch_size: int, seq_len: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return tuple(rng.integers(0, config.vocab_size, (batch_size, seq_len)).astype(np.int32) for _ in range(2))
 
 
-def jnntile_step(config: GPT2Config, batch_size: int, seq_len: int):
+def jnntile_step(config, batch_size: int, seq_len: int):
     """One jnntile training step per call (`.model` holds the model, for its tiles).
 
     In a distributed run each rank trains on its rows of the batch and the loss is the mean over the ranks.
     """
     idx, targets = (distributed.local_rows(a) for a in random_batch(config, batch_size, seq_len))
-    model = gpt2.GPT2(config, batch_size=idx.shape[0], seq_len=seq_len)
+    model = families.build(config, batch_size=idx.shape[0], seq_len=seq_len)
     tx = optax.chain(optim.clip_by_global_norm(MAX_NORM), optim.adamw(LEARNING_RATE))
     graphdef, params = nnx.split(model, nnx.Param)
     state = {"params": params, "opt": tx.init(params)}
@@ -53,15 +59,16 @@ def jnntile_step(config: GPT2Config, batch_size: int, seq_len: int):
     return step
 
 
-def xla_step(config: GPT2Config, batch_size: int, seq_len: int):
+def xla_step(config, batch_size: int, seq_len: int):
     """One step of the pure-JAX reference per call, parameters and optimizer state donated."""
+    reference = reference_of(config)
     idx, targets = random_batch(config, batch_size, seq_len)
-    params = gpt2_reference.init_params(config, 0)
+    params = reference.init_params(config, 0)
     tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LEARNING_RATE))
     state = {"params": params, "opt": tx.init(params)}
 
     def train_step(params, opt_state, idx, targets):
-        loss, grads = jax.value_and_grad(lambda p: gpt2_reference.loss(p, config, idx, targets))(params)
+        loss, grads = jax.value_and_grad(lambda p: reference.loss(p, config, idx, targets))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

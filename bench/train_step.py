@@ -1,6 +1,7 @@
-"""Training-step throughput: jnntile's GPT-2 vs the pure-JAX reference, same model, batch and machine, one run.
+"""Training-step throughput: jnntile's model vs the pure-JAX reference, same model, batch and machine, one run.
 
-    .venv/bin/python bench/train_step.py [--configs tiny small 124M-4x256 124M-1x1024] [--steps 10] [--json]
+    .venv/bin/python bench/train_step.py [--configs tiny small 124M-4x256 124M-1x1024 llama-tiny smollm-135m]
+                                         [--steps 10] [--json]
 
 Both train with AdamW + global-norm clipping under `jax.jit`; the reference
 donates its parameters and optimizer state (best-practice plain JAX). Each
@@ -27,28 +28,30 @@ import sys
 import time
 
 CONFIGS = {
-    # name: (model, batch, seq)
-    "tiny": (dict(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=256), 8, 128),
-    "small": (dict(n_layer=6, n_head=6, n_embd=384, vocab_size=4096, n_positions=256), 8, 256),
-    "124M-4x256": (dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024), 4, 256),
-    "124M-1x1024": (dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024), 1, 1024),
+    # name: (preset, fields replaced, batch, seq)
+    "tiny": ("tiny", dict(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=256), 8, 128),
+    "small": ("tiny", dict(n_layer=6, n_head=6, n_embd=384, vocab_size=4096, n_positions=256), 8, 256),
+    "124M-4x256": ("gpt2", {}, 4, 256),
+    "124M-1x1024": ("gpt2", {}, 1, 1024),
+    "llama-tiny": ("llama-tiny", dict(vocab_size=4096, max_position_embeddings=256), 8, 128),
+    "smollm-135m": ("smollm-135m", {}, 4, 256),  # SmolLM's shape: 134.5M parameters, grouped-query attention
 }
 
 
 def label(name: str) -> str:
     """The config name of the report: "tiny 8x128", "124M 4x256", ..."""
-    _, batch, seq = CONFIGS[name]
-    return f"{name.split('-')[0]} {batch}x{seq}"
+    _, _, batch, seq = CONFIGS[name]
+    return f"{name.split('-')[0] if name[0].isdigit() else name} {batch}x{seq}"
 
 
 def measure(name: str, which: str, steps: int) -> dict:
     """Runs in a child process: tokens/s of one implementation on one configuration."""
     import jnntile
-    from jnntile.models.gpt2.config import GPT2Config
+    from jnntile.models import families
     from steps import jnntile_step, step_seconds, xla_step
 
-    model, batch, seq = CONFIGS[name]
-    config = GPT2Config(dropout=0.0, **model)
+    preset, fields, batch, seq = CONFIGS[name]
+    config = families.preset(preset, dropout=0.0, **fields)
     if which == "xla":
         seconds = statistics.median(step_seconds(xla_step(config, batch, seq), steps))
         return {"tokens_per_s": batch * seq / seconds}
