@@ -1,11 +1,11 @@
 """jnntile: train models larger than fast memory. JAX traces, StarPU executes."""
 
 from jnntile import distributed, runtime  # distributed: its check of the ranks at start
-from jnntile.grad import grad, grad_of, value_and_grad, zero_grads
+from jnntile.grad import grad, grad_of, remat, value_and_grad, zero_grads
 from jnntile.ops.data import empty, from_array, full, random_normal, random_uniform, to_array, zeros
 from jnntile.tensor import Tensor, release_traced
 
 __all__ = [
-    "Tensor", "empty", "from_array", "full", "grad", "grad_of", "value_and_grad", "zero_grads", "random_normal", "random_uniform",
-    "release_traced", "runtime", "to_array", "zeros",
+    "Tensor", "empty", "from_array", "full", "grad", "grad_of", "random_normal", "random_uniform", "release_traced",
+    "remat", "runtime", "to_array", "value_and_grad", "zero_grads", "zeros",
 ]

@@ -150,7 +150,8 @@ def restore(path: str | os.PathLike, *, model, opt_state):
     record = read_state(path)
     mine = dataclasses.asdict(model.config)
     saved = record["config"]
-    differing = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v and not k.startswith("tile_")}
+    execution = model.config.execution_field_names()  # tiles and recomputation may change between runs
+    differing = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v and k not in execution}
     if differing:
         raise ValueError(f"checkpoint {path} is of another model: (saved, requested) differ in {differing}")
     _, params = families.of_checkpoint(path).hf.open_hf(path)

@@ -1,7 +1,8 @@
 """The command-line flags that `train`, `generate` and `memory` share, defined once with their defaults.
 
 Runtime flags map one to one onto `jnntile.runtime.RuntimeConfig` fields; a flag left out keeps the
-runtime's default (stated in RuntimeConfig). Tile flags map onto the model config's tile_* fields.
+runtime's default (stated in RuntimeConfig). Execution flags map onto the model config's tile_* fields and
+its `remat`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from jnntile import runtime
-from jnntile.models import TILE_AXES
+from jnntile.models import REMAT_CHOICES, TILE_AXES
 
 # Flag -> RuntimeConfig field, for the flags that set one directly. --swap-size-mb and --swap-backend
 # count only with --swap-dir (runtime_settings); the planner reads --swap-size-mb alone as a what-if.
@@ -49,12 +50,18 @@ def runtime_settings(args) -> dict:
     return settings
 
 
-def add_tile_flags(parser: argparse.ArgumentParser) -> None:
+def add_execution_flags(parser: argparse.ArgumentParser) -> None:
     for axis in TILE_AXES:
         parser.add_argument(f"--tile-{axis}", type=int, help=f"tile size on the {axis} axis (default: automatic)")
+    parser.add_argument("--remat", choices=REMAT_CHOICES,
+                        help="activation recomputation: block keeps only each transformer block's input for the "
+                             "backward and recomputes the block there (default: none)")
 
 
-def tile_settings(args) -> dict:
-    """The model config's tile_* fields the flags set (only those given)."""
-    return {f"tile_{axis}": getattr(args, f"tile_{axis}") for axis in TILE_AXES
-            if getattr(args, f"tile_{axis}", None) is not None}
+def execution_settings(args) -> dict:
+    """The model config's tile_* fields and remat the flags set (only those given)."""
+    settings = {f"tile_{axis}": getattr(args, f"tile_{axis}") for axis in TILE_AXES
+                if getattr(args, f"tile_{axis}", None) is not None}
+    if getattr(args, "remat", None) is not None:
+        settings["remat"] = args.remat
+    return settings

@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="sample among the k likeliest; 0: all")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     flags.add_runtime_flags(p)
-    flags.add_tile_flags(p)
+    flags.add_execution_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -80,7 +80,7 @@ def _weights_dir(args) -> Path:
 
 
 def _read_config(weights: Path, args):
-    return families.read_config(weights, **flags.tile_settings(args))
+    return families.read_config(weights, **flags.execution_settings(args))
 
 
 def _tokenizer_candidates(args, weights: Path) -> list[Path]:
@@ -172,7 +172,7 @@ def generate(args) -> list[str]:
     jnntile.runtime.start()
 
     started = time.perf_counter()
-    tiles = {k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")}
+    tiles = {k: getattr(config, k) for k in config.execution_field_names()}
     tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (the models' kv_cache)
     model = families.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
     decoder = decoding.Decoder(model, batch_size=len(prompts), max_len=length)

@@ -182,3 +182,77 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
         return (grads, value[1]) if has_aux else grads
 
     return wrapped
+
+
+def remat(fn: Callable) -> Callable:
+    """`fn(*args) -> Tensor` recomputed in the backward pass instead of keeping its activations, as
+    `jax.checkpoint` does for plain JAX (activation recomputation).
+
+    The forward runs `fn` without differentiating it and invalidates every tensor it created but its
+    output (DESIGN invariant 7), so between the forward and the backward only the arguments and the output
+    live. The backward runs `fn` again, now differentiated (same kernels, same inputs; dropout masks come
+    from counter-based seeds, so they are the same), hands the output's gradient to the recomputed output
+    and runs its backward. Gradients equal those without recomputation bit for bit. Arguments are pytrees
+    of Tensors (parameters as an nnx.State) and arrays (a dropout seed, None).
+    """
+    def is_tensor_leaf(x):
+        return isinstance(x, Tensor)
+
+    def tensors_of(tree):
+        return [x for x in jax.tree.leaves(tree, is_leaf=is_tensor_leaf) if _is_tensor(x)]
+
+    @jax.custom_vjp
+    def run(*args):
+        return fn(*args)
+
+    def forward(*args):
+        step = _ffi.current_step()
+        touched_before = {h: list(tokens) for h, tokens in step.touched.items()} if step is not None else {}
+        y = fn(*args)
+        # The output is an activation the rest of the differentiated function reads: its gradient starts at
+        # zero (lazily), as the op that made it would have done when differentiated.
+        tensor_mod.grad_handle(y.handle)
+        y.handle.grad_zeroed = True
+        LEDGER.zero_later(y.handle.grad)
+        if step is None:
+            return y, (args, y)
+        # The ops ran undifferentiated, each traced on its own: the tokens they recorded must not leave their
+        # traces. Every op of the block is an ancestor of its output, so y's token orders the invalidation
+        # after all of them.
+        created = [h for h in step.touched if h not in touched_before]
+        step.touched.clear()
+        step.touched.update(touched_before)
+        if not step.keep_activations and _ffi.RELEASE:
+            keep = {t.handle for t in tensors_of(args)} | {y.handle}
+            dead = [h for h in created if h not in keep]
+            if dead:
+                y = y.with_token(call("invalidate", dead, [y.token], writes=dead))
+                for h in dead:
+                    step.touched.pop(h, None)
+        return y, (args, y)
+
+    def backward(residuals, g):
+        args, y = residuals
+        # Recompute only once the output's gradient is there: the inputs are ready long before, and StarPU
+        # would otherwise run every block's recomputation at once, all their activations alive together.
+        args = jax.tree.map(lambda x: x.with_token(_ffi.join(x.token, g.token)) if _is_tensor(x) else x, args,
+                            is_leaf=is_tensor_leaf)
+        again, vjp = jax.vjp(fn, *args)
+        # The recomputed output takes the gradient the output received; the output and its gradient are dead.
+        token = call("accumulate", [tensor_mod.grad_handle(y.handle), _ffi.grad_target(again)],
+                     [g.token, again.token], alphas=[1.0])
+        token = _ffi.release(token, y)
+        return vjp(again.with_token(token))
+
+    run.defvjp(forward, backward)
+
+    def recorded_or_run(*args):
+        record = tensor_mod.active_recording()
+        if record is None:
+            return run(*args)
+        start = len(record)  # the planner records the ops, then marks them recomputed
+        y = fn(*args)
+        record.append(_ffi.RecordedRecomputation(start, y))
+        return y
+
+    return recorded_or_run

@@ -43,6 +43,7 @@ from jnntile import flags, runtime
 from jnntile import tensor as tensor_mod
 from jnntile.models import TILE_AXES
 from jnntile.models import families
+from jnntile.ops import _ffi
 from jnntile.models import Tiles, resolve_tiles
 
 MB = 2 ** 20
@@ -91,6 +92,9 @@ class _Op:
     outputs: list  # activations created
     residuals: list  # scratch kept for the backward
     tasks: list  # (bytes, description) of the largest tasks, forward and backward
+    # Recomputation (jnntile.remat): the region's output, on the region's last op.
+    region_output: object = None
+    region_start: int | None = None  # on the region's last op: the index of its first op
 
 
 @dataclasses.dataclass
@@ -122,6 +126,8 @@ def record_step(build_model, loss) -> _RecordedStep:
     params = [describe(variable.get_value(), "param", ".".join(str(p) for p in path))
               for path, variable in nnx.iter_graph(model) if isinstance(variable, nnx.Param)]
     ops, inputs = [], []
+    regions = [r for r in recorded if isinstance(r, _ffi.RecordedRecomputation)]
+    recorded = [r for r in recorded if not isinstance(r, _ffi.RecordedRecomputation)]
     for index, op in enumerate(recorded):
         name = f"{op.name} (op {index + 1} of {len(recorded)})"
         for t in op.inputs:
@@ -131,6 +137,12 @@ def record_step(build_model, loss) -> _RecordedStep:
         residuals = [describe(t, "scratch", f"{name} scratch") for t in op.residuals]
         ops.append(_Op(name, [described[t.handle] for t in op.inputs], outputs, residuals,
                        [(op.task_bytes, op.task)]))
+    # A region's start counts the markers before it too; ops are numbered without them.
+    for number, region in enumerate(regions):
+        start = region.start - number
+        last = next(i for i in range(len(ops) - 1, start - 1, -1)
+                    if any(t.handle == region.output.handle for t in recorded[i].outputs))
+        ops[last].region_start, ops[last].region_output = start, described[region.output.handle]
     return _RecordedStep(ops, params, inputs)
 
 
@@ -371,14 +383,32 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
     base = params * (1 + n_state + accumulating) + sum(t.nbytes for t in step.inputs)
     live = 0  # activations, residuals, and gradients allocated so far
     peak, phase = base, "start"
+
+    def region_bytes(last: _Op) -> int:
+        """What a recomputed region's ops create but its output, freed after its forward and made again
+        at its backward."""
+        return sum(t.nbytes for op in step.ops[last.region_start:step.ops.index(last) + 1]
+                   for t in op.outputs + op.residuals if t is not last.region_output)
+
     for op in step.ops:  # forward
         live += sum(t.nbytes for t in op.outputs + op.residuals)
         if base + live > peak:
             peak, phase = base + live, "end of forward"
+        if op.region_output is not None:
+            live -= region_bytes(op)
     activations = live
     grads = {p.name for p in step.params} if accumulating else set()
     act_grad_live = act_grad_peak = 0
+    # A recomputed region runs its forward again once its output's gradient is submitted, while StarPU may
+    # still run the backward of the region after it: two regions' activations are alive at once.
+    regions = [op for op in reversed(step.ops) if op.region_output is not None]
+    recomputed = set()
     for op in reversed(step.ops):  # backward: the op's tasks need its inputs' and outputs' gradients
+        if op.region_output is not None:  # the forward again, with the next region's overlapping it
+            for region in regions[regions.index(op):regions.index(op) + 2]:
+                if region.name not in recomputed:
+                    recomputed.add(region.name)
+                    live += region_bytes(region) + region.region_output.nbytes  # its output made again
         for t in op.inputs + op.outputs:
             if t.has_grad and t.name not in grads:
                 grads.add(t.name)
@@ -388,6 +418,8 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
         act_grad_peak = max(act_grad_peak, act_grad_live)
         if base + live > peak:
             peak, phase = base + live, f"backward of {op.name}"
+        if op.region_output is not None:  # the recomputed output goes with the first one
+            live -= op.region_output.nbytes
         for t in op.outputs + op.residuals:  # released after the op's backward
             live -= t.nbytes
             if t.name in grads:
@@ -483,7 +515,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's positions")
     parser.add_argument("--grad-accum-steps", type=int, default=1,
                         help="micro-batches of --batch-size per step (gradient accumulation)")
-    flags.add_tile_flags(parser)
+    flags.add_execution_flags(parser)
     flags.add_runtime_flags(parser)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
 
@@ -493,7 +525,7 @@ def config_from_args(args):
     fields = {**families.PRESETS[args.model].config.FLAG_FIELDS, "vocab_size": "vocab_size", "dropout": "dropout"}
     fields["n_positions"] = fields.pop("max_positions")
     overrides = {fields[flag]: getattr(args, flag) for flag in fields if getattr(args, flag, None) is not None}
-    return families.preset(args.model, **overrides, **flags.tile_settings(args))
+    return families.preset(args.model, **overrides, **flags.execution_settings(args))
 
 
 def plan_from_args(args) -> MemoryPlan:

@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, help="override the preset's head count")
     p.add_argument("--n-embd", type=int, help="override the preset's width")
     p.add_argument("--dropout", type=float, help="override the preset's dropout rate")
-    flags.add_tile_flags(p)
+    flags.add_execution_flags(p)
     p.add_argument("--data", help="a nanoGPT-style uint16 .bin token file (default: the built-in corpus)")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                    help="sequences per micro-batch (the batch of one step, unless --grad-accum-steps)")
@@ -151,7 +151,7 @@ def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | Non
 
 
 def _config(args, data_vocab: int):
-    tiles = flags.tile_settings(args)
+    tiles = flags.execution_settings(args)
     if args.init_from_hf:
         config, _ = families.of_checkpoint(args.init_from_hf).hf.open_hf(args.init_from_hf)  # checks every file
         if data_vocab > config.vocab_size:
@@ -403,7 +403,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
 
     if args.init_from_hf and not resume_from:
         model = families.from_hf(args.init_from_hf, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
-                             **{k: v for k, v in dataclasses.asdict(config).items() if k.startswith("tile_")})
+                             **{k: getattr(config, k) for k in config.execution_field_names()})
     else:  # a checkpoint to resume from overwrites every parameter: no initial values needed
         with nn.uninitialized() if resume_from else contextlib.nullcontext():
             model = families.build(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)

@@ -25,9 +25,16 @@ from jnntile.tensor import Tensor
 TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
 
 
+# Activation recomputation: "none" keeps every activation for the backward; "block" makes each transformer
+# block keep only its input and recompute its forward in the backward (jnntile.remat).
+REMAT_CHOICES = ("none", "block")
+
+
 @dataclasses.dataclass(frozen=True)
-class TileSizes:
-    """The tile_<axis> fields every model config has (None lets jnntile choose; see TILE_AXES)."""
+class ExecutionFields:
+    """How a model is executed, fields every model config has: the tile_<axis> sizes (None lets jnntile choose;
+    see TILE_AXES) and `remat`. They change neither the model nor its results, so a checkpoint resumes under
+    other ones."""
 
     tile_batch: Optional[int] = None
     tile_seq: Optional[int] = None
@@ -35,12 +42,19 @@ class TileSizes:
     tile_heads: Optional[int] = None
     tile_hidden: Optional[int] = None
     tile_vocab: Optional[int] = None
+    remat: str = "none"
+
+    @classmethod
+    def execution_field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(ExecutionFields))
 
     def axis_sizes(self) -> dict[str, int]:
         """The size of the embd, heads (key/value heads where queries share them), hidden and vocab axes."""
         raise NotImplementedError
 
-    def check_tile_sizes(self) -> None:
+    def check_execution_fields(self) -> None:
+        if self.remat not in REMAT_CHOICES:
+            raise ValueError(f"remat={self.remat!r}: use one of {', '.join(REMAT_CHOICES)}")
         for axis in TILE_AXES:
             value = getattr(self, f"tile_{axis}")
             if value is not None and (not is_int(value) or value <= 0):

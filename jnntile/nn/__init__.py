@@ -160,6 +160,13 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False, *, keep_activations
     return wrapped
 
 
+def recomputed(module: nnx.Module, *args):
+    """`module(*args)` (one output Tensor) recomputed in the backward pass (`jnntile.remat`): between the
+    forward and the backward only its input and output live, not its activations."""
+    graphdef, state = nnx.split(module)
+    return jnntile.remat(lambda state, *args: nnx.merge(graphdef, state)(*args))(state, *args)
+
+
 def tensors(state) -> list[Tensor]:
     """The Tensor leaves of an nnx.State (parameters or gradients), in a fixed order."""
     return jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, Tensor))

@@ -273,6 +273,15 @@ class RecordedOp:
     task: str
 
 
+@dataclasses.dataclass
+class RecordedRecomputation:
+    """The recorded ops from `start` to here run undifferentiated in the forward and again in the backward
+    (`jnntile.remat`): of their tensors only `output` lives between the two."""
+
+    start: int
+    output: Tensor
+
+
 def one_tile_each(name: str, inputs, outputs, residuals) -> tuple[int, str]:
     """The default footprint: a task touches one tile of each input and output (elementwise ops, the
     products: an A, a B and a C tile)."""

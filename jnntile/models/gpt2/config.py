@@ -12,7 +12,7 @@ import math
 import numbers
 from typing import Any
 
-from jnntile.models import TileSizes, is_int
+from jnntile.models import ExecutionFields, is_int
 
 _SIZE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
 
@@ -27,7 +27,7 @@ _TANH_GELU_NAMES = ("gelu_new", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config(TileSizes):
+class GPT2Config(ExecutionFields):
     """Hyper-parameters of a GPT-2 model. Defaults are GPT-2 small (124M).
 
     Frozen, hence hashable: it can be passed to `jax.jit` as a static argument.
@@ -46,7 +46,7 @@ class GPT2Config(TileSizes):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        self.check_tile_sizes()
+        self.check_execution_fields()
         if self.n_embd % self.n_head != 0:
             divisors = [d for d in range(1, self.n_embd + 1) if self.n_embd % d == 0]
             raise ValueError(

@@ -109,7 +109,10 @@ class GPT2(LanguageModel):
                      else cache.positions(idx))
         x = self.embd_dropout(self.embed(idx, positions), dropout_seed)
         for layer, block in enumerate(self.h):
-            x = block(x, dropout_seed, cache, layer)
+            if cache is None and self.config.remat == "block":
+                x = nn.recomputed(block, x, dropout_seed)
+            else:
+                x = block(x, dropout_seed, cache, layer)
             if cache is not None:
                 cache.block_done(layer, x)
         return self.logits_and_loss(x, targets, ignore_index, cache)

@@ -1,6 +1,6 @@
 """Configuration of the Llama family (Llama 2/3, TinyLlama, SmolLM, Qwen2, Mistral).
 
-Fields carry Hugging Face's `config.json` names. The tile_* fields (jnntile.models.TileSizes) only
+Fields carry Hugging Face's `config.json` names. The tile_* fields (jnntile.models.ExecutionFields) only
 matter to the tiled jnntile model.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jnntile.models import TileSizes, is_int
+from jnntile.models import ExecutionFields, is_int
 
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings")
@@ -23,7 +23,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig(TileSizes):
+class LlamaConfig(ExecutionFields):
     """Hyper-parameters of a Llama-family model. Defaults are the `llama-tiny` test shape.
 
     Frozen, hence hashable: it can be passed to `jax.jit` as a static argument.
@@ -61,7 +61,7 @@ class LlamaConfig(TileSizes):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        self.check_tile_sizes()
+        self.check_execution_fields()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads={self.num_key_value_heads} does not divide "
                              f"num_attention_heads={self.num_attention_heads}")

@@ -119,7 +119,7 @@ class Llama(LanguageModel):
         """
         x = self.embed_tokens(idx)                              # (B, T, C)
         for layer, block in enumerate(self.layers):
-            x = block(x, cache, layer)
+            x = nn.recomputed(block, x) if cache is None and self.config.remat == "block" else block(x, cache, layer)
             if cache is not None:
                 cache.block_done(layer, x)
         return self.logits_and_loss(x, targets, ignore_index, cache)
