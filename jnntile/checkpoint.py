@@ -148,7 +148,7 @@ def restore(path: str | os.PathLike, *, model, opt_state):
     """
     path = Path(path)
     record = read_state(path)
-    mine = dataclasses.asdict(model.config)
+    mine = json.loads(json.dumps(dataclasses.asdict(model.config)))  # as state.json holds it (tuples are lists)
     saved = record["config"]
     execution = model.config.execution_field_names()  # tiles and recomputation may change between runs
     differing = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v and k not in execution}

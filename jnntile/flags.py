@@ -50,18 +50,24 @@ def runtime_settings(args) -> dict:
     return settings
 
 
-def add_execution_flags(parser: argparse.ArgumentParser) -> None:
+def add_execution_flags(parser: argparse.ArgumentParser, training: bool = True) -> None:
+    """The tile flags, and --remat where a command trains (`training`)."""
     for axis in TILE_AXES:
         parser.add_argument(f"--tile-{axis}", type=int, help=f"tile size on the {axis} axis (default: automatic)")
+    if not training:
+        return
     parser.add_argument("--remat", choices=REMAT_CHOICES,
                         help="activation recomputation: block keeps only each transformer block's input for the "
-                             "backward and recomputes the block there (default: none)")
+                             "backward and recomputes the block there; auto lets the memory planner choose (default: "
+                             "auto with --memory-limit-mb, else none)")
 
 
 def execution_settings(args) -> dict:
     """The model config's tile_* fields and remat the flags set (only those given)."""
     settings = {f"tile_{axis}": getattr(args, f"tile_{axis}") for axis in TILE_AXES
                 if getattr(args, f"tile_{axis}", None) is not None}
-    if getattr(args, "remat", None) is not None:
-        settings["remat"] = args.remat
+    if hasattr(args, "remat"):  # a command that trains: recomputation is chosen under a memory limit by default
+        remat = args.remat or ("auto" if getattr(args, "memory_limit_mb", None) is not None else None)
+        if remat is not None:
+            settings["remat"] = remat
     return settings

@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="sample among the k likeliest; 0: all")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     flags.add_runtime_flags(p)
-    flags.add_execution_flags(p)
+    flags.add_execution_flags(p, training=False)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 

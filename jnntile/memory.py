@@ -477,6 +477,27 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
         largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, **shape)
 
 
+def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, optimizer: str = "adamw",
+                 workers: int | None = None):
+    """`config` with remat="auto" resolved: "block" when the step does not fit the memory limit without
+    recomputation and recomputing lowers its planned peak (less to swap), else "none". Returns (config, note);
+    the note says what was chosen and why ("" when the config chose itself)."""
+    if config.remat != "auto":
+        return config, ""
+    plain = dataclasses.replace(config, remat="none")
+    plain_peak = plan(plain, batch_size, seq_len, optimizer, workers).peak
+    if plain_peak <= memory_limit_mb * 2**20:
+        return plain, (f"--remat auto: none (the step's planned peak, {plain_peak / 2**20:.0f} MB, fits the "
+                       f"{memory_limit_mb:.0f} MB limit)")
+    recomputed = dataclasses.replace(config, remat="block")
+    peak = plan(recomputed, batch_size, seq_len, optimizer, workers).peak
+    if peak < plain_peak:
+        return recomputed, (f"--remat auto: block (recomputing each block's forward in the backward: planned peak "
+                            f"{peak / 2**20:.0f} MB instead of {plain_peak / 2**20:.0f} MB under the "
+                            f"{memory_limit_mb:.0f} MB limit)")
+    return plain, f"--remat auto: none (recomputation would not lower the planned peak of {plain_peak / 2**20:.0f} MB)"
+
+
 def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,
               optimizer: str = "adamw", workers: int | None = None):
     """`config` with its automatic tile sizes shrunk where the largest tasks would not fit the limits.
@@ -534,9 +555,10 @@ def plan_from_args(args) -> MemoryPlan:
     seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.max_positions
     optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
     limit, _, gpu = limits_from_args(args)
+    config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers)
     config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers)
     memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, getattr(args, "grad_accum_steps", 1))
-    memory_plan.tiles_note = note
+    memory_plan.tiles_note = "\n".join(n for n in (note, remat_note) if n)
     return memory_plan
 
 

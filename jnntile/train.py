@@ -379,8 +379,11 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
         runtime_config.validate()
         gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
+        config, remat_note = memory.choose_remat(config, batch_size, args.seq_len, runtime_config.memory_limit_mb,
+                                                 args.optimizer, runtime_config.workers)
         config, tiles_note = memory.fit_tiles(config, batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
                                               args.optimizer, runtime_config.workers)
+        tiles_note = "\n".join(note for note in (remat_note, tiles_note) if note)
         plan = memory.plan(config, batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
                            grad_accum_steps=args.grad_accum_steps)
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.

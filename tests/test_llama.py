@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from conftest import rel_err
+from flax import nnx
 
 import jnntile
+from jnntile import checkpoint, optim
 from jnntile import data as data_mod
 from jnntile import decoding
 from jnntile import generate as generate_mod
@@ -173,3 +175,16 @@ def test_fine_tune_a_hugging_face_llama_on_text_prepared_with_its_tokenizer(tmp_
         ["--hf", str(tmp_path / "tuned"), "--tokenizer", str(directory), "--prompt", "tiles move", "--max-new-tokens",
          "3", "--temperature", "0"]))
     assert texts[0].startswith("tiles move")
+
+
+def test_a_checkpoint_of_a_llama_with_rope_scaling_resumes(tmp_path):
+    # The config's rope_scaling is a tuple of pairs, which state.json holds as lists.
+    directory, _, _ = _fixture("llama")
+    model = families.from_hf(directory, batch_size=B, seq_len=T)
+    assert model.config.rope_scaling is not None
+    tx = optim.adamw(1e-3)
+    params = nnx.state(model, nnx.Param)
+    path = checkpoint.save(tmp_path, model=model, opt_state=tx.init(params), step=1, state={})
+    again = families.from_hf(directory, batch_size=B, seq_len=T, tile_seq=8)
+    _, record = checkpoint.restore(path, model=again, opt_state=tx.init(nnx.state(again, nnx.Param)))
+    assert record["step"] == 1

@@ -361,12 +361,18 @@ def test_automatic_tiles_shrink_until_every_task_fits(gpu):
 
 def test_memory_cli_says_which_tiles_it_chose(capsys):
     assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
-                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--workers", "2"]) == 0
+                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--workers", "2", "--remat", "none"]) == 0
     out = capsys.readouterr().out
     assert "automatic tiles shrunk (vocab 4096 -> 1024)" in out and "tiles batch=4 seq=64 embd=128" in out
     assert "vocab=1024" in out and "needs 32 MB of swap" in out and "page cache" not in out
+    # Under a memory limit recomputation is chosen by default where it lowers the peak: less swap.
     assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
-                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--swap-backend", "unistd"]) == 0
+                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "--remat auto: block (recomputing each block's forward" in out and "needs 24 MB of swap" in out
+    assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
+                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--swap-backend", "unistd", "--remat",
+                        "none"]) == 0
     assert "swap backend unistd: the kernel's page cache may also hold up to 32 MB" in capsys.readouterr().out
 
 
@@ -445,7 +451,8 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
         parser = argparse.ArgumentParser()
         memory.add_arguments(parser)
         args = parser.parse_args("--model tiny --n-layer 1 --n-embd 128 --n-head 2 --vocab-size 2048 --n-positions 32 "
-                                 "--batch-size 1 --seq-len 32 --tile-vocab 2048 --tile-embd 128 --memory-limit-mb 2 --workers 2"
+                                 "--batch-size 1 --seq-len 32 --tile-vocab 2048 --tile-embd 128 --memory-limit-mb 2 --workers 2 "
+                                 "--remat none"
                                  .split() + ({swap!r} and ["--swap-dir", {str(tmp_path)!r}] or []))
         try:
             memory.check_before_training(args)

@@ -97,3 +97,14 @@ def test_the_training_command_with_remat_block_gives_the_same_losses(dataset, tm
     plain = train_mod.train(train_mod.parse_args([*common, "--out", str(tmp_path / "plain")]))
     recomputed = train_mod.train(train_mod.parse_args([*common, "--out", str(tmp_path / "remat"), "--remat", "block"]))
     assert recomputed["losses"] == plain["losses"]
+
+
+def test_auto_recomputes_when_the_step_does_not_fit_the_memory_limit():
+    config = dataclasses.replace(GPT2_CONFIG, n_layer=6, n_embd=64, n_positions=64, dropout=0.0, remat="auto")
+    plain = memory.plan(dataclasses.replace(config, remat="none"), 4, 64).peak / 2**20
+    fits, note = memory.choose_remat(config, 4, 64, memory_limit_mb=plain + 1)
+    assert fits.remat == "none" and note.startswith("--remat auto: none (the step's planned peak")
+    tight, note = memory.choose_remat(config, 4, 64, memory_limit_mb=plain / 2)
+    assert tight.remat == "block" and note.startswith("--remat auto: block (recomputing each block's forward")
+    with pytest.raises(ValueError, match="remat='auto' is chosen by the memory planner"):
+        families.build(config, batch_size=4, seq_len=64)

@@ -1,5 +1,6 @@
 """`python -m jnntile.train`: outputs, checkpoints, bit-identical resume, Ctrl-C, HF interop, bad input."""
 
+import dataclasses
 import json
 import os
 import re
@@ -158,7 +159,9 @@ def test_step_that_cannot_fit_the_memory_limit_is_refused_before_training(datase
     bigger = ["--batch-size", "8", "--seq-len", "64", "--memory-limit-mb", "2"]
     args = train_mod.parse_args(["--data", str(dataset), *SMALL, *bigger])
     config = train_mod._config(args, data_mod.TokenDataset(dataset).vocab_size)
-    assert memory.plan(config, 8, 64).peak > 2 * 2**20  # the planner's peak exceeds the limit
+    assert config.remat == "auto"  # the default under a memory limit; recomputation does not make it fit either
+    for remat in ("none", "block"):
+        assert memory.plan(dataclasses.replace(config, remat=remat), 8, 64).peak > 2 * 2**20
     with pytest.raises(ValueError, match="swap"):
         _run(dataset, tmp_path, "--steps", "1", *bigger)
     assert not (tmp_path / "metrics.jsonl").exists()

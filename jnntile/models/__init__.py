@@ -26,8 +26,9 @@ TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
 
 
 # Activation recomputation: "none" keeps every activation for the backward; "block" makes each transformer
-# block keep only its input and recompute its forward in the backward (jnntile.remat).
-REMAT_CHOICES = ("none", "block")
+# block keep only its input and recompute its forward in the backward (jnntile.remat); "auto" lets the
+# memory planner choose before the model is built (jnntile.memory.choose_remat).
+REMAT_CHOICES = ("none", "block", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +144,14 @@ def resolve_tiles(config, batch_size: int, seq_len: int) -> Tiles:
         if value > limit:
             raise ValueError(f"tile_{axis}={value} is larger than its axis ({limit}); use at most {limit}")
     return tiles
+
+
+def recomputes_blocks(config) -> bool:
+    """Whether a model of `config` recomputes its blocks (remat="block"); "auto" must be resolved first."""
+    if config.remat == "auto":
+        raise ValueError("remat='auto' is chosen by the memory planner (jnntile.memory.choose_remat) before the "
+                         "model is built; build it with remat='none' or 'block'")
+    return config.remat == "block"
 
 
 class LanguageModel(nnx.Module):
