@@ -1,7 +1,7 @@
 """Training-step throughput: jnntile's model vs the pure-JAX reference, same model, batch and machine, one run.
 
-    .venv/bin/python bench/train_step.py [--configs tiny small 124M-4x256 124M-1x1024 llama-tiny smollm-135m]
-                                         [--steps 10] [--json]
+    .venv/bin/python bench/train_step.py [--configs tiny small 124M-4x256 124M-1x1024 124M-4x1024
+                                          124M-4x1024-remat llama-tiny smollm-135m] [--steps 10] [--json]
 
 Both train with AdamW + global-norm clipping under `jax.jit`; the reference
 donates its parameters and optimizer state (best-practice plain JAX). Each
@@ -33,6 +33,9 @@ CONFIGS = {
     "small": ("tiny", dict(n_layer=6, n_head=6, n_embd=384, vocab_size=4096, n_positions=256), 8, 256),
     "124M-4x256": ("gpt2", {}, 4, 256),
     "124M-1x1024": ("gpt2", {}, 1, 1024),
+    # The cost of activation recomputation in RAM: the same step with every block recomputed.
+    "124M-4x1024": ("gpt2", {}, 4, 1024),
+    "124M-4x1024-remat": ("gpt2", dict(remat="block"), 4, 1024),
     "llama-tiny": ("llama-tiny", dict(vocab_size=4096, max_position_embeddings=256), 8, 128),
     "smollm-135m": ("smollm-135m", {}, 4, 256),  # SmolLM's shape: 134.5M parameters, grouped-query attention
 }
@@ -40,8 +43,8 @@ CONFIGS = {
 
 def label(name: str) -> str:
     """The config name of the report: "tiny 8x128", "124M 4x256", ..."""
-    _, _, batch, seq = CONFIGS[name]
-    return f"{name.split('-')[0] if name[0].isdigit() else name} {batch}x{seq}"
+    _, fields, batch, seq = CONFIGS[name]
+    return f"{name.split('-')[0] if name[0].isdigit() else name} {batch}x{seq}" + (" remat" if "remat" in fields else "")
 
 
 def measure(name: str, which: str, steps: int) -> dict:
