@@ -479,23 +479,42 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
 
 def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, optimizer: str = "adamw",
                  workers: int | None = None):
-    """`config` with remat="auto" resolved: "block" when the step does not fit the memory limit without
-    recomputation and recomputing lowers its planned peak (less to swap), else "none". Returns (config, note);
-    the note says what was chosen and why ("" when the config chose itself)."""
+    """`config` with remat="auto" resolved. "none" when the step fits the memory limit without recomputation
+    (or recomputing would not lower its planned peak); else "block" with the fewest blocks recomputed
+    (`remat_blocks`) that make it fit, or all of them when even that does not (the least left to swap).
+    Returns (config, note); the note says what was chosen and why ("" when the config chose itself)."""
     if config.remat != "auto":
         return config, ""
-    plain = dataclasses.replace(config, remat="none")
-    plain_peak = plan(plain, batch_size, seq_len, optimizer, workers).peak
-    if plain_peak <= memory_limit_mb * 2**20:
+    limit = memory_limit_mb * 2**20
+
+    def peak_with(blocks: int) -> int:
+        chosen = dataclasses.replace(config, remat="block" if blocks else "none", remat_blocks=blocks or None)
+        return plan(chosen, batch_size, seq_len, optimizer, workers).peak
+
+    plain_peak = peak_with(0)
+    plain = dataclasses.replace(config, remat="none", remat_blocks=None)
+    if plain_peak <= limit:
         return plain, (f"--remat auto: none (the step's planned peak, {plain_peak / 2**20:.0f} MB, fits the "
                        f"{memory_limit_mb:.0f} MB limit)")
-    recomputed = dataclasses.replace(config, remat="block")
-    peak = plan(recomputed, batch_size, seq_len, optimizer, workers).peak
-    if peak < plain_peak:
-        return recomputed, (f"--remat auto: block (recomputing each block's forward in the backward: planned peak "
-                            f"{peak / 2**20:.0f} MB instead of {plain_peak / 2**20:.0f} MB under the "
-                            f"{memory_limit_mb:.0f} MB limit)")
-    return plain, f"--remat auto: none (recomputation would not lower the planned peak of {plain_peak / 2**20:.0f} MB)"
+    n_blocks = getattr(config, config.FLAG_FIELDS["n_layer"])
+    all_peak = peak_with(n_blocks)
+    if all_peak >= plain_peak:
+        return plain, (f"--remat auto: none (recomputation would not lower the planned peak of "
+                       f"{plain_peak / 2**20:.0f} MB)")
+    blocks, peak = n_blocks, all_peak
+    if all_peak <= limit:  # the fewest blocks that fit: the peak falls as blocks are added
+        low, high = 1, n_blocks
+        while low < high:
+            middle = (low + high) // 2
+            if peak_with(middle) <= limit:
+                high = middle
+            else:
+                low = middle + 1
+        blocks, peak = low, peak_with(low)
+    chosen = dataclasses.replace(config, remat="block", remat_blocks=blocks)
+    return chosen, (f"--remat auto: block, the first {blocks} of {n_blocks} blocks recomputed in the backward "
+                    f"(planned peak {peak / 2**20:.0f} MB instead of {plain_peak / 2**20:.0f} MB under the "
+                    f"{memory_limit_mb:.0f} MB limit)")
 
 
 def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,

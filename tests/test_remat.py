@@ -46,10 +46,12 @@ def test_recomputed_blocks_give_the_same_loss_and_gradients_bit_for_bit(config, 
     targets = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
     targets[0, :3] = -100
     loss, grads = _loss_and_grads(config, idx, targets, jit)
-    loss_remat, grads_remat = _loss_and_grads(dataclasses.replace(config, remat="block"), idx, targets, jit)
-    assert loss_remat == loss
-    for g, g_remat in zip(grads, grads_remat):
-        np.testing.assert_array_equal(g_remat, g)
+    for blocks in (None, 1):  # every block, or the first one only (as remat="auto" may choose)
+        loss_remat, grads_remat = _loss_and_grads(dataclasses.replace(config, remat="block", remat_blocks=blocks),
+                                                  idx, targets, jit)
+        assert loss_remat == loss
+        for g, g_remat in zip(grads, grads_remat):
+            np.testing.assert_array_equal(g_remat, g)
 
 
 def test_recomputation_lowers_the_peak_memory():
@@ -104,7 +106,15 @@ def test_auto_recomputes_when_the_step_does_not_fit_the_memory_limit():
     plain = memory.plan(dataclasses.replace(config, remat="none"), 4, 64).peak / 2**20
     fits, note = memory.choose_remat(config, 4, 64, memory_limit_mb=plain + 1)
     assert fits.remat == "none" and note.startswith("--remat auto: none (the step's planned peak")
-    tight, note = memory.choose_remat(config, 4, 64, memory_limit_mb=plain / 2)
-    assert tight.remat == "block" and note.startswith("--remat auto: block (recomputing each block's forward")
+    everything = memory.plan(dataclasses.replace(config, remat="block"), 4, 64).peak / 2**20
+    tight, note = memory.choose_remat(config, 4, 64, memory_limit_mb=everything / 2)
+    assert (tight.remat, tight.remat_blocks) == ("block", 6)  # nothing fits: all, the least to swap
+    assert note.startswith("--remat auto: block, the first 6 of 6 blocks recomputed")
+    # Between the two: the fewest blocks that fit.
+    some, note = memory.choose_remat(config, 4, 64, memory_limit_mb=(plain + everything) / 2)
+    assert some.remat == "block" and 0 < some.remat_blocks < 6
+    peak = memory.plan(some, 4, 64).peak / 2**20
+    fewer = memory.plan(dataclasses.replace(some, remat_blocks=some.remat_blocks - 1), 4, 64).peak / 2**20
+    assert peak <= (plain + everything) / 2 < fewer
     with pytest.raises(ValueError, match="remat='auto' is chosen by the memory planner"):
         families.build(config, batch_size=4, seq_len=64)

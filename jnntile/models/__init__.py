@@ -44,6 +44,9 @@ class ExecutionFields:
     tile_hidden: Optional[int] = None
     tile_vocab: Optional[int] = None
     remat: str = "none"
+    # With remat="block": how many blocks are recomputed, from the first (None: all). At the end of the
+    # forward every block's activations are alive, so any k blocks lower that peak alike.
+    remat_blocks: Optional[int] = None
 
     @classmethod
     def execution_field_names(cls) -> tuple[str, ...]:
@@ -56,6 +59,8 @@ class ExecutionFields:
     def check_execution_fields(self) -> None:
         if self.remat not in REMAT_CHOICES:
             raise ValueError(f"remat={self.remat!r}: use one of {', '.join(REMAT_CHOICES)}")
+        if self.remat_blocks is not None and (not is_int(self.remat_blocks) or self.remat_blocks < 0):
+            raise ValueError(f"remat_blocks={self.remat_blocks!r} must be a non-negative integer, or None for all")
         for axis in TILE_AXES:
             value = getattr(self, f"tile_{axis}")
             if value is not None and (not is_int(value) or value <= 0):
@@ -146,12 +151,15 @@ def resolve_tiles(config, batch_size: int, seq_len: int) -> Tiles:
     return tiles
 
 
-def recomputes_blocks(config) -> bool:
-    """Whether a model of `config` recomputes its blocks (remat="block"); "auto" must be resolved first."""
+def recomputed_blocks(config, n_blocks: int) -> int:
+    """How many of a model's `n_blocks` blocks, from the first, recompute their forward in the backward
+    (remat="block", remat_blocks); "auto" must be resolved first."""
     if config.remat == "auto":
         raise ValueError("remat='auto' is chosen by the memory planner (jnntile.memory.choose_remat) before the "
                          "model is built; build it with remat='none' or 'block'")
-    return config.remat == "block"
+    if config.remat == "none":
+        return 0
+    return n_blocks if config.remat_blocks is None else min(config.remat_blocks, n_blocks)
 
 
 class LanguageModel(nnx.Module):

@@ -28,7 +28,7 @@ from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import gemm
 from jnntile.tensor import Tensor
 
-from jnntile.models import LanguageModel, Tiles, recomputes_blocks, resolve_tiles
+from jnntile.models import LanguageModel, Tiles, recomputed_blocks, resolve_tiles
 
 from .config import GPT2Config
 
@@ -86,7 +86,7 @@ class GPT2(LanguageModel):
         self.config = config
         self.batch_size, self.seq_len = batch_size, seq_len
         self.tiles = tiles = resolve_tiles(config, batch_size, seq_len)
-        self.recompute = recomputes_blocks(config)
+        self.recomputed_blocks = recomputed_blocks(config, config.n_layer)
         C = config.n_embd
         self.wte = nn.Embedding(config.vocab_size, C, tiles=(tiles.vocab, tiles.embd), seed=seed, name="wte")
         self.wpe = nn.Embedding(config.n_positions, C, tiles=(tiles.seq, tiles.embd), seed=seed, name="wpe",
@@ -110,7 +110,7 @@ class GPT2(LanguageModel):
                      else cache.positions(idx))
         x = self.embd_dropout(self.embed(idx, positions), dropout_seed)
         for layer, block in enumerate(self.h):
-            if cache is None and self.recompute:
+            if cache is None and layer < self.recomputed_blocks:
                 x = nn.recomputed(block, x, dropout_seed)
             else:
                 x = block(x, dropout_seed, cache, layer)

@@ -30,7 +30,7 @@ from jnntile.ops import gemm
 from jnntile.ops import rotary as rotary_ops
 from jnntile.tensor import Tensor
 
-from jnntile.models import LanguageModel, Tiles, recomputes_blocks, resolve_tiles
+from jnntile.models import LanguageModel, Tiles, recomputed_blocks, resolve_tiles
 
 from . import hf
 from .config import LlamaConfig
@@ -98,7 +98,7 @@ class Llama(LanguageModel):
         self.config = config
         self.batch_size, self.seq_len = batch_size, seq_len
         self.tiles = tiles = resolve_tiles(config, batch_size, seq_len)
-        self.recompute = recomputes_blocks(config)
+        self.recomputed_blocks = recomputed_blocks(config, config.num_hidden_layers)
         C, V = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Embedding(V, C, tiles=(tiles.vocab, tiles.embd), seed=seed,
                                          name="model.embed_tokens")
@@ -120,7 +120,8 @@ class Llama(LanguageModel):
         """
         x = self.embed_tokens(idx)                              # (B, T, C)
         for layer, block in enumerate(self.layers):
-            x = nn.recomputed(block, x) if cache is None and self.recompute else block(x, cache, layer)
+            recompute = cache is None and layer < self.recomputed_blocks
+            x = nn.recomputed(block, x) if recompute else block(x, cache, layer)
             if cache is not None:
                 cache.block_done(layer, x)
         return self.logits_and_loss(x, targets, ignore_index, cache)
