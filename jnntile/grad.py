@@ -195,12 +195,6 @@ def remat(fn: Callable) -> Callable:
     and runs its backward. Gradients equal those without recomputation bit for bit. Arguments are pytrees
     of Tensors (parameters as an nnx.State) and arrays (a dropout seed, None).
     """
-    def is_tensor_leaf(x):
-        return isinstance(x, Tensor)
-
-    def tensors_of(tree):
-        return [x for x in jax.tree.leaves(tree, is_leaf=is_tensor_leaf) if _is_tensor(x)]
-
     @jax.custom_vjp
     def run(*args):
         return fn(*args)
@@ -208,12 +202,9 @@ def remat(fn: Callable) -> Callable:
     def forward(*args):
         step = _ffi.current_step()
         touched_before = {h: list(tokens) for h, tokens in step.touched.items()} if step is not None else {}
-        y = fn(*args)
         # The output is an activation the rest of the differentiated function reads: its gradient starts at
-        # zero (lazily), as the op that made it would have done when differentiated.
-        tensor_mod.grad_handle(y.handle)
-        y.handle.grad_zeroed = True
-        LEDGER.zero_later(y.handle.grad)
+        # zero, as the op that made it would have done when differentiated.
+        y = zero_grads(fn(*args))
         if step is None:
             return y, (args, y)
         # The ops ran undifferentiated, each traced on its own: the tokens they recorded must not leave their
@@ -223,7 +214,7 @@ def remat(fn: Callable) -> Callable:
         step.touched.clear()
         step.touched.update(touched_before)
         if not step.keep_activations and _ffi.RELEASE:
-            keep = {t.handle for t in tensors_of(args)} | {y.handle}
+            keep = {t.handle for t in jax.tree.leaves(args, is_leaf=_is_tensor) if _is_tensor(t)} | {y.handle}
             dead = [h for h in created if h not in keep]
             if dead:
                 y = y.with_token(call("invalidate", dead, [y.token], writes=dead))
@@ -236,7 +227,7 @@ def remat(fn: Callable) -> Callable:
         # Recompute only once the output's gradient is there: the inputs are ready long before, and StarPU
         # would otherwise run every block's recomputation at once, all their activations alive together.
         args = jax.tree.map(lambda x: x.with_token(_ffi.join(x.token, g.token)) if _is_tensor(x) else x, args,
-                            is_leaf=is_tensor_leaf)
+                            is_leaf=_is_tensor)
         again, vjp = jax.vjp(fn, *args)
         # The recomputed output takes the gradient the output received; the output and its gradient are dead.
         token = call("accumulate", [tensor_mod.grad_handle(y.handle), _ffi.grad_target(again)],
