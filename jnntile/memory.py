@@ -384,31 +384,31 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
     live = 0  # activations, residuals, and gradients allocated so far
     peak, phase = base, "start"
 
-    def region_bytes(last: _Op) -> int:
-        """What a recomputed region's ops create but its output, freed after its forward and made again
-        at its backward."""
-        return sum(t.nbytes for op in step.ops[last.region_start:step.ops.index(last) + 1]
-                   for t in op.outputs + op.residuals if t is not last.region_output)
-
-    for op in step.ops:  # forward
+    # Recomputed regions, by the index of their last op: what their ops create but the region's output,
+    # freed after the region's forward and made again at its backward.
+    made_again = {end: sum(t.nbytes for op in step.ops[last.region_start:end + 1]
+                           for t in op.outputs + op.residuals if t is not last.region_output)
+                  for end, last in enumerate(step.ops) if last.region_output is not None}
+    for index, op in enumerate(step.ops):  # forward
         live += sum(t.nbytes for t in op.outputs + op.residuals)
         if base + live > peak:
             peak, phase = base + live, "end of forward"
-        if op.region_output is not None:
-            live -= region_bytes(op)
+        live -= made_again.get(index, 0)
     activations = live
     grads = {p.name for p in step.params} if accumulating else set()
     act_grad_live = act_grad_peak = 0
     # A recomputed region runs its forward again once its output's gradient is submitted, while StarPU may
     # still run the backward of the region after it: two regions' activations are alive at once.
-    regions = [op for op in reversed(step.ops) if op.region_output is not None]
+    backward_order = sorted(made_again, reverse=True)
     recomputed = set()
-    for op in reversed(step.ops):  # backward: the op's tasks need its inputs' and outputs' gradients
-        if op.region_output is not None:  # the forward again, with the next region's overlapping it
-            for region in regions[regions.index(op):regions.index(op) + 2]:
-                if region.name not in recomputed:
-                    recomputed.add(region.name)
-                    live += region_bytes(region) + region.region_output.nbytes  # its output made again
+    for index in reversed(range(len(step.ops))):  # backward: the op's tasks need its inputs' and outputs' gradients
+        op = step.ops[index]
+        if index in made_again:  # the forward again, with the next region's overlapping it
+            position = backward_order.index(index)
+            for end in backward_order[position:position + 2]:
+                if end not in recomputed:
+                    recomputed.add(end)
+                    live += made_again[end] + step.ops[end].region_output.nbytes  # its output made again
         for t in op.inputs + op.outputs:
             if t.has_grad and t.name not in grads:
                 grads.add(t.name)
@@ -487,6 +487,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
         return config, ""
     limit = memory_limit_mb * 2**20
 
+    @functools.cache  # each plan records the whole model
     def peak_with(blocks: int) -> int:
         chosen = dataclasses.replace(config, remat="block" if blocks else "none", remat_blocks=blocks or None)
         return plan(chosen, batch_size, seq_len, optimizer, workers).peak
