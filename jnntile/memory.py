@@ -497,7 +497,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
     if plain_peak <= limit:
         return plain, (f"--remat auto: none (the step's planned peak, {plain_peak / 2**20:.0f} MB, fits the "
                        f"{memory_limit_mb:.0f} MB limit)")
-    n_blocks = getattr(config, config.FLAG_FIELDS["n_layer"])
+    n_blocks = config.n_blocks
     all_peak = peak_with(n_blocks)
     if all_peak >= plain_peak:
         return plain, (f"--remat auto: none (recomputation would not lower the planned peak of "
@@ -563,9 +563,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args):
     """The config the flags describe (preset, size overrides and tiles)."""
-    fields = {**families.PRESETS[args.model].config.FLAG_FIELDS, "vocab_size": "vocab_size", "dropout": "dropout"}
-    fields["n_positions"] = fields.pop("max_positions")
-    overrides = {fields[flag]: getattr(args, flag) for flag in fields if getattr(args, flag, None) is not None}
+    flag = lambda name: getattr(args, name, None)  # noqa: E731
+    overrides = families.size_overrides(args.model, n_layer=flag("n_layer"), n_head=flag("n_head"),
+                                        n_embd=flag("n_embd"), max_positions=flag("n_positions"))
+    overrides.update({name: flag(name) for name in ("vocab_size", "dropout") if flag(name) is not None})
     return families.preset(args.model, **overrides, **flags.execution_settings(args))
 
 

@@ -158,14 +158,12 @@ def _config(args, data_vocab: int):
             raise ValueError(f"the data uses {data_vocab} token ids but {args.init_from_hf} has a vocabulary of "
                              f"{config.vocab_size}")
         return dataclasses.replace(config, **tiles)
-    family = families.PRESETS[args.model]
-    fields = family.config.FLAG_FIELDS  # the family's names of --n-layer, --n-head, --n-embd
-    overrides = {fields[k]: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None}
+    overrides = families.size_overrides(args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     if args.dropout is not None:
         overrides["dropout"] = args.dropout
     config = families.preset(args.model, vocab_size=data_vocab, **overrides, **tiles)
     if args.seq_len > config.max_positions:
-        config = dataclasses.replace(config, **{fields["max_positions"]: args.seq_len})
+        config = dataclasses.replace(config, **families.size_overrides(args.model, max_positions=args.seq_len))
     return config
 
 

@@ -16,6 +16,7 @@ from flax import nnx
 
 import jnntile
 from jnntile import runtime
+from jnntile.decoding import KVCache
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import loss as loss_ops
 from jnntile.tensor import Tensor
@@ -151,20 +152,20 @@ def resolve_tiles(config, batch_size: int, seq_len: int) -> Tiles:
     return tiles
 
 
-def recomputed_blocks(config, n_blocks: int) -> int:
-    """How many of a model's `n_blocks` blocks, from the first, recompute their forward in the backward
-    (remat="block", remat_blocks); "auto" must be resolved first."""
+def recomputed_blocks(config) -> int:
+    """How many of a model's blocks, from the first, recompute their forward in the backward (remat="block",
+    remat_blocks); "auto" must be resolved first."""
     if config.remat == "auto":
         raise ValueError("remat='auto' is chosen by the memory planner (jnntile.memory.choose_remat) before the "
                          "model is built; build it with remat='none' or 'block'")
     if config.remat == "none":
         return 0
-    return n_blocks if config.remat_blocks is None else min(config.remat_blocks, n_blocks)
+    return config.n_blocks if config.remat_blocks is None else min(config.remat_blocks, config.n_blocks)
 
 
 class LanguageModel(nnx.Module):
     """What every family's causal LM shares: built for (batch_size, seq_len) token ids with `tiles`; its
-    `config` has `vocab_size` and `max_positions`."""
+    `config` has `vocab_size`, `max_positions`, `n_blocks`, `head_dim` and `axis_sizes`."""
 
     @property
     def max_positions(self) -> int:
@@ -186,6 +187,17 @@ class LanguageModel(nnx.Module):
             embedding_ops.check_ids(checked, self.config.vocab_size)
         return jnntile.from_array(jnp.asarray(ids, jnp.int32) if isinstance(ids, jax.Array) else
                                   np.asarray(ids, np.int32), (self.tiles.batch, self.tiles.seq))
+
+    def kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty key/value cache (of the key/value heads) for decoding `batch_size` sequences of up to
+        `max_len` positions."""
+        config = self.config
+        # The batch in one tile unless the config sets one: a step's activations are a row per sequence,
+        # and more batch tiles would only add tasks (2.6x slower steps with four one-row tiles of GPT-2's
+        # tiny preset). Sequence and head tiles are the model's.
+        return KVCache.empty(config.n_blocks, batch_size, max_len, config.axis_sizes()["heads"], config.head_dim,
+                             tile_batch=min(config.tile_batch or batch_size, batch_size), tile_seq=self.tiles.seq,
+                             tile_heads=self.tiles.heads)
 
     def logits_and_loss(self, x: Tensor, targets: Tensor | None, ignore_index: int, cache=None):
         """(logits, loss or None) of the last block's output x through the model's `head`; (None, None) for a

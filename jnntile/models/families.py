@@ -44,6 +44,13 @@ def preset(name: str, **overrides):
     return PRESETS[name].config.preset(name, **overrides)
 
 
+def size_overrides(preset_name: str, **sizes) -> dict:
+    """The config fields of preset `preset_name`'s family that the commands' generic size flags set: `sizes`
+    by FLAG_FIELDS key (n_layer, n_head, n_embd, max_positions), those given (not None) only."""
+    fields = PRESETS[preset_name].config.FLAG_FIELDS
+    return {fields[flag]: value for flag, value in sizes.items() if value is not None}
+
+
 def of_config(config) -> Family:
     for family in FAMILIES:
         if isinstance(config, family.config):

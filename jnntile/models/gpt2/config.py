@@ -69,6 +69,10 @@ class GPT2Config(ExecutionFields):
     def max_positions(self) -> int:
         return self.n_positions
 
+    @property
+    def n_blocks(self) -> int:
+        return self.n_layer
+
     def describe(self) -> str:
         return (f"GPT-2, {self.n_params() / 1e6:.2f}M parameters, n_layer={self.n_layer} n_head={self.n_head} "
                 f"n_embd={self.n_embd} vocab={self.vocab_size}")

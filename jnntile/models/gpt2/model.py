@@ -86,7 +86,7 @@ class GPT2(LanguageModel):
         self.config = config
         self.batch_size, self.seq_len = batch_size, seq_len
         self.tiles = tiles = resolve_tiles(config, batch_size, seq_len)
-        self.recomputed_blocks = recomputed_blocks(config, config.n_layer)
+        self.recomputed_blocks = recomputed_blocks(config)
         C = config.n_embd
         self.wte = nn.Embedding(config.vocab_size, C, tiles=(tiles.vocab, tiles.embd), seed=seed, name="wte")
         self.wpe = nn.Embedding(config.n_positions, C, tiles=(tiles.seq, tiles.embd), seed=seed, name="wpe",
@@ -117,16 +117,6 @@ class GPT2(LanguageModel):
             if cache is not None:
                 cache.block_done(layer, x)
         return self.logits_and_loss(x, targets, ignore_index, cache)
-
-    def kv_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """An empty key/value cache for decoding `batch_size` sequences of up to `max_len` positions."""
-        config = self.config
-        # The batch in one tile unless the config sets one: a step's activations are a row per sequence,
-        # and more batch tiles would only add tasks (2.6x slower steps with four one-row tiles of the tiny
-        # preset). Sequence and head tiles are the model's.
-        return KVCache.empty(config.n_layer, batch_size, max_len, config.n_head, config.head_dim,
-                             tile_batch=min(config.tile_batch or batch_size, batch_size), tile_seq=self.tiles.seq,
-                             tile_heads=self.tiles.heads)
 
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
         """Token plus position embeddings (B, T, C) of int32 (B, T) ids and positions."""

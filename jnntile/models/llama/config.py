@@ -97,6 +97,10 @@ class LlamaConfig(ExecutionFields):
     def max_positions(self) -> int:
         return self.max_position_embeddings
 
+    @property
+    def n_blocks(self) -> int:
+        return self.num_hidden_layers
+
     def describe(self) -> str:
         return (f"{self.model_type}, {self.n_params() / 1e6:.2f}M parameters, layers={self.num_hidden_layers} "
                 f"heads={self.num_attention_heads} (key/value {self.num_key_value_heads}) hidden={self.hidden_size} "

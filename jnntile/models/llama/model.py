@@ -98,7 +98,7 @@ class Llama(LanguageModel):
         self.config = config
         self.batch_size, self.seq_len = batch_size, seq_len
         self.tiles = tiles = resolve_tiles(config, batch_size, seq_len)
-        self.recomputed_blocks = recomputed_blocks(config, config.num_hidden_layers)
+        self.recomputed_blocks = recomputed_blocks(config)
         C, V = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Embedding(V, C, tiles=(tiles.vocab, tiles.embd), seed=seed,
                                          name="model.embed_tokens")
@@ -130,14 +130,6 @@ class Llama(LanguageModel):
         """Logits (B, T, V) of the last layer's output: final RMSNorm, then the (tied) head."""
         table = self.embed_tokens if self.lm_head is None else self.lm_head
         return gemm.matmul(self.norm(x), table.weight.get_value(), trans_b=True)
-
-    def kv_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """An empty key/value cache (of the key/value heads) for decoding `batch_size` sequences of up to
-        `max_len` positions."""
-        config = self.config
-        return KVCache.empty(config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads,
-                             config.head_dim, tile_batch=min(config.tile_batch or batch_size, batch_size),
-                             tile_seq=self.tiles.seq, tile_heads=self.tiles.heads)
 
     # ---- Hugging Face files
 
