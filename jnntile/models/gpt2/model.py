@@ -128,9 +128,6 @@ class GPT2(LanguageModel):
 
     # ---- Hugging Face layout
 
-    def _hf_shapes(self) -> dict[str, tuple]:
-        return {name: _to_hf_shape(name, p.get_value().shape) for name, p in self.named_params().items()}
-
     def to_hf_params(self) -> dict[str, tensorfile.Reshaped]:
         """All parameters in Hugging Face names and layouts, unread: np.asarray(value) reads one whole,
         `save_hf` and checkpoints stream them from the tiles chunk by chunk."""
