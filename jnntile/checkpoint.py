@@ -154,7 +154,7 @@ def restore(path: str | os.PathLike, *, model, opt_state):
     differing = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v and k not in execution}
     if differing:
         raise ValueError(f"checkpoint {path} is of another model: (saved, requested) differ in {differing}")
-    _, params = families.of_checkpoint(path).hf.open_hf(path)
+    _, params = families.open_hf(path)
     for name, value in params.items():
         if value.code != "F32":  # anything else would not resume bit-identically
             raise ValueError(f"{value.path}: tensor {name!r} is {value.code}, a training checkpoint holds F32")

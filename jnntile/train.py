@@ -153,7 +153,7 @@ def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | Non
 def _config(args, data_vocab: int):
     tiles = flags.execution_settings(args)
     if args.init_from_hf:
-        config, _ = families.of_checkpoint(args.init_from_hf).hf.open_hf(args.init_from_hf)  # checks every file
+        config, _ = families.open_hf(args.init_from_hf)  # checks every file before anything starts
         if data_vocab > config.vocab_size:
             raise ValueError(f"the data uses {data_vocab} token ids but {args.init_from_hf} has a vocabulary of "
                              f"{config.vocab_size}")

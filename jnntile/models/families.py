@@ -73,6 +73,12 @@ def read_config(directory, **tiles):
     return of_checkpoint(directory).hf.read_config(directory, **tiles)
 
 
+def open_hf(directory, **tiles):
+    """(config, params) of a Hugging Face checkpoint directory, of whichever family: every file checked,
+    the tensors unread."""
+    return of_checkpoint(directory).hf.open_hf(directory, **tiles)
+
+
 def build(config, *, batch_size: int, seq_len: int, seed: int = 0):
     """The model of `config`'s family."""
     return of_config(config).model(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
@@ -81,10 +87,9 @@ def build(config, *, batch_size: int, seq_len: int, seed: int = 0):
 def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **tiles):
     """A model built from a Hugging Face checkpoint directory (any registered family), its tensors streamed
     into the tiles; `tiles` sets tile_* sizes."""
-    family = of_checkpoint(directory)
-    config, params = family.hf.open_hf(directory, **tiles)
+    config, params = open_hf(directory, **tiles)
     with nn.uninitialized():  # every parameter is overwritten from the files next
-        model = family.model(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
+        model = build(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
     model.load_hf_params(params)
     return model
 
