@@ -348,6 +348,31 @@ def _blocks(entries, data_start):
             del block  # one chunk in memory at a time
 
 
+def checked_parameters(tensors: Mapping, config, source, model: str) -> dict:
+    """`tensors` (name -> FileTensor, array or tiled view) if they are exactly `config.param_shapes()`, shaped so
+    and floating point, in that order; else ValueError naming the first problem, the tensor and `source`.
+    `model` says what holds that many tensors ("a GPT-2 with n_layer=12")."""
+    expected = config.param_shapes()
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(f"tensor {name!r} (expected shape {shape}) is missing from {source}")
+        found = tuple(tensors[name].shape)
+        if found != shape:
+            raise ValueError(f"tensor {name!r} has shape {found} in {source}, expected {shape} for {config}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        name = unexpected[0]
+        raise ValueError(f"unexpected tensor {name!r} with shape {tuple(tensors[name].shape)} in {source} "
+                         f"({len(unexpected)} unexpected in all); {model} has only {len(expected)} parameter tensors")
+    for name in expected:
+        dtype = tensors[name].dtype
+        if dtype is None or not np.issubdtype(dtype, np.floating):
+            shown = tensors[name].code if isinstance(tensors[name], FileTensor) else dtype
+            raise ValueError(f"tensor {name!r} in {source} has dtype {shown}, expected floating point (float32, "
+                             "bfloat16 and float16 load)")
+    return {name: tensors[name] for name in expected}
+
+
 def _finite(source: FileTensor | Stacked, block: np.ndarray) -> np.ndarray:
     """`block` of `source`, refused when it holds NaN or infinities: training or sampling from them would
     only produce NaN, far from the file that caused it."""

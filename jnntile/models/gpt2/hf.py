@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from jnntile.ops import data as data_ops
-from jnntile.tensorfile import FileTensor, Reshaped, SafetensorsFile, write_atomically, write_file
+from jnntile.tensorfile import (FileTensor, Reshaped, SafetensorsFile, checked_parameters, write_atomically,
+                               write_file)
 
 from jnntile.models import HF_CONFIG_FILE as CONFIG_FILE
 from jnntile.models import config_from_hf
@@ -102,28 +103,8 @@ def save_hf(directory, config: GPT2Config, params: dict) -> None:
 
 
 def _checked(tensors: dict, config: GPT2Config, source) -> dict:
-    """Check that tensors holds exactly the parameters of config, with the right
-    shapes and floating-point dtypes, and return them in reference order."""
-    expected = config.param_shapes()
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise ValueError(f"tensor {name!r} (expected shape {shape}) is missing from {source}")
-        found = tuple(tensors[name].shape)
-        if found != shape:
-            raise ValueError(f"tensor {name!r} has shape {found} in {source}, expected {shape} "
-                             f"for {config}")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        name = unexpected[0]
-        raise ValueError(f"unexpected tensor {name!r} with shape {tuple(tensors[name].shape)} in "
-                         f"{source} ({len(unexpected)} unexpected in all); a GPT-2 with "
-                         f"n_layer={config.n_layer} has only {len(expected)} parameter tensors")
-    for name in expected:
-        dtype = tensors[name].dtype
-        if dtype is None or not np.issubdtype(dtype, np.floating):
-            shown = tensors[name].code if isinstance(tensors[name], FileTensor) else dtype
-            raise ValueError(f"tensor {name!r} in {source} has dtype {shown}, expected floating point")
-    return {name: tensors[name] for name in expected}
+    """The parameters of config in `tensors`, checked (`tensorfile.checked_parameters`), in reference order."""
+    return checked_parameters(tensors, config, source, f"a GPT-2 with n_layer={config.n_layer}")
 
 
 def _same_values(a: FileTensor, b: FileTensor) -> bool:

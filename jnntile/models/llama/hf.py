@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jnntile.tensorfile import (Derived, FileTensor, Reshaped, SafetensorsFile, Stacked, write_atomically,
-                               write_file)
+from jnntile.tensorfile import (Derived, FileTensor, Reshaped, SafetensorsFile, Stacked, checked_parameters,
+                               write_atomically, write_file)
 
 from jnntile.models import HF_CONFIG_FILE as CONFIG_FILE
 from jnntile.models import config_from_hf
@@ -78,23 +78,8 @@ def open_hf(directory, **tiles) -> tuple[LlamaConfig, dict[str, FileTensor]]:
 
 
 def checked(tensors: dict, config: LlamaConfig, source) -> dict:
-    """`tensors` if they are exactly the parameters of `config`, floating point and shaped as Hugging Face's,
-    in its order; else ValueError naming the first problem."""
-    expected = config.param_shapes()
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise ValueError(f"tensor {name!r} (expected shape {shape}) is missing from {source}")
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensors[name].shape)} in {source}, expected {shape}")
-        dtype = tensors[name].dtype
-        if dtype is None or not np.issubdtype(dtype, np.floating):
-            shown = tensors[name].code if isinstance(tensors[name], FileTensor) else dtype
-            raise ValueError(f"tensor {name!r} in {source} has dtype {shown}; float32, bfloat16 and float16 load")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise ValueError(f"unexpected tensor {unexpected[0]!r} in {source} ({len(unexpected)} unexpected in all); a "
-                         f"{config.model_type} with these settings has {len(expected)} parameter tensors")
-    return {name: tensors[name] for name in expected}
+    """`tensors` if they are exactly the parameters of `config` (`tensorfile.checked_parameters`), in its order."""
+    return checked_parameters(tensors, config, source, f"a {config.model_type} with these settings")
 
 
 def _model_name(hf_name: str) -> str:
