@@ -187,7 +187,7 @@ def run(name: str, spec: dict, timeout: float) -> dict:
             result = json.loads(line[len("RESULT "):])
             continue
         tail.append(line)
-        if line.startswith(("GPT-2", "automatic tiles")):
+        if line.startswith(("GPT-2", "automatic tiles", "--remat")):
             info.append(line)
         _progress(f"  [{name}] {line}")
     code = proc.wait()

@@ -31,8 +31,10 @@ that holds (and, with a GPU, until a CUDA worker's tasks fit its memory);
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
+import heapq
 import math
 import sys
 
@@ -181,6 +183,7 @@ class MemoryPlan:
     tiles: object = None  # jnntile.models.Tiles
     grad_accum_steps: int = 1  # micro-batches of (batch_size, seq_len) per step
     tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
+    step: _RecordedStep = dataclasses.field(default=None, repr=False)  # what the numbers come from
 
     @property
     def state(self) -> int:
@@ -211,6 +214,12 @@ class MemoryPlan:
             return 0
 
         return max(runtime.MIN_SWAP_MB, math.ceil(1.1 * host / MB))
+
+    def swap_traffic(self, memory_limit_mb: float, clip: bool = True) -> tuple[int, int]:
+        """(bytes written to swap, bytes read from it) in one training step under `memory_limit_mb`, in
+        steady state (`_swap_traffic`). `clip`: global-norm clipping, which keeps every gradient until the
+        norm is known; without it each update runs as its gradient is final and gradients die in RAM."""
+        return _swap_traffic(self.step, self.optimizer, int(memory_limit_mb * MB), clip, self.grad_accum_steps)
 
     def _task_reason(self, memory_limit_mb: float) -> str | None:
         """Why the tasks running at once do not fit in RAM, or None when they do."""
@@ -433,6 +442,148 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
     return activations, act_grad_peak, peak, phase
 
 
+_MAX_CHUNKS = 64  # a tensor counts as at most this many tiles in the swap model (a bound on its work)
+
+
+def _chunks(t: _T) -> list:
+    n = min(_MAX_CHUNKS, max(1, t.nbytes // max(1, t.tile_bytes)))
+    return [((t.name, i), t.nbytes // n) for i in range(n)]
+
+
+def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_steps: int) -> list:
+    """The tile accesses of one training step, in the order the runtime submits them: (tile, bytes, reads,
+    writes) for a use, (tile, 0, False, False) when the tile dies. Forward: each op reads its inputs and
+    writes its outputs and residuals; a recomputed region's intermediates die at its end. Backward, in
+    reverse: a recomputed region runs its forward again first, then each op reads its inputs, residuals and
+    its outputs' gradients, adds into its inputs' gradients, and its outputs, residuals and their gradients
+    die. The optimizer reads a parameter, its gradient and state and writes them back; without clipping it
+    runs as soon as the gradient is final (after the backward of the parameter's first reader) and the
+    gradient dies there; with clipping the global norm reads every gradient first and the updates follow the
+    backward."""
+    accesses = []
+    state = {p.name: [dataclasses.replace(p, name=f"{p.name} {kind}", kind="state")
+                      for kind in ("moment 1", "moment 2")[:OPTIMIZER_STATES[optimizer]]] for p in step.params}
+    grad = {}
+
+    def use(t: _T, reads: bool = True, writes: bool = False) -> None:
+        accesses.extend((key, nbytes, reads, writes) for key, nbytes in _chunks(t))
+
+    def free(t: _T) -> None:
+        accesses.extend((key, 0, False, False) for key, _ in _chunks(t))
+
+    def grad_of(t: _T) -> _T:
+        if t.name not in grad:
+            grad[t.name] = dataclasses.replace(t, name=f"{t.name} gradient")
+        return grad[t.name]
+
+    def update(p: _T) -> None:
+        use(p, writes=True)
+        use(grad_of(p))
+        for s in state[p.name]:
+            use(s, writes=True)
+        free(grad.pop(p.name))
+
+    def forward(ops) -> None:
+        for op in ops:
+            for t in op.inputs:
+                use(t)
+            for t in op.outputs + op.residuals:
+                use(t, reads=False, writes=True)
+
+    first_reader = {}  # parameter name -> index of the first op that reads it
+    for index, op in enumerate(step.ops):
+        for t in op.inputs:
+            if t.kind == "param":
+                first_reader.setdefault(t.name, index)
+    final_after = collections.defaultdict(list)
+    for p in step.params:
+        final_after[first_reader.get(p.name, 0)].append(p)
+
+    for micro_batch in range(grad_accum_steps):
+        fused = not clip and micro_batch == grad_accum_steps - 1
+        for index, op in enumerate(step.ops):
+            forward([op])
+            if op.region_output is not None:
+                for made in step.ops[op.region_start:index + 1]:
+                    for t in made.outputs + made.residuals:
+                        if t is not op.region_output:
+                            free(t)
+        for index in reversed(range(len(step.ops))):
+            op = step.ops[index]
+            if op.region_output is not None:
+                forward(step.ops[op.region_start:index + 1])
+            for t in op.inputs + op.residuals:
+                use(t)
+            for t in op.outputs:
+                if t.has_grad:
+                    use(grad_of(t))
+            for t in op.inputs:
+                if t.has_grad:
+                    use(grad_of(t), writes=True)
+            for t in op.outputs + op.residuals:
+                free(t)
+                if t.name in grad:
+                    free(grad.pop(t.name))
+            if fused:
+                for p in final_after[index]:
+                    update(p)
+    if not fused:
+        if clip:
+            for p in step.params:
+                use(grad_of(p))
+        for p in step.params:
+            update(p)
+    return accesses
+
+
+def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, clip: bool,
+                  grad_accum_steps: int = 1) -> tuple[int, int]:
+    """(bytes written to swap, bytes read from it) by a training step in steady state with `capacity` bytes
+    of RAM (the second of three, so that the first's cold start and the last's missing future do not count): the step's tile accesses (`_step_accesses`) replayed through RAM as a cache of the swap
+    that evicts the tile used again the furthest in the future (Belady's choice; a dead tile first). A tile
+    evicted while dirty and used again is written to swap; one read while not in RAM is read back; one
+    written whole (a new output) needs no read. StarPU evicts the least recently used tile instead, which
+    this can only beat: the prediction is the traffic of the best order of evictions for that RAM.
+    """
+    one_step = _step_accesses(step, optimizer, clip, grad_accum_steps)
+    accesses = one_step * 3
+    never = len(accesses)
+    next_use, seen = [never] * len(accesses), {}
+    for i in reversed(range(len(accesses))):
+        key, nbytes = accesses[i][:2]
+        next_use[i] = seen.get(key, never) if nbytes else never
+        seen[key] = i if nbytes else never  # a dead tile's next life is a new tile
+    resident, dirty, on_disk, heap = {}, set(), set(), []  # resident: tile -> (bytes, index of its next use)
+    used = written = read = 0
+    for i, (key, nbytes, reads, writes) in enumerate(accesses):
+        counted = len(one_step) <= i < 2 * len(one_step)
+        if not nbytes:  # the tile dies: nothing to write or read
+            used -= resident.pop(key, (0, 0))[0]
+            dirty.discard(key)
+            on_disk.discard(key)
+            continue
+        if key not in resident:
+            while used + nbytes > capacity and heap:
+                negative_next, victim = heapq.heappop(heap)
+                if resident.get(victim, (0, None))[1] != -negative_next:
+                    continue  # stale: the tile was used again, or died, since
+                victim_bytes, victim_next = resident.pop(victim)
+                used -= victim_bytes
+                if victim in dirty and victim_next < never:
+                    dirty.discard(victim)
+                    on_disk.add(victim)
+                    written += victim_bytes if counted else 0
+            if reads and key in on_disk:
+                read += nbytes if counted else 0
+            used += nbytes
+        resident[key] = (nbytes, next_use[i])
+        heapq.heappush(heap, (-next_use[i], key))
+        if writes:
+            dirty.add(key)
+            on_disk.discard(key)
+    return written, read
+
+
 def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None,
          grad_accum_steps: int = 1) -> MemoryPlan:
     """The memory plan of one training step of `config`'s model (its family's) on (batch_size, seq_len) tokens.
@@ -474,7 +625,8 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
         optimizer=optimizer, workers=workers, n_params=params // F32, parameters=params, gradients=params,
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
-        largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, **shape)
+        largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, step=step,
+        **shape)
 
 
 def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, optimizer: str = "adamw",

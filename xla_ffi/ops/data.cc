@@ -142,6 +142,24 @@ void random_submit(const OpCall& call) {
 }
 JNNTILE_OP(random, random_submit);
 
+// Blocks the caller until the tasks already submitted on the given tensors' tiles have written them:
+// one empty task reading each tile. For a call that must not be submitted early because StarPU would run
+// it at once (a recomputation's inputs are ready long before it is needed: jnntile.remat). The watchdog
+// turns a wait that cannot finish into an error.
+struct NoArgs {};
+void no_kernel(void**, const NoArgs&) {}
+
+void wait_for_submit(const OpCall& call) {
+  static starpu_codelet* cl = codelet<NoArgs, no_kernel>("wait_for");
+  auto* group = new TaskGroup();
+  for (size_t i = 0; i < call.ids.size(); ++i) {
+    TiledTensor& t = call.tensor(i);
+    for (starpu_data_handle_t handle : t.tiles) submit_task(cl, {{handle, STARPU_R}}, NoArgs{}, 0.0, group);
+  }
+  wait(group, "waiting for a gradient before recomputing a block (jnntile.remat)");
+}
+JNNTILE_OP(wait_for, wait_for_submit);
+
 // Marks every tile of the given tensors as holding nothing: StarPU frees their
 // memory (in RAM and on disk) after the tasks already submitted on them, and
 // never writes them back (DESIGN invariant 7). The next access must be a write.

@@ -1,0 +1,133 @@
+"""Activation recomputation and the bytes a step moves, measured against the planner's predictions.
+
+    .venv/bin/python bench/recompute.py [--quick] [--json] [--budget-mb 2048] [--swap-dir DIR] [--only a,b,c]
+
+Each run is `python -m jnntile.train` in its own process (bench/beyond_ram.py's worker: each step timed
+after all its tasks, its swap bytes from jnntile.runtime.stats(), the process's peak RSS):
+
+a. GPT-2 XL's shape (1.48B parameters) under --limit-mb (the budget less bench/memory.py's
+   CAPACITY_OVERHEAD_MB) with disk swap and `--remat auto`, at batch 1 x 64 and 4 x 1024: bytes written to
+   and read from swap per parameter per step, beside the planner's prediction (`MemoryPlan.swap_traffic`);
+b. GPT-2 large's shape (774M) at batch 4 x 1024 with `--remat block`: tokens/s under the limit with swap
+   against the same run with no limit (it fits in RAM with recomputation);
+c. GPT-2 124M at batch 4 x 1024 in RAM: tokens/s with `--remat none` and `--remat block`;
+d. every run's peak RSS beside the planner's peak of the tiles StarPU holds (the process adds its fixed
+   overhead: Python, JAX, the compiled step, about 330 MB here).
+
+The last step of each run is the one reported (the first compiles); the 4 x 1024 XL run takes one step,
+whose time includes compiling. `--quick` runs the same on models of a few MB (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import beyond_ram
+from memory import CAPACITY_OVERHEAD_MB
+
+MB = 2 ** 20
+XL = ["--n-layer", "48", "--n-head", "25", "--n-embd", "1600"]
+LARGE = ["--n-layer", "36", "--n-head", "20", "--n-embd", "1280"]
+GPT2_124M = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768"]
+QUICK = ["--n-layer", "2", "--n-head", "4", "--n-embd", "128"]
+
+
+def _batch(batch: int, seq: int) -> list[str]:
+    return ["--batch-size", str(batch), "--seq-len", str(seq)]
+
+
+def _measure(name, shape, *, steps, limit_mb, root, remat, vocab, timeout) -> dict:
+    """One training run; its last step, peak RSS and the planner's peak and swap traffic for it."""
+    argv_shape = [*shape, "--remat", remat]
+    plan = beyond_ram._plan(argv_shape, limit_mb or beyond_ram.NO_LIMIT_MB, vocab)
+    swap_mb = plan.swap_needed_mb(limit_mb) + 1024 if limit_mb else 0
+    run_dir = root / name.replace(" ", "-")
+    argv = beyond_ram._train_argv(argv_shape, run_dir / "out", steps, limit_mb or beyond_ram.NO_LIMIT_MB,
+                                  run_dir / "swap" if limit_mb else None, swap_mb)
+    result = beyond_ram.run(name, dict(kind="train", save=False, argv=argv), timeout)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if "error" in result:
+        return dict(run=name, error=result["error"])
+    last = result["steps"][-1]
+    predicted = plan.swap_traffic(limit_mb, clip=True) if limit_mb else (0, 0)
+    batch, seq = int(shape[shape.index("--batch-size") + 1]), int(shape[shape.index("--seq-len") + 1])
+    return dict(run=name, params=plan.n_params, remat=remat, limit_mb=limit_mb, step_s=last["seconds"],
+                tokens_per_s=batch * seq / last["seconds"], written_mb=last["written_mb"], read_mb=last["read_mb"],
+                predicted_written_mb=predicted[0] / MB, predicted_read_mb=predicted[1] / MB,
+                peak_rss_mb=result["process_peak_rss_mb"], planned_peak_mb=plan.peak / MB,
+                remat_note=" ".join(line for line in result.get("info", []) if "remat" in line))
+
+
+def _print(rows, out) -> None:
+    def p(text=""):
+        print(text, file=out)
+
+    p()
+    p("| run | remat | limit MB | s/step | tokens/s | swap written / read MB (predicted) | bytes/param | "
+      "peak RSS MB (planned peak) |")
+    p("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            p(f"| {r['run']} | failed: {r['error'][:120]} |")
+            continue
+        moved = (r["written_mb"] + r["read_mb"]) * MB / r["params"]
+        p(f"| {r['run']} | {r['remat']} | {r['limit_mb'] or 'none'} | {r['step_s']:.1f} | {r['tokens_per_s']:.0f} | "
+          f"{r['written_mb']:.0f} / {r['read_mb']:.0f} ({r['predicted_written_mb']:.0f} / "
+          f"{r['predicted_read_mb']:.0f}) | {moved:.1f} | {r['peak_rss_mb']:.0f} ({r['planned_peak_mb']:.0f}) |")
+    by_run = {r["run"]: r for r in rows if "error" not in r}
+    for limited, free, what in (("b large limited", "b large in RAM", "GPT-2 large 4x1024, limit+swap / RAM"),
+                                ("c 124M remat", "c 124M", "GPT-2 124M 4x1024, recomputation's step-time cost")):
+        if limited in by_run and free in by_run:
+            ratio = by_run[limited]["tokens_per_s"] / by_run[free]["tokens_per_s"]
+            p(f"{what}: {ratio:.2f}x tokens/s" if limited.startswith("b") else f"{what}: {1 / ratio:.2f}x")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="models of a few MB under a 16 MB limit")
+    parser.add_argument("--json", action="store_true", help="one JSON object per run on stdout")
+    parser.add_argument("--budget-mb", type=int, default=2048, help="peak-RSS budget of the limited runs")
+    parser.add_argument("--swap-dir", default=tempfile.gettempdir())
+    parser.add_argument("--only", default="a,b,c", help="which measurements (a, b, c; d is in every row)")
+    parser.add_argument("--timeout-s", type=float, default=3600, help="per process")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    limit = 16 if args.quick else args.budget_mb - CAPACITY_OVERHEAD_MB
+    from jnntile import data
+
+    vocab = data.TokenDataset(data.ensure_default_dataset() / "train.bin").vocab_size
+    q = args.quick
+    runs = []  # (name, shape, steps, limit, remat)
+    if "a" in only:
+        runs += [("a XL 1x64", [*(QUICK if q else XL), *_batch(1, 64)], 2, limit, "auto"),
+                 ("a XL 4x1024", [*(QUICK if q else XL), *_batch(4, 128 if q else 1024)], 1, limit, "auto")]
+    if "b" in only:
+        shape = [*(QUICK if q else LARGE), *_batch(4, 128 if q else 1024)]
+        runs += [("b large limited", shape, 2, limit, "block"), ("b large in RAM", shape, 2, None, "block")]
+    if "c" in only:
+        shape = [*(QUICK if q else GPT2_124M), *_batch(4, 128 if q else 1024)]
+        runs += [("c 124M", shape, 3, None, "none"), ("c 124M remat", shape, 3, None, "block")]
+    root = Path(tempfile.mkdtemp(prefix="jnntile-bench-recompute-", dir=args.swap_dir))
+    started, rows = time.perf_counter(), []
+    try:
+        for name, shape, steps, limit_mb, remat in runs:
+            rows.append(_measure(name, shape, steps=steps, limit_mb=limit_mb, root=root, remat=remat, vocab=vocab,
+                                 timeout=args.timeout_s))
+            if args.json:
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    _print(rows, sys.stderr if args.json else sys.stdout)
+    print(f"bench wall time {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
