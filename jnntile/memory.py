@@ -780,6 +780,10 @@ def main(argv=None) -> int:
     swap = f" and {swap_mb} MB of swap" if swap_mb else ""
     verdict = memory_plan.verdict(limit, swap_mb, gpu_mb)
     print(f"{gpu}memory limit {limit} MB{swap}: {verdict}")
+    if verdict.startswith("needs"):
+        clipped, unclipped = (memory_plan.swap_traffic(limit, clip) for clip in (True, False))
+        print(f"swap traffic per step, predicted: {clipped[0] / MB:,.0f} MB written and {clipped[1] / MB:,.0f} MB "
+              f"read with gradient clipping, {unclipped[0] / MB:,.0f} and {unclipped[1] / MB:,.0f} MB without")
     backend = args.swap_backend or runtime.config().swap_backend
     if verdict.startswith("needs") and backend == "unistd":
         print(f"swap backend unistd: the kernel's page cache may also hold up to "

@@ -322,6 +322,21 @@ def test_planner_verdicts():
         plan.check(0.5 * task_mb, 4096)
 
 
+def test_planner_swap_traffic_follows_the_limit_recomputation_and_clipping():
+    plan = memory.plan(TINY, 2, 64, workers=2)
+    recomputed = memory.plan(dataclasses.replace(TINY, remat="block"), 2, 64, workers=2)
+    peak_mb = plan.peak / 2**20
+    assert plan.swap_traffic(peak_mb * 1.01) == (0, 0)
+    totals = [sum(plan.swap_traffic(peak_mb * fraction)) for fraction in (0.75, 0.5, 0.25)]
+    assert 0 < totals[0] < totals[1] < totals[2]
+    for limit_mb in (peak_mb * 0.75, peak_mb * 0.5):  # recomputation keeps fewer activations
+        assert sum(recomputed.swap_traffic(limit_mb)) < sum(plan.swap_traffic(limit_mb))
+    # Without clipping each gradient dies in RAM at its update, when the parameters' state is what swaps.
+    state_bound = memory.plan(TINY, 1, 32, workers=2)
+    limit_mb = state_bound.peak / 2**20 / 2
+    assert sum(state_bound.swap_traffic(limit_mb, clip=False)) < sum(state_bound.swap_traffic(limit_mb))
+
+
 def test_planner_suggestion_makes_the_task_fit():
     config = dataclasses.replace(TINY, vocab_size=32768, tile_vocab=32768, tile_embd=128)
     plan = memory.plan(config, 2, 64, workers=2)
