@@ -2,10 +2,10 @@
 
 from jnntile import distributed, runtime  # distributed: its check of the ranks at start
 from jnntile.grad import grad, grad_of, remat, value_and_grad, zero_grads
-from jnntile.ops.data import empty, from_array, full, random_normal, random_uniform, to_array, zeros
+from jnntile.ops.data import convert, empty, from_array, full, random_normal, random_uniform, to_array, zeros
 from jnntile.tensor import Tensor, release_traced
 
 __all__ = [
-    "Tensor", "empty", "from_array", "full", "grad", "grad_of", "random_normal", "random_uniform", "release_traced",
+    "Tensor", "convert", "empty", "from_array", "full", "grad", "grad_of", "random_normal", "random_uniform", "release_traced",
     "remat", "runtime", "to_array", "value_and_grad", "zero_grads", "zeros",
 ]

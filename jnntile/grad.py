@@ -27,7 +27,7 @@ def _is_tensor(x) -> bool:
 
 
 def zero_grads(tree):
-    """Returns `tree` with every float32 Tensor's gradient set to zero (ordered by token).
+    """Returns `tree` with every floating Tensor's gradient set to zero (ordered by token).
 
     Inside `value_and_grad` the zero-fill is only marked and submitted right
     before the first backward call that touches the gradient (see
@@ -36,7 +36,7 @@ def zero_grads(tree):
     lazy = _ffi.current_step() is not None and _ffi.LAZY_ZERO
 
     def zero(x):
-        if not _is_tensor(x) or x.dtype != "float32":
+        if not _is_tensor(x) or x.dtype not in tensor_mod.FLOAT_DTYPES:
             return x
         grad = tensor_mod.grad_handle(x.handle)
         x.handle.grad_zeroed = True

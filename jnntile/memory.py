@@ -726,6 +726,8 @@ def plan_from_args(args) -> MemoryPlan:
     """The plan of the step the flags describe, automatic tiles fitted to the limits (see `fit_tiles`)."""
     config = config_from_args(args)
     seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.max_positions
+    if seq_len > config.max_positions:  # as python -m jnntile.train does: the positions grow to the sequence
+        config = dataclasses.replace(config, **families.size_overrides(args.model, max_positions=seq_len))
     optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
     limit, _, gpu = limits_from_args(args)
     config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers)

@@ -25,7 +25,9 @@ import numpy as np
 
 from jnntile import _xla_ffi, runtime
 
-DTYPES = {"float32": 0, "int32": 1, "int64": 2}
+DTYPES = {"float32": 0, "int32": 1, "int64": 2, "bfloat16": 3}
+# Dtypes with a gradient companion (of the same dtype): bfloat16 activations have bfloat16 gradients.
+FLOAT_DTYPES = ("float32", "bfloat16")
 
 # While a recording is active (`recording()`, used by the memory planner), handles get negative ids that
 # name no native tensor and ops submit nothing: the op layer records what a step would create instead.
@@ -211,7 +213,7 @@ class Tensor:
         """
         ready_on_host(self, "jnntile.to_array")
         out = np.empty(self.shape, dtype=self.dtype)
-        _xla_ffi.tensor_read(self.id, out)
+        _xla_ffi.tensor_read(self.id, native_view(out))
         return out
 
     def __array__(self, dtype=None, copy=None):
@@ -307,6 +309,12 @@ def recording(record):
 def active_recording():
     """The record of the active recording, or None."""
     return _recording
+
+
+def native_view(array: np.ndarray) -> np.ndarray:
+    """`array` as the native tensor_read/tensor_write take it: a bfloat16 array as its raw 16-bit words
+    (nanobind's arrays know no bfloat16), any other as it is."""
+    return array.view(np.uint16) if array.dtype.name == "bfloat16" else array
 
 
 def new_handle(shape, dtype, tile_shape) -> _Handle:

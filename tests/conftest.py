@@ -95,29 +95,40 @@ def rng():
     return np.random.default_rng(1234)
 
 
-def check_op(op, reference, arrays, tile_shapes, *, jit, tol=1e-5, seed=0):
+# One bfloat16 ulp is 2^-8 of a value (0.4%): a result rounded once differs from the reference's by at
+# most half an ulp per element, and by an ulp where the two sum in another order before rounding.
+BFLOAT16_TOL = 1e-2
+
+
+def check_op(op, reference, arrays, tile_shapes, *, jit, tol=1e-5, seed=0, dtype="float32"):
     """Checks op(*tensors) against reference(*arrays): values and the gradients of every input.
 
     The scalar being differentiated is sum(output * weights) with fixed random
-    weights, so every output element has a distinct cotangent.
+    weights, so every output element has a distinct cotangent. With
+    dtype="bfloat16" the inputs are bfloat16 tensors and `reference` gets them
+    as bfloat16 JAX arrays: the pure-JAX op in the same mixed precision
+    (bfloat16 storage, float32 arithmetic), returning bfloat16.
     """
     import jax
     import jax.numpy as jnp
 
     import jnntile
 
+    if dtype == "bfloat16":
+        arrays = [jnp.asarray(a, jnp.bfloat16) for a in arrays]
     tensors = [jnntile.from_array(a, t) for a, t in zip(arrays, tile_shapes)]
-    expected = np.asarray(reference(*arrays))
+    expected = np.asarray(reference(*arrays), np.float32)
     weights = np.random.default_rng(seed).standard_normal(expected.shape).astype(np.float32)
 
     def loss(*ts):
         # The output is read inside the differentiated function: afterwards it
         # is invalidated (DESIGN invariant 7).
-        out = jnntile.to_array(op(*ts))
+        out = op(*ts)
+        out = jnntile.to_array(out if out.dtype == "float32" else jnntile.convert(out, "float32"))
         return jnp.sum(out * weights), out
 
     def reference_loss(*xs):
-        return jnp.sum(reference(*xs) * weights)
+        return jnp.sum(reference(*xs).astype(jnp.float32) * weights)
 
     argnums = tuple(range(len(tensors)))
     fn = jnntile.value_and_grad(loss, argnums=argnums, has_aux=True)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_op
+from conftest import BFLOAT16_TOL, check_op
 
 import jnntile
 from jnntile.ops import elementwise as ew
@@ -30,6 +30,34 @@ def test_unary(rng, jit, tiles, name):
 def test_axpby(rng, jit, tiles):
     x, y = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
     check_op(lambda a, b: ew.axpby(2.0, a, -0.5, b), lambda a, b: 2.0 * a - 0.5 * b, [x, y], [tiles, tiles], jit=jit)
+
+
+def _in_float32(f):
+    """The pure-JAX op in mixed precision: bfloat16 arrays computed in float32, the result rounded to bfloat16."""
+    return lambda *xs: f(*(x.astype(jnp.float32) for x in xs)).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("tiles", TILINGS.values(), ids=TILINGS.keys())
+@pytest.mark.parametrize("name", sorted(ew.UNARY))
+def test_unary_bfloat16(rng, tiles, name):
+    x = rng.standard_normal(SHAPE).astype(np.float32) * 2
+    check_op(getattr(ew, name), _in_float32(ew.UNARY[name][1]), [x], [tiles], jit=True, dtype="bfloat16",
+             tol=BFLOAT16_TOL)
+
+
+@pytest.mark.parametrize("tiles", TILINGS.values(), ids=TILINGS.keys())
+def test_axpby_bfloat16(rng, tiles):
+    x, y = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
+    check_op(lambda a, b: ew.axpby(2.0, a, -0.5, b), _in_float32(lambda a, b: 2.0 * a - 0.5 * b), [x, y],
+             [tiles, tiles], jit=True, dtype="bfloat16", tol=BFLOAT16_TOL)
+
+
+def test_elementwise_needs_one_float_dtype():
+    x = jnntile.zeros((2, 3))
+    with pytest.raises(TypeError, match="one dtype"):
+        ew.add(x, jnntile.convert(x, "bfloat16"))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        ew.relu(jnntile.zeros((2, 3), dtype="int32"))
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_op
+from conftest import BFLOAT16_TOL, check_op
 
 import jnntile
 from jnntile.ops import gemm
@@ -25,20 +25,24 @@ def _transpose_layout(shape, tiles, trans):
     return shape[::-1], None if tiles is None else tiles[::-1]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("tiles", TILINGS.values(), ids=TILINGS.keys())
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True), (True, True)])
-def test_matmul(rng, jit, tiles, trans_a, trans_b):
+def test_matmul(rng, jit, tiles, trans_a, trans_b, dtype):
+    """bfloat16: operands and result bfloat16, products summed in float32 and rounded once, also over
+    several K tiles (many tiles)."""
     a_shape, a_tiles = _transpose_layout((6, 10), tiles[0], trans_a)
     b_shape, b_tiles = _transpose_layout((10, 7), tiles[1], trans_b)
     a = rng.standard_normal(a_shape).astype(np.float32)
     b = rng.standard_normal(b_shape).astype(np.float32)
 
     def reference(x, y):
-        return 0.5 * ((x.T if trans_a else x) @ (y.T if trans_b else y))
+        product = jnp.matmul(x.T if trans_a else x, y.T if trans_b else y, preferred_element_type=jnp.float32)
+        return (0.5 * product).astype(x.dtype)
 
     check_op(lambda x, y: gemm.matmul(x, y, trans_a=trans_a, trans_b=trans_b, alpha=0.5), reference,
-             [a, b], [a_tiles, b_tiles], jit=jit)
+             [a, b], [a_tiles, b_tiles], jit=jit, dtype=dtype, tol=BFLOAT16_TOL if dtype == "bfloat16" else 1e-5)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -101,3 +105,10 @@ def test_int_tensors_are_refused():
 def test_too_few_axes():
     with pytest.raises(ValueError, match="too few axes"):
         gemm.matmul(jnntile.zeros((4,)), jnntile.zeros((4, 2)), ndim=1, batch_ndim=1)
+
+
+def test_matmul_needs_one_float_dtype(rng):
+    a = jnntile.from_array(rng.standard_normal((4, 4)).astype(np.float32))
+    b = jnntile.convert(a, "bfloat16")
+    with pytest.raises(TypeError, match="two float32 or two bfloat16"):
+        gemm.matmul(a, b)

@@ -1,6 +1,7 @@
 """Tiled tensors: creation, round trips, random init, lifetime and bad input."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -169,3 +170,45 @@ def test_tile_larger_than_memory_limit_is_refused():
     side = int((limit * 2**20 / 4) ** 0.5) + 64
     with pytest.raises(ValueError, match="larger than the memory limit"):
         jnntile.zeros((side, side))
+
+
+@pytest.mark.parametrize("tiles", [None, (2, 3), (4, 5)], ids=["one tile", "many tiles", "uneven tiles"])
+def test_convert_rounds_as_jax_and_back(rng, tiles):
+    """float32 -> bfloat16 rounds to nearest even, bit for bit as JAX, special values included; back is exact."""
+    x = (rng.standard_normal((6, 7)) * 10).astype(np.float32)
+    x.flat[:8] = [np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-40, 3.0e38, 1.00390625]  # a tie: 1 + 2^-8
+    t = jnntile.from_array(x, tiles)
+    half = jnntile.convert(t, "bfloat16")
+    assert half.dtype == "bfloat16" and half.tile_shape == t.tile_shape
+    expected = np.asarray(jnp.asarray(x).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(half.numpy().view(np.uint16)[~np.isnan(x)], expected.view(np.uint16)[~np.isnan(x)])
+    assert np.isnan(half.numpy().astype(np.float32).flat[2])
+    back = jnntile.convert(half, "float32").numpy()
+    np.testing.assert_array_equal(back, expected.astype(np.float32))
+
+
+def test_convert_gradient_reaches_the_master(rng):
+    """The bfloat16 copy's gradient adds into the float32 tensor's, as JAX's cast does."""
+    x = rng.standard_normal((5, 6)).astype(np.float32)
+    w = rng.standard_normal((5, 6)).astype(np.float32)
+
+    def loss(t):
+        copy = jnntile.convert(jnntile.convert(t, "bfloat16"), "float32")
+        return jnp.sum(jnntile.to_array(copy) * w)
+
+    grads = jax.jit(jnntile.grad(loss))(jnntile.from_array(x, (2, 4)))
+    expected = jax.grad(lambda a: jnp.sum(a.astype(jnp.bfloat16).astype(jnp.float32) * w))(x)
+    np.testing.assert_array_equal(jnntile.grad_of(grads).numpy(), expected)
+
+
+def test_bfloat16_tensors_round_trip(rng):
+    x = jnp.asarray(rng.standard_normal((4, 9)), jnp.bfloat16)
+    for array in (x, np.asarray(x)):  # through XLA, and through the host copy
+        t = jnntile.from_array(array, (3, 4))
+        assert t.dtype == "bfloat16"
+        np.testing.assert_array_equal(t.numpy().view(np.uint16), np.asarray(x).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(jnntile.to_array(t)).view(np.uint16), np.asarray(x).view(np.uint16))
+    zeros = jnntile.zeros((3, 3), dtype="bfloat16").numpy()
+    assert zeros.dtype.name == "bfloat16" and not zeros.astype(np.float32).any()
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        jnntile.convert(jnntile.zeros((2,), dtype="int32"), "bfloat16")

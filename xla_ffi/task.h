@@ -25,6 +25,13 @@ struct Buffer {
   starpu_data_access_mode mode;
 };
 
+// The element type of a floating tensor (float32 or bfloat16); throws naming the op and the tensor otherwise.
+inline FloatType float_type(const TiledTensor& t, const char* op) {
+  if (t.dtype == DType::F32) return FloatType::F32;
+  if (t.dtype == DType::BF16) return FloatType::BF16;
+  throw std::invalid_argument(std::string(op) + " needs float32 or bfloat16: " + t.describe());
+}
+
 template <class T>
 T* tile_ptr(void* buffer) {
   return reinterpret_cast<T*>(STARPU_VECTOR_GET_PTR(buffer));

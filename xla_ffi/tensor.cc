@@ -47,6 +47,7 @@ size_t dtype_size(DType dtype) {
     case DType::F32: return 4;
     case DType::I32: return 4;
     case DType::I64: return 8;
+    case DType::BF16: return 2;
   }
   return 0;
 }
@@ -56,6 +57,7 @@ const char* dtype_name(DType dtype) {
     case DType::F32: return "float32";
     case DType::I32: return "int32";
     case DType::I64: return "int64";
+    case DType::BF16: return "bfloat16";
   }
   return "?";
 }

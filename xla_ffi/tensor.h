@@ -17,7 +17,7 @@
 
 namespace jnntile {
 
-enum class DType : int { F32 = 0, I32 = 1, I64 = 2 };
+enum class DType : int { F32 = 0, I32 = 1, I64 = 2, BF16 = 3 };
 size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
 

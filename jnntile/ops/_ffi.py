@@ -253,7 +253,7 @@ def join(*tokens):
 
 def grad_target(t: Tensor) -> _Handle | None:
     """Where a backward op accumulates the gradient of `t`, or None if nobody zeroed it."""
-    if t.dtype != "float32" or not t.handle.grad_zeroed:
+    if t.dtype not in tensor_mod.FLOAT_DTYPES or not t.handle.grad_zeroed:
         return None
     return tensor_mod.grad_handle(t.handle)
 

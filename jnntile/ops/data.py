@@ -14,7 +14,7 @@ from jnntile import _xla_ffi
 from jnntile import tensor as tensor_mod
 from jnntile.ledger import LEDGER
 from jnntile.ops import _ffi
-from jnntile.ops._ffi import after, call, differentiable, grad_target
+from jnntile.ops._ffi import after, call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
 
@@ -156,7 +156,7 @@ def read_chunks(t: Tensor, max_bytes: float | None = None) -> Iterator[tuple[Chu
     tensor_mod.ready_on_host(t, "jnntile.to_array")
     for chunk in chunks(t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, max_bytes):
         out = np.empty(chunk.shape, dtype=t.dtype)
-        _xla_ffi.tensor_read(t.id, out, list(chunk.tile_lo), list(chunk.tile_hi))
+        _xla_ffi.tensor_read(t.id, tensor_mod.native_view(out), list(chunk.tile_lo), list(chunk.tile_hi))
         yield chunk, out
         del out  # before the next one is made
 
@@ -169,7 +169,7 @@ def write_chunks(t: Tensor, values: Callable[[Chunk], np.ndarray], max_bytes: fl
         if array.shape != chunk.shape:
             raise ValueError(f"values of shape {array.shape} for tiles {chunk.tile_lo} to {chunk.tile_hi} of {t!r}, "
                              f"expected {chunk.shape}")
-        _xla_ffi.tensor_write(t.id, array, list(chunk.tile_lo), list(chunk.tile_hi))
+        _xla_ffi.tensor_write(t.id, tensor_mod.native_view(array), list(chunk.tile_lo), list(chunk.tile_hi))
         del array  # before the next one is read
     LEDGER.written(t.handle)
     return t.with_token(after(_ffi.on_host(jnp.zeros, (), jnp.float32), t.handle))
@@ -209,6 +209,32 @@ def to_array(t: Tensor) -> jax.Array:
     Differentiable for float32 tensors: the gradient flows back into `t`.
     """
     return _read_differentiable(t) if t.dtype == "float32" else _read(t)
+
+
+def _convert_forward(x, dtype, zero_grad):
+    out = tensor_mod.new_handle(x.shape, dtype, x.tile_shape)
+    token = call("convert", [x.handle, out], [x.token], zero_grads=[out] if zero_grad else [])
+    return Tensor(token, out), (x, Tensor(token, out))
+
+
+def _convert_backward(dtype, residuals, g):
+    x, out = residuals  # the copy's gradient adds into x's, in x's dtype
+    token = call("accumulate", [tensor_mod.grad_handle(out.handle), grad_target(x)], [out.token, g.token, x.token],
+                 alphas=[1.0])
+    return (x.with_token(release(token, out)),)
+
+
+_convert = differentiable(_convert_forward, _convert_backward, nondiff_argnums=(1,), name="convert")
+
+
+def convert(x: Tensor, dtype) -> Tensor:
+    """A copy of `x` (same shape and tiles) in another float dtype, float32 <-> bfloat16, rounded to nearest
+    even; differentiable: the copy's gradient adds into x's in x's dtype (a bfloat16 compute copy of a
+    float32 master weight hands its gradient to the master)."""
+    name = dtype_name(dtype)
+    if x.dtype not in tensor_mod.FLOAT_DTYPES or name not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"convert: needs float32 or bfloat16 on both sides, got {x!r} to {name}")
+    return _convert(x, name)
 
 
 def fill(t: Tensor, value: float) -> Tensor:

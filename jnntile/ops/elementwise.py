@@ -1,4 +1,4 @@
-"""Elementwise ops on tensors of identical shape and tiling.
+"""Elementwise ops on tensors of identical shape, tiling and dtype (float32 or bfloat16, computed in float32).
 
 Unary functions are declared once in `UNARY` (name -> native code and the jnp
 reference used by tests); `gelu_tanh`, `relu`, ... are generated from it.
@@ -28,8 +28,10 @@ UNARY = {
 
 def _require_float(*tensors: Tensor):
     for t in tensors:
-        if t.dtype != "float32":
-            raise TypeError(f"elementwise ops need float32 tensors, got {t!r}")
+        if t.dtype not in tensor_mod.FLOAT_DTYPES:
+            raise TypeError(f"elementwise ops need float32 or bfloat16 tensors, got {t!r}")
+    if len({t.dtype for t in tensors}) > 1:
+        raise TypeError(f"elementwise ops need tensors of one dtype, got {', '.join(map(repr, tensors))}")
 
 
 def _require_same_layout(x: Tensor, y: Tensor):
@@ -40,7 +42,7 @@ def _require_same_layout(x: Tensor, y: Tensor):
 
 
 def _new_like(x: Tensor):
-    return tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
+    return tensor_mod.new_handle(x.shape, x.dtype, x.tile_shape)
 
 
 # ---- unary family --------------------------------------------------------------

@@ -15,8 +15,8 @@ from jnntile.tensor import Tensor
 
 def _layout(a: Tensor, b: Tensor, trans_a, trans_b, ndim, batch_ndim):
     """Shape and tile shape of the result; raises naming the mismatch."""
-    if a.dtype != "float32" or b.dtype != "float32":
-        raise TypeError(f"matmul needs float32 tensors, got {a.dtype} and {b.dtype}")
+    if a.dtype not in tensor_mod.FLOAT_DTYPES or b.dtype != a.dtype:
+        raise TypeError(f"matmul needs two float32 or two bfloat16 tensors, got {a.dtype} and {b.dtype}")
     m_ndim = a.ndim - batch_ndim - ndim
     n_ndim = b.ndim - batch_ndim - ndim
     if ndim < 1 or batch_ndim < 0 or m_ndim < 0 or n_ndim < 0:
@@ -51,7 +51,7 @@ def matmul(a: Tensor, b: Tensor, *, trans_a=False, trans_b=False, alpha=1.0, ndi
 def _forward(a, b, params, zero_grad):
     trans_a, trans_b, alpha, ndim, batch_ndim = params
     shape, tile_shape = _layout(a, b, trans_a, trans_b, ndim, batch_ndim)
-    out = tensor_mod.new_handle(shape, "float32", tile_shape)
+    out = tensor_mod.new_handle(shape, a.dtype, tile_shape)  # products accumulate in float32 either way
     token = call("gemm", [a.handle, b.handle, out], [a.token, b.token], zero_grads=[out] if zero_grad else [],
                  trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=0.0, ndim=ndim, batch_ndim=batch_ndim)
     return Tensor(token, out), (a, b, Tensor(token, out))

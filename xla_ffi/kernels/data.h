@@ -74,12 +74,16 @@ JNNTILE_HD float random_value(uint64_t seed, int64_t g, bool normal, float a, fl
   return float(a + b * z);
 }
 
-// dst[0..n) = value, for T in float, int32_t, int64_t.
+// dst[0..n) = value, for T in float, int32_t, int64_t, bfloat16.
 template <Device D, class T>
 void fill(int64_t n, T value, T* dst);
 // Every element of the tile gets random_value(seed, its global index, normal, a, b).
 template <Device D>
 void fill_random(const TileGeometry& g, uint64_t seed, bool normal, float a, float b, float* tile);
+
+// dst[0..n) = src converted between float types (bfloat16 rounded to nearest even).
+template <Device D>
+void convert(int64_t n, FloatType from, const void* src, FloatType to, void* dst);
 
 // CPU only, they touch host arrays: copies between a tile and its part of a
 // whole row-major array (to_tile picks the direction), and adds its part of a

@@ -10,6 +10,7 @@
 // files that include them build without the CUDA toolkit.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 // 1 where StarPU has CUDA and the CUDA kernels are built (CMakeLists.txt).
 #ifndef JNNTILE_CUDA
@@ -25,5 +26,48 @@
 namespace jnntile {
 
 enum class Device { Cpu, Cuda };
+
+// ---- element types ------------------------------------------------------------
+//
+// Floating tiles hold float32 or bfloat16. Kernels load either into float, compute in float and store
+// back rounding to nearest even, on the host and on the GPU alike; entry points take the tiles as void
+// pointers with their FloatType, and `visit_float` instantiates the typed body once per type.
+
+enum class FloatType : int { F32 = 0, BF16 = 1 };
+
+// The upper half of a float32: same exponent range, 8 bits of mantissa.
+struct bfloat16 {
+  uint16_t bits;
+};
+
+JNNTILE_HD float to_float(float x) { return x; }
+JNNTILE_HD float to_float(bfloat16 x) {
+  uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <class T>
+JNNTILE_HD T from_float(float x);
+template <>
+JNNTILE_HD float from_float<float>(float x) {
+  return x;
+}
+template <>
+JNNTILE_HD bfloat16 from_float<bfloat16>(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bfloat16{uint16_t((u >> 16) | 0x40u)};  // NaN stays a (quiet) NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return bfloat16{uint16_t(u >> 16)};
+}
+
+// Calls body(T{}) with T the C++ type of `type` (float or bfloat16): one typed body, instantiated per type.
+template <class Body>
+void visit_float(FloatType type, Body&& body) {
+  if (type == FloatType::BF16) body(bfloat16{});
+  else body(float{});
+}
 
 }  // namespace jnntile

@@ -55,14 +55,20 @@ struct Silu {
   }
 };
 
-// y = f(x) and dx += dy * f'(x) on one element.
+// y = f(x) and dx += dy * f'(x) on one element of float32 or bfloat16 tiles, computed in float.
 template <class F>
 struct Forward {
-  static JNNTILE_HD void apply(int64_t i, const float* x, float* y) { y[i] = F::f(x[i]); }
+  template <class T>
+  static JNNTILE_HD void apply(int64_t i, const T* x, T* y) {
+    y[i] = from_float<T>(F::f(to_float(x[i])));
+  }
 };
 template <class F>
 struct Backward {
-  static JNNTILE_HD void apply(int64_t i, const float* x, const float* dy, float* dx) { dx[i] += dy[i] * F::df(x[i]); }
+  template <class T>
+  static JNNTILE_HD void apply(int64_t i, const T* x, const T* dy, T* dx) {
+    dx[i] = from_float<T>(to_float(dx[i]) + to_float(dy[i]) * F::df(to_float(x[i])));
+  }
 };
 
 // Runs Run<Kernel<Function>>(args...) for the function named by `op`, so the
@@ -81,14 +87,27 @@ void dispatch(Unary op, Args... args) {
 
 }  // namespace unary
 
-JNNTILE_HD float axpby_element(float a, float x, float b, float y) { return a * x + b * y; }
+// out = a * x + b * y (y may be null: out = a * x) and out += a * x on one element; x and out may differ in type.
+struct Axpby {
+  template <class T>
+  static JNNTILE_HD void apply(int64_t i, float a, const T* x, float b, const T* y, T* out) {
+    out[i] = from_float<T>(y == nullptr ? a * to_float(x[i]) : a * to_float(x[i]) + b * to_float(y[i]));
+  }
+};
+struct Accumulate {
+  template <class S, class T>
+  static JNNTILE_HD void apply(int64_t i, float a, const S* x, T* out) {
+    out[i] = from_float<T>(to_float(out[i]) + a * to_float(x[i]));
+  }
+};
 
-template <Device D> void unary_forward(Unary op, int64_t n, const float* x, float* y);
+// Tiles of `type` (x, y, dy, dx and out alike, but for accumulate's source).
+template <Device D> void unary_forward(Unary op, FloatType type, int64_t n, const void* x, void* y);
 // dx += dy * f'(x)
-template <Device D> void unary_backward(Unary op, int64_t n, const float* x, const float* dy, float* dx);
+template <Device D> void unary_backward(Unary op, FloatType type, int64_t n, const void* x, const void* dy, void* dx);
 // out = a * x + b * y   (y may be null: out = a * x)
-template <Device D> void axpby(int64_t n, float a, const float* x, float b, const float* y, float* out);
-// out += a * x
-template <Device D> void accumulate(int64_t n, float a, const float* x, float* out);
+template <Device D> void axpby(FloatType type, int64_t n, float a, const void* x, float b, const void* y, void* out);
+// out += a * x, x of x_type, out of out_type
+template <Device D> void accumulate(FloatType x_type, FloatType out_type, int64_t n, float a, const void* x, void* out);
 
 }  // namespace jnntile

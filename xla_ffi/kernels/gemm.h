@@ -8,9 +8,16 @@ namespace jnntile {
 // C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] for b in [0, batch), row-major,
 // op(A) is (M, K), op(B) is (K, N); consecutive batch matrices are contiguous.
 // beta == 0 ignores what C held (its tile may never have been written).
+// A, B and C are float32 or bfloat16 each (`types`); products accumulate in float32.
+struct GemmTypes {
+  FloatType a, b, c;
+  bool all_f32() const { return a == FloatType::F32 && b == FloatType::F32 && c == FloatType::F32; }
+};
+// Floats of working memory a CPU task needs: its bfloat16 operands widened to float32 (the GPU needs none).
+int64_t gemm_scratch_floats(GemmTypes types, int64_t batch, int64_t m, int64_t n, int64_t k);
 template <Device D>
-void gemm_f32(bool trans_a, bool trans_b, int64_t batch, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-              const float* b, float beta, float* c);
+void gemm(GemmTypes types, bool trans_a, bool trans_b, int64_t batch, int64_t m, int64_t n, int64_t k, float alpha,
+          const void* a, const void* b, float beta, void* c, float* scratch);
 
 // Makes the CPU BLAS single-threaded: StarPU workers provide the parallelism.
 void gemm_single_threaded();

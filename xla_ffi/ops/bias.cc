@@ -26,7 +26,8 @@ void forward_kernel(void** buffers, const BiasArgs& a) {
 
 template <Device D>
 void dx_kernel(void** buffers, const BiasArgs& a) {
-  accumulate<D>(a.rows * a.n, 1.0f, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  accumulate<D>(FloatType::F32, FloatType::F32, a.rows * a.n, 1.0f, tile_ptr<float>(buffers[0]),
+                tile_ptr<float>(buffers[1]));
 }
 
 template <Device D>

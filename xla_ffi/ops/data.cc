@@ -104,6 +104,7 @@ void fill_kernel(void** buffers, const FillArgs& a) {
     case DType::F32: fill<D>(a.n, float(a.value), tile_ptr<float>(buffers[0])); break;
     case DType::I32: fill<D>(a.n, int32_t(a.value), tile_ptr<int32_t>(buffers[0])); break;
     case DType::I64: fill<D>(a.n, int64_t(a.value), tile_ptr<int64_t>(buffers[0])); break;
+    case DType::BF16: fill<D>(a.n, from_float<bfloat16>(float(a.value)), tile_ptr<bfloat16>(buffers[0])); break;
   }
 }
 
@@ -141,6 +142,34 @@ void random_submit(const OpCall& call) {
     submit_task(cl, {{t.tiles[tile], STARPU_W}}, RandomArgs{tile_geometry(t, tile), seed, normal, a, b});
 }
 JNNTILE_OP(random, random_submit);
+
+struct ConvertArgs {
+  int64_t n;
+  FloatType from, to;
+};
+
+template <Device D>
+void convert_kernel(void** buffers, const ConvertArgs& a) {
+  convert<D>(a.n, a.from, tile_ptr<void>(buffers[0]), a.to, tile_ptr<void>(buffers[1]));
+}
+
+}  // namespace
+
+void submit_convert(starpu_data_handle_t src, FloatType from, starpu_data_handle_t dst, FloatType to, int64_t n) {
+  static starpu_codelet* cl = JNNTILE_CODELET(ConvertArgs, convert_kernel, "convert");
+  submit_task(cl, {{src, STARPU_R}, {dst, STARPU_W}}, ConvertArgs{n, from, to}, double(n));
+}
+
+namespace {
+
+// ids [src, dst]: dst = src in dst's float type (the bfloat16 compute copy of a float32 master, and back).
+void convert_submit(const OpCall& call) {
+  const TiledTensor &src = call.tensor(0), &dst = call.tensor(1);
+  FloatType from = float_type(src, "convert"), to = float_type(dst, "convert");
+  check_same_tiling(src, dst, "convert");
+  for (int64_t t = 0; t < src.num_tiles(); ++t) submit_convert(src.tiles[t], from, dst.tiles[t], to, src.tile_numel(t));
+}
+JNNTILE_OP(convert, convert_submit);
 
 // Blocks the caller until the tasks already submitted on the given tensors' tiles have written them:
 // one empty task reading each tile. For a call that must not be submitted early because StarPU would run

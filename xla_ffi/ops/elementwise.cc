@@ -1,38 +1,46 @@
-// Elementwise ops on tensors of identical shape and tiling: one task per tile.
+// Elementwise ops on tensors of identical shape and tiling: one task per tile, float32 or bfloat16 tiles.
 #include "kernels/elementwise.h"
 #include "task.h"
 
 namespace jnntile {
 namespace {
 
-void require_f32(const TiledTensor& t, const char* op) {
-  if (t.dtype != DType::F32) throw std::invalid_argument(std::string(op) + " needs float32: " + t.describe());
+// The float type of tensors that must share it.
+FloatType same_float_type(std::initializer_list<const TiledTensor*> tensors, const char* op) {
+  FloatType type = float_type(**tensors.begin(), op);
+  for (const TiledTensor* t : tensors)
+    if (float_type(*t, op) != type)
+      throw std::invalid_argument(std::string(op) + ": tensors differ in dtype: " + (*tensors.begin())->describe() +
+                                  " vs " + t->describe());
+  return type;
 }
 
 struct UnaryArgs {
   Unary op;
+  FloatType type;
   int64_t n;
 };
 
 template <Device D>
 void unary_kernel(void** buffers, const UnaryArgs& a) {
-  unary_forward<D>(a.op, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  unary_forward<D>(a.op, a.type, a.n, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
 }
 
 template <Device D>
 void unary_backward_kernel(void** buffers, const UnaryArgs& a) {
-  unary_backward<D>(a.op, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]));
+  unary_backward<D>(a.op, a.type, a.n, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]),
+                    tile_ptr<void>(buffers[2]));
 }
 
 // ids [x, y]: y = f(x)
 void unary_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &y = call.tensor(1);
-  require_f32(x, "unary op");
+  FloatType type = same_float_type({&x, &y}, "unary op");
   check_same_tiling(x, y, "unary op");
   auto op = Unary(attr<int64_t>(call.attrs, "op"));
   static starpu_codelet* cl = JNNTILE_CODELET(UnaryArgs, unary_kernel, "unary");
   for (int64_t t = 0; t < x.num_tiles(); ++t)
-    submit_task(cl, {{x.tiles[t], STARPU_R}, {y.tiles[t], STARPU_W}}, UnaryArgs{op, x.tile_numel(t)},
+    submit_task(cl, {{x.tiles[t], STARPU_R}, {y.tiles[t], STARPU_W}}, UnaryArgs{op, type, x.tile_numel(t)},
                 double(x.tile_numel(t)));
 }
 JNNTILE_OP(unary, unary_submit);
@@ -40,17 +48,19 @@ JNNTILE_OP(unary, unary_submit);
 // ids [x, dy, dx]: dx += dy * f'(x)
 void unary_backward_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &dy = call.tensor(1), &dx = call.tensor(2);
+  FloatType type = same_float_type({&x, &dy, &dx}, "unary op backward");
   check_same_tiling(x, dy, "unary op backward");
   check_same_tiling(x, dx, "unary op backward");
   auto op = Unary(attr<int64_t>(call.attrs, "op"));
   static starpu_codelet* cl = JNNTILE_CODELET(UnaryArgs, unary_backward_kernel, "unary_backward");
   for (int64_t t = 0; t < x.num_tiles(); ++t)
     submit_task(cl, {{x.tiles[t], STARPU_R}, {dy.tiles[t], STARPU_R}, {dx.tiles[t], STARPU_RW}},
-                UnaryArgs{op, x.tile_numel(t)}, 2.0 * x.tile_numel(t));
+                UnaryArgs{op, type, x.tile_numel(t)}, 2.0 * x.tile_numel(t));
 }
 JNNTILE_OP(unary_backward, unary_backward_submit);
 
 struct AxpbyArgs {
+  FloatType type;
   int64_t n;
   float a, b;
   bool has_y;
@@ -58,15 +68,15 @@ struct AxpbyArgs {
 
 template <Device D>
 void axpby_kernel(void** buffers, const AxpbyArgs& a) {
-  const float* y = a.has_y ? tile_ptr<float>(buffers[1]) : nullptr;
-  axpby<D>(a.n, a.a, tile_ptr<float>(buffers[0]), a.b, y, tile_ptr<float>(buffers[a.has_y ? 2 : 1]));
+  const void* y = a.has_y ? tile_ptr<void>(buffers[1]) : nullptr;
+  axpby<D>(a.type, a.n, a.a, tile_ptr<void>(buffers[0]), a.b, y, tile_ptr<void>(buffers[a.has_y ? 2 : 1]));
 }
 
 // ids [x, y, out]: out = a x + b y;  ids [x, out]: out = a x.
 void axpby_submit(const OpCall& call) {
   bool has_y = call.ids.size() == 3;
   const TiledTensor &x = call.tensor(0), &out = call.tensor(has_y ? 2 : 1);
-  require_f32(x, "axpby");
+  FloatType type = has_y ? same_float_type({&x, &call.tensor(1), &out}, "axpby") : same_float_type({&x, &out}, "axpby");
   check_same_tiling(x, out, "axpby");
   if (has_y) check_same_tiling(x, call.tensor(1), "axpby");
   float a = float(attr<double>(call.attrs, "a")), b = has_y ? float(attr<double>(call.attrs, "b")) : 0.0f;
@@ -75,23 +85,24 @@ void axpby_submit(const OpCall& call) {
     std::vector<Buffer> buffers{{x.tiles[t], STARPU_R}};
     if (has_y) buffers.push_back({call.tensor(1).tiles[t], STARPU_R});
     buffers.push_back({out.tiles[t], STARPU_W});
-    submit_task(cl, buffers, AxpbyArgs{x.tile_numel(t), a, b, has_y}, 2.0 * x.tile_numel(t));
+    submit_task(cl, buffers, AxpbyArgs{type, x.tile_numel(t), a, b, has_y}, 2.0 * x.tile_numel(t));
   }
 }
 JNNTILE_OP(axpby, axpby_submit);
 
 struct AccumulateArgs {
+  FloatType src_type, dst_type;
   int64_t n;
   float a;
 };
 
 template <Device D>
 void accumulate_kernel(void** buffers, const AccumulateArgs& a) {
-  accumulate<D>(a.n, a.a, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  accumulate<D>(a.src_type, a.dst_type, a.n, a.a, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
 }
 
 // ids [src, dst_0, dst_1, ...], attr alphas: dst_i += alphas[i] * src (ids < 0 skipped).
-// The backward of every linear elementwise op.
+// The backward of every linear elementwise op; src and dst may differ in float type.
 void accumulate_submit(const OpCall& call) {
   const TiledTensor& src = call.tensor(0);
   auto alphas = call.attrs.get<ffi::Span<const double>>("alphas");
@@ -102,9 +113,11 @@ void accumulate_submit(const OpCall& call) {
     if (call.ids[d] < 0) continue;
     const TiledTensor& dst = call.tensor(d);
     check_same_tiling(src, dst, "accumulate");
+    FloatType src_type = float_type(src, "accumulate"), dst_type = float_type(dst, "accumulate");
     for (int64_t t = 0; t < src.num_tiles(); ++t)
       submit_task(cl, {{src.tiles[t], STARPU_R}, {dst.tiles[t], STARPU_RW}},
-                  AccumulateArgs{src.tile_numel(t), float(alphas.value()[d - 1])}, 2.0 * src.tile_numel(t));
+                  AccumulateArgs{src_type, dst_type, src.tile_numel(t), float(alphas.value()[d - 1])},
+                  2.0 * src.tile_numel(t));
   }
 }
 JNNTILE_OP(accumulate, accumulate_submit);

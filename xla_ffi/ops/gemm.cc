@@ -6,21 +6,25 @@
 // gets one task per K tile; the first is write-only when beta == 0 (DESIGN
 // invariant 3), the rest accumulate.
 #include "kernels/gemm.h"
+#include "ops/data.h"
 #include "task.h"
 
 namespace jnntile {
 namespace {
 
 struct GemmArgs {
+  GemmTypes types;
   bool trans_a, trans_b;
   int64_t batch, m, n, k;
   float alpha, beta;
 };
 
+// buffers: A, B, C, and scratch when an operand is bfloat16
 template <Device D>
 void gemm_kernel(void** buffers, const GemmArgs& g) {
-  gemm_f32<D>(g.trans_a, g.trans_b, g.batch, g.m, g.n, g.k, g.alpha, tile_ptr<float>(buffers[0]),
-                tile_ptr<float>(buffers[1]), g.beta, tile_ptr<float>(buffers[2]));
+  float* scratch = g.types.all_f32() ? nullptr : tile_ptr<float>(buffers[3]);
+  gemm<D>(g.types, g.trans_a, g.trans_b, g.batch, g.m, g.n, g.k, g.alpha, tile_ptr<void>(buffers[0]),
+          tile_ptr<void>(buffers[1]), g.beta, tile_ptr<void>(buffers[2]), scratch);
 }
 
 Index slice(const Index& v, int start, int count) {
@@ -46,7 +50,7 @@ struct Operand {
 };
 
 Operand split(const TiledTensor& t, int batch_ndim, int rows_ndim, const char* name) {
-  if (t.dtype != DType::F32) throw std::invalid_argument(std::string("gemm: ") + name + " must be float32: " + t.describe());
+  float_type(t, (std::string("gemm: ") + name).c_str());
   int cols_ndim = t.ndim() - batch_ndim - rows_ndim;
   if (rows_ndim < 0 || cols_ndim < 0)
     throw std::invalid_argument(std::string("gemm: ") + name + " has too few axes: " + t.describe());
@@ -63,8 +67,8 @@ void require_match(const Index& s1, const Index& t1, const Index& s2, const Inde
 
 }  // namespace
 
-void gemm(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool trans_a, bool trans_b, float alpha,
-          float beta, int ndim, int batch_ndim) {
+void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool trans_a, bool trans_b,
+                float alpha, float beta, int ndim, int batch_ndim) {
   int m_ndim = A.ndim() - batch_ndim - ndim;
   int n_ndim = B.ndim() - batch_ndim - ndim;
   if (m_ndim < 0 || n_ndim < 0 || C.ndim() != batch_ndim + m_ndim + n_ndim)
@@ -85,6 +89,9 @@ void gemm(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool
   require_match(b.batch, b.batch_tiles, c.batch, c.batch_tiles, "batch axes of B and C", B, C);
 
   static starpu_codelet* cl = JNNTILE_CODELET(GemmArgs, gemm_kernel, "gemm");
+  GemmTypes types{float_type(A, "gemm"), float_type(B, "gemm"), float_type(C, "gemm")};
+  if (types.a != types.b)  // cuBLAS multiplies two float32 or two bfloat16 matrices, not one of each
+    throw std::invalid_argument("gemm: A and B differ in dtype: " + A.describe() + " vs " + B.describe());
   Index k_grid = slice(A.grid, batch_ndim + (trans_a ? 0 : m_ndim), ndim);
   int64_t k_tiles = product(k_grid);
   for (int64_t linear = 0; linear < C.num_tiles(); ++linear) {
@@ -94,6 +101,15 @@ void gemm(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool
           nc = slice(c_coord, batch_ndim + m_ndim, n_ndim);
     int64_t batch = product(slice(c_ext, 0, batch_ndim));
     int64_t m = product(slice(c_ext, batch_ndim, m_ndim)), n = product(slice(c_ext, batch_ndim + m_ndim, n_ndim));
+    // A bfloat16 C summed over several K tiles is summed in a float32 tile and rounded once at the end, as a
+    // single product would be (rounding after each K tile loses a bit per tile).
+    starpu_data_handle_t c_tile = C.tiles[linear];
+    GemmTypes tile_types = types;
+    if (types.c == FloatType::BF16 && k_tiles > 1) {
+      c_tile = temporary_vector(batch * m * n, sizeof(float));
+      tile_types.c = FloatType::F32;
+      if (beta != 0.0f) submit_convert(C.tiles[linear], FloatType::BF16, c_tile, FloatType::F32, batch * m * n);
+    }
     Index kc(ndim, 0);
     for (int64_t kt = 0; kt < k_tiles; ++kt) {
       Index a_coord = trans_a ? concat({bat, kc, mc}) : concat({bat, mc, kc});
@@ -103,12 +119,23 @@ void gemm(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool
       bool first = kt == 0;
       float tile_beta = first ? beta : 1.0f;
       starpu_data_access_mode c_mode = (first && beta == 0.0f) ? STARPU_W : STARPU_RW;
-      submit_task(cl, {{A.tile(a_coord), STARPU_R}, {B.tile(b_coord), STARPU_R}, {C.tiles[linear], c_mode}},
-                  GemmArgs{trans_a, trans_b, batch, m, n, k, alpha, tile_beta}, 2.0 * batch * m * n * k);
+      std::vector<Buffer> buffers{{A.tile(a_coord), STARPU_R}, {B.tile(b_coord), STARPU_R}, {c_tile, c_mode}};
+      starpu_data_handle_t scratch = nullptr;
+      if (!tile_types.all_f32()) {
+        scratch = temporary_vector(gemm_scratch_floats(tile_types, batch, m, n, k), sizeof(float));
+        buffers.push_back({scratch, STARPU_SCRATCH});
+      }
+      submit_task(cl, buffers, GemmArgs{tile_types, trans_a, trans_b, batch, m, n, k, alpha, tile_beta},
+                  2.0 * batch * m * n * k);
+      if (scratch != nullptr) starpu_data_unregister_submit(scratch);
       for (int ax = ndim - 1; ax >= 0; --ax) {  // next K tile
         if (++kc[ax] < k_grid[ax]) break;
         kc[ax] = 0;
       }
+    }
+    if (c_tile != C.tiles[linear]) {
+      submit_convert(c_tile, FloatType::F32, C.tiles[linear], FloatType::BF16, batch * m * n);
+      starpu_data_unregister_submit(c_tile);
     }
   }
 }
@@ -116,7 +143,7 @@ void gemm(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool
 namespace {
 
 void gemm_submit(const OpCall& call) {
-  gemm(call.tensor(0), call.tensor(1), call.tensor(2), attr<int64_t>(call.attrs, "trans_a") != 0,
+  gemm_tiles(call.tensor(0), call.tensor(1), call.tensor(2), attr<int64_t>(call.attrs, "trans_a") != 0,
        attr<int64_t>(call.attrs, "trans_b") != 0, float(attr<double>(call.attrs, "alpha")),
        float(attr<double>(call.attrs, "beta")), int(attr<int64_t>(call.attrs, "ndim")),
        int(attr<int64_t>(call.attrs, "batch_ndim")));
@@ -133,13 +160,13 @@ void gemm_backward_submit(const OpCall& call) {
   int m_ndim = A.ndim() - batch_ndim - ndim, n_ndim = B.ndim() - batch_ndim - ndim;
   if (call.ids[2] >= 0) {
     const TiledTensor& gA = call.tensor(2);
-    if (!ta) gemm(gC, B, gA, false, !tb, alpha, 1.0f, n_ndim, batch_ndim);  // dA = dC op(B)^T
-    else gemm(B, gC, gA, tb, true, alpha, 1.0f, n_ndim, batch_ndim);       // dA^T = op(B) dC^T
+    if (!ta) gemm_tiles(gC, B, gA, false, !tb, alpha, 1.0f, n_ndim, batch_ndim);  // dA = dC op(B)^T
+    else gemm_tiles(B, gC, gA, tb, true, alpha, 1.0f, n_ndim, batch_ndim);       // dA^T = op(B) dC^T
   }
   if (call.ids[3] >= 0) {
     const TiledTensor& gB = call.tensor(3);
-    if (!tb) gemm(A, gC, gB, !ta, false, alpha, 1.0f, m_ndim, batch_ndim);  // dB = op(A)^T dC
-    else gemm(gC, A, gB, true, ta, alpha, 1.0f, m_ndim, batch_ndim);        // dB^T = dC^T op(A)
+    if (!tb) gemm_tiles(A, gC, gB, !ta, false, alpha, 1.0f, m_ndim, batch_ndim);  // dB = op(A)^T dC
+    else gemm_tiles(gC, A, gB, true, ta, alpha, 1.0f, m_ndim, batch_ndim);        // dB^T = dC^T op(A)
   }
 }
 JNNTILE_OP(gemm_backward, gemm_backward_submit);

@@ -19,6 +19,21 @@ template <>
 void fill<Device::Cpu>(int64_t n, int32_t value, int32_t* dst) { fill_host(n, value, dst); }
 template <>
 void fill<Device::Cpu>(int64_t n, int64_t value, int64_t* dst) { fill_host(n, value, dst); }
+template <>
+void fill<Device::Cpu>(int64_t n, bfloat16 value, bfloat16* dst) { fill_host(n, value, dst); }
+
+template <>
+void convert<Device::Cpu>(int64_t n, FloatType from, const void* src, FloatType to, void* dst) {
+  visit_float(from, [&](auto source_type) {
+    visit_float(to, [&](auto target_type) {
+      using S = decltype(source_type);
+      using T = decltype(target_type);
+      const S* s = static_cast<const S*>(src);
+      T* d = static_cast<T*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = from_float<T>(to_float(s[i]));
+    });
+  });
+}
 
 template <>
 void fill_random<Device::Cpu>(const TileGeometry& g, uint64_t seed, bool normal, float a, float b, float* tile) {

@@ -15,27 +15,37 @@ struct Loop {
 }  // namespace
 
 template <>
-void unary_forward<Device::Cpu>(Unary op, int64_t n, const float* x, float* y) {
-  unary::dispatch<Loop, unary::Forward>(op, n, x, y);
+void unary_forward<Device::Cpu>(Unary op, FloatType type, int64_t n, const void* x, void* y) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    unary::dispatch<Loop, unary::Forward>(op, n, static_cast<const T*>(x), static_cast<T*>(y));
+  });
 }
 
 template <>
-void unary_backward<Device::Cpu>(Unary op, int64_t n, const float* x, const float* dy, float* dx) {
-  unary::dispatch<Loop, unary::Backward>(op, n, x, dy, dx);
+void unary_backward<Device::Cpu>(Unary op, FloatType type, int64_t n, const void* x, const void* dy, void* dx) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    unary::dispatch<Loop, unary::Backward>(op, n, static_cast<const T*>(x), static_cast<const T*>(dy),
+                                           static_cast<T*>(dx));
+  });
 }
 
 template <>
-void axpby<Device::Cpu>(int64_t n, float a, const float* x, float b, const float* y, float* out) {
-  if (y == nullptr) {
-    for (int64_t i = 0; i < n; ++i) out[i] = a * x[i];
-  } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = axpby_element(a, x[i], b, y[i]);
-  }
+void axpby<Device::Cpu>(FloatType type, int64_t n, float a, const void* x, float b, const void* y, void* out) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    Loop<Axpby>::run(n, a, static_cast<const T*>(x), b, static_cast<const T*>(y), static_cast<T*>(out));
+  });
 }
 
 template <>
-void accumulate<Device::Cpu>(int64_t n, float a, const float* x, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] += a * x[i];
+void accumulate<Device::Cpu>(FloatType x_type, FloatType out_type, int64_t n, float a, const void* x, void* out) {
+  visit_float(x_type, [&](auto xt) {
+    visit_float(out_type, [&](auto ot) {
+      Loop<Accumulate>::run(n, a, static_cast<const decltype(xt)*>(x), static_cast<decltype(ot)*>(out));
+    });
+  });
 }
 
 }  // namespace jnntile

@@ -20,36 +20,40 @@ struct Launch {
   }
 };
 
-struct Axpby {
-  static __device__ void apply(int64_t i, float a, const float* x, float b, const float* y, float* out) {
-    out[i] = y == nullptr ? a * x[i] : axpby_element(a, x[i], b, y[i]);
-  }
-};
-
-struct Accumulate {
-  static __device__ void apply(int64_t i, float a, const float* x, float* out) { out[i] += a * x[i]; }
-};
-
 }  // namespace
 
 template <>
-void unary_forward<Device::Cuda>(Unary op, int64_t n, const float* x, float* y) {
-  unary::dispatch<Launch, unary::Forward>(op, n, x, y);
+void unary_forward<Device::Cuda>(Unary op, FloatType type, int64_t n, const void* x, void* y) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    unary::dispatch<Launch, unary::Forward>(op, n, static_cast<const T*>(x), static_cast<T*>(y));
+  });
 }
 
 template <>
-void unary_backward<Device::Cuda>(Unary op, int64_t n, const float* x, const float* dy, float* dx) {
-  unary::dispatch<Launch, unary::Backward>(op, n, x, dy, dx);
+void unary_backward<Device::Cuda>(Unary op, FloatType type, int64_t n, const void* x, const void* dy, void* dx) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    unary::dispatch<Launch, unary::Backward>(op, n, static_cast<const T*>(x), static_cast<const T*>(dy),
+                                             static_cast<T*>(dx));
+  });
 }
 
 template <>
-void axpby<Device::Cuda>(int64_t n, float a, const float* x, float b, const float* y, float* out) {
-  Launch<Axpby>::run(n, a, x, b, y, out);
+void axpby<Device::Cuda>(FloatType type, int64_t n, float a, const void* x, float b, const void* y, void* out) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    Launch<Axpby>::run(n, a, static_cast<const T*>(x), b, static_cast<const T*>(y), static_cast<T*>(out));
+  });
 }
 
 template <>
-void accumulate<Device::Cuda>(int64_t n, float a, const float* x, float* out) {
-  Launch<Accumulate>::run(n, a, x, out);
+void accumulate<Device::Cuda>(FloatType x_type, FloatType out_type, int64_t n, float a, const void* x, void* out) {
+  visit_float(x_type, [&](auto xt) {
+    visit_float(out_type, [&](auto ot) {
+      Launch<Accumulate>::run(n, a, static_cast<const decltype(xt)*>(x), static_cast<decltype(ot)*>(out));
+    });
+  });
 }
 
 }  // namespace jnntile
