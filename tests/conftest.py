@@ -105,17 +105,17 @@ def check_op(op, reference, arrays, tile_shapes, *, jit, tol=1e-5, seed=0, dtype
 
     The scalar being differentiated is sum(output * weights) with fixed random
     weights, so every output element has a distinct cotangent. With
-    dtype="bfloat16" the inputs are bfloat16 tensors and `reference` gets them
-    as bfloat16 JAX arrays: the pure-JAX op in the same mixed precision
-    (bfloat16 storage, float32 arithmetic), returning bfloat16.
+    dtype="bfloat16" (or a dtype per input) the inputs are bfloat16 tensors and
+    `reference` gets them as bfloat16 JAX arrays: the pure-JAX op in the same
+    mixed precision (bfloat16 storage, float32 arithmetic), returning bfloat16.
     """
     import jax
     import jax.numpy as jnp
 
     import jnntile
 
-    if dtype == "bfloat16":
-        arrays = [jnp.asarray(a, jnp.bfloat16) for a in arrays]
+    dtypes = [dtype] * len(arrays) if isinstance(dtype, str) else dtype
+    arrays = [jnp.asarray(a, jnp.bfloat16) if d == "bfloat16" else a for a, d in zip(arrays, dtypes)]
     tensors = [jnntile.from_array(a, t) for a, t in zip(arrays, tile_shapes)]
     expected = np.asarray(reference(*arrays), np.float32)
     weights = np.random.default_rng(seed).standard_normal(expected.shape).astype(np.float32)

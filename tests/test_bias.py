@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import BFLOAT16_TOL, check_op
+
 import jnntile
 from jnntile.ops.bias import add_bias, linear
 
@@ -70,6 +72,18 @@ def test_add_bias(tiling, jit):
     check_value_and_grads(loss, reference, (x, b), (x_np, b_np), jit)
 
 
+@pytest.mark.parametrize("tiling", BIAS_TILINGS)
+def test_add_bias_bfloat16(tiling):
+    """x and out bfloat16, b float32; the sum in float32 rounded once, db summed from bfloat16 dy in float."""
+    shape, tile, k = BIAS_TILINGS[tiling]
+
+    def reference(x, b):
+        return (x.astype(jnp.float32) + b).astype(jnp.bfloat16)
+
+    check_op(add_bias, reference, [normal(shape, 0), normal(shape[-k:], 1)], [tile, tile[-k:]], jit=True,
+             dtype=["bfloat16", "float32"], tol=BFLOAT16_TOL)
+
+
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("tiling", LINEAR_TILINGS)
@@ -105,6 +119,8 @@ def test_bad_inputs():
         add_bias(x, jnntile.zeros((2, 4, 6)))
     with pytest.raises(TypeError, match="float32"):
         add_bias(x, jnntile.from_array(np.zeros(6, np.int32), (3,)))
+    with pytest.raises(TypeError, match="b float32"):
+        add_bias(x, jnntile.zeros((6,), dtype="bfloat16", tile_shape=(3,)))
     w = jnntile.zeros((6, 5), tile_shape=(3, 5))
     with pytest.raises(ValueError, match=r"linear: b .* must match w's output axes"):
         linear(x, w, jnntile.zeros((4,)))

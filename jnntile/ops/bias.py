@@ -16,8 +16,9 @@ from jnntile.tensor import Tensor
 
 
 def _check(x: Tensor, b: Tensor):
-    if x.dtype != "float32" or b.dtype != "float32":
-        raise TypeError(f"add_bias needs float32 tensors, got x {x!r} and b {b!r}")
+    if x.dtype not in tensor_mod.FLOAT_DTYPES or b.dtype != "float32":
+        raise TypeError(f"add_bias needs x float32 or bfloat16 and b float32 (a bias stays a float32 master), "
+                        f"got x {x!r} and b {b!r}")
     k = b.ndim
     if k == 0 or k > x.ndim or x.shape[x.ndim - k:] != b.shape:
         raise ValueError(f"add_bias: b of shape {b.shape} must equal the trailing axes of x {x.shape}")
@@ -27,7 +28,7 @@ def _check(x: Tensor, b: Tensor):
 
 
 def _forward(x, b, zero_grad):
-    out = tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
+    out = tensor_mod.new_handle(x.shape, x.dtype, x.tile_shape)
     token = call("add_bias", [x.handle, b.handle, out], [x.token, b.token], zero_grads=[out] if zero_grad else [])
     return Tensor(token, out), (x, b, Tensor(token, out))
 
@@ -44,7 +45,7 @@ _add_bias = differentiable(_forward, _backward, name="add_bias")
 
 
 def add_bias(x: Tensor, b: Tensor) -> Tensor:
-    """x + b with b broadcast over the leading axes of x; same layout as x."""
+    """x + b with b broadcast over the leading axes of x; same layout and dtype as x (b is float32)."""
     _check(x, b)
     return _add_bias(x, b)
 

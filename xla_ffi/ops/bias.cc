@@ -15,33 +15,36 @@ namespace jnntile {
 namespace {
 
 struct BiasArgs {
-  int64_t rows;  // product of the leading extents of the x tile
-  int64_t n;     // elements of the b tile
+  FloatType type;  // of x, out, dy and dx; b and db are float32
+  int64_t rows;    // product of the leading extents of the x tile
+  int64_t n;       // elements of the b tile
 };
 
 template <Device D>
 void forward_kernel(void** buffers, const BiasArgs& a) {
-  add_bias<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]));
+  add_bias<D>(a.type, a.rows, a.n, tile_ptr<void>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<void>(buffers[2]));
 }
 
 template <Device D>
 void dx_kernel(void** buffers, const BiasArgs& a) {
-  accumulate<D>(FloatType::F32, FloatType::F32, a.rows * a.n, 1.0f, tile_ptr<float>(buffers[0]),
-                tile_ptr<float>(buffers[1]));
+  accumulate<D>(a.type, a.type, a.rows * a.n, 1.0f, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
 }
 
 template <Device D>
 void db_kernel(void** buffers, const BiasArgs& a) {
-  bias_grad<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  bias_grad<D>(a.type, a.rows, a.n, tile_ptr<void>(buffers[0]), tile_ptr<float>(buffers[1]));
 }
 
-void check_layout(const TiledTensor& x, const TiledTensor& b, const char* op) {
+// x's float type; b must be float32 with the trailing axes and tiles of x.
+FloatType check_layout(const TiledTensor& x, const TiledTensor& b, const char* op) {
+  FloatType type = float_type(x, op);
   int lead = x.ndim() - b.ndim();
-  if (x.dtype != DType::F32 || b.dtype != DType::F32 || lead < 0 ||
+  if (b.dtype != DType::F32 || lead < 0 ||
       !std::equal(b.shape.begin(), b.shape.end(), x.shape.begin() + lead) ||
       !std::equal(b.tile_shape.begin(), b.tile_shape.end(), x.tile_shape.begin() + lead))
     throw std::invalid_argument(std::string(op) + ": b must be float32 with the trailing axes and tiles of x: " +
                                 x.describe() + ", " + b.describe());
+  return type;
 }
 
 // The b tile that an x tile uses: the trailing part of its grid coordinates.
@@ -53,13 +56,15 @@ int64_t bias_tile(const TiledTensor& x, const TiledTensor& b, int64_t x_linear) 
 // ids [x, b, out]
 void bias_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &b = call.tensor(1), &out = call.tensor(2);
-  check_layout(x, b, "add_bias");
+  FloatType type = check_layout(x, b, "add_bias");
   check_same_tiling(x, out, "add_bias");
+  if (float_type(out, "add_bias") != type)
+    throw std::invalid_argument("add_bias: out must have x's dtype: " + x.describe() + ", " + out.describe());
   static starpu_codelet* cl = JNNTILE_CODELET(BiasArgs, forward_kernel, "add_bias");
   for (int64_t t = 0; t < x.num_tiles(); ++t) {
     int64_t bt = bias_tile(x, b, t), n = b.tile_numel(bt);
     submit_task(cl, {{x.tiles[t], STARPU_R}, {b.tiles[bt], STARPU_R}, {out.tiles[t], STARPU_W}},
-                BiasArgs{x.tile_numel(t) / n, n}, double(x.tile_numel(t)));
+                BiasArgs{type, x.tile_numel(t) / n, n}, double(x.tile_numel(t)));
   }
 }
 JNNTILE_OP(add_bias, bias_submit);
@@ -67,13 +72,16 @@ JNNTILE_OP(add_bias, bias_submit);
 // ids [dy, dx or -1, db or -1]: dx += dy; db += sum of dy over the leading axes.
 void bias_backward_submit(const OpCall& call) {
   const TiledTensor& dy = call.tensor(0);
+  FloatType type = float_type(dy, "add_bias backward");
   static starpu_codelet* dx_cl = JNNTILE_CODELET(BiasArgs, dx_kernel, "add_bias_dx");
   static starpu_codelet* db_cl = JNNTILE_CODELET(BiasArgs, db_kernel, "add_bias_db");
   if (call.ids[1] >= 0) {
     const TiledTensor& dx = call.tensor(1);
     check_same_tiling(dy, dx, "add_bias backward");
+    if (float_type(dx, "add_bias backward") != type)
+      throw std::invalid_argument("add_bias backward: dx must have dy's dtype: " + dx.describe());
     for (int64_t t = 0; t < dy.num_tiles(); ++t)
-      submit_task(dx_cl, {{dy.tiles[t], STARPU_R}, {dx.tiles[t], STARPU_RW}}, BiasArgs{dy.tile_numel(t), 1},
+      submit_task(dx_cl, {{dy.tiles[t], STARPU_R}, {dx.tiles[t], STARPU_RW}}, BiasArgs{type, dy.tile_numel(t), 1},
                   double(dy.tile_numel(t)));
   }
   if (call.ids[2] >= 0) {
@@ -82,7 +90,7 @@ void bias_backward_submit(const OpCall& call) {
     // Tiles of dy in row-major order: the chain on each db tile follows the leading axes.
     for (int64_t t = 0; t < dy.num_tiles(); ++t) {
       int64_t bt = bias_tile(dy, db, t), n = db.tile_numel(bt);
-      submit_task(db_cl, {{dy.tiles[t], STARPU_R}, {db.tiles[bt], STARPU_RW}}, BiasArgs{dy.tile_numel(t) / n, n},
+      submit_task(db_cl, {{dy.tiles[t], STARPU_R}, {db.tiles[bt], STARPU_RW}}, BiasArgs{type, dy.tile_numel(t) / n, n},
                   double(dy.tile_numel(t)));
     }
   }

@@ -5,9 +5,10 @@ namespace jnntile {
 namespace {
 
 // One thread per element (grid-stride); consecutive threads read consecutive x and b.
-__global__ void add_bias_kernel(int64_t total, int64_t n, const float* x, const float* b, float* out) {
+template <class T>
+__global__ void add_bias_kernel(int64_t total, int64_t n, const T* x, const float* b, T* out) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = x[i] + b[i % n];
+    out[i] = from_float<T>(to_float(x[i]) + b[i % n]);
 }
 
 constexpr int kGradColumns = 32, kGradRowLanes = 16;
@@ -16,12 +17,13 @@ constexpr int kGradColumns = 32, kGradRowLanes = 16;
 // column in double (a warp reads 32 consecutive floats of a row), then the
 // lanes' sums are added in lane order, so no float atomics and the same bits
 // every run; 16 lanes give a tile of few columns 16 times more warps.
-__global__ void bias_grad_kernel(int64_t rows, int64_t n, const float* dy, float* db) {
+template <class T>
+__global__ void bias_grad_kernel(int64_t rows, int64_t n, const T* dy, float* db) {
   __shared__ double lane_sums[kGradRowLanes][kGradColumns];
   int64_t j = blockIdx.x * int64_t(kGradColumns) + threadIdx.x;
   double sum = 0.0;
   if (j < n)
-    for (int64_t r = threadIdx.y; r < rows; r += kGradRowLanes) sum += dy[r * n + j];
+    for (int64_t r = threadIdx.y; r < rows; r += kGradRowLanes) sum += to_float(dy[r * n + j]);
   lane_sums[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y == 0 && j < n) {
@@ -34,16 +36,24 @@ __global__ void bias_grad_kernel(int64_t rows, int64_t n, const float* dy, float
 }  // namespace
 
 template <>
-void add_bias<Device::Cuda>(int64_t rows, int64_t n, const float* x, const float* b, float* out) {
+void add_bias<Device::Cuda>(FloatType type, int64_t rows, int64_t n, const void* x, const float* b, void* out) {
   int64_t total = rows * n;
-  add_bias_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, cuda::stream()>>>(total, n, x, b, out);
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    add_bias_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, cuda::stream()>>>(
+        total, n, static_cast<const T*>(x), b, static_cast<T*>(out));
+  });
   cuda::check_launch("add_bias");
 }
 
 template <>
-void bias_grad<Device::Cuda>(int64_t rows, int64_t n, const float* dy, float* db) {
+void bias_grad<Device::Cuda>(FloatType type, int64_t rows, int64_t n, const void* dy, float* db) {
   unsigned blocks = unsigned((n + kGradColumns - 1) / kGradColumns);
-  bias_grad_kernel<<<blocks, dim3(kGradColumns, kGradRowLanes), 0, cuda::stream()>>>(rows, n, dy, db);
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    bias_grad_kernel<<<blocks, dim3(kGradColumns, kGradRowLanes), 0, cuda::stream()>>>(
+        rows, n, static_cast<const T*>(dy), db);
+  });
   cuda::check_launch("add_bias_db");
 }
 
