@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jnntile
-from conftest import counter_uniform01
+from conftest import BFLOAT16_TOL, check_op, counter_uniform01
 from jnntile.ops.dropout import dropout
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
@@ -81,6 +81,19 @@ def test_values_and_gradient(tiling, jit):
     ref_value, ref_grad = jax.value_and_grad(reference)(x_np)
     assert rel_err(value, ref_value) <= 1e-5
     assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_bfloat16_uses_the_same_mask(tiling):
+    shape, tile = TILINGS[tiling]
+    x_np = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    mask = mask_of(shape, shape, RATE, 7)
+
+    def reference(x):
+        return (x.astype(jnp.float32) * mask * np.float32(1 / (1 - RATE))).astype(jnp.bfloat16)
+
+    check_op(lambda x: dropout(x, RATE, jnp.int32(7)), reference, [x_np], [tile], jit=True, dtype="bfloat16",
+             tol=BFLOAT16_TOL)
 
 
 def test_new_seed_does_not_recompile():

@@ -23,7 +23,7 @@ from jnntile.tensor import Tensor
 
 
 def _forward(x, seed, rate, zero_grad):
-    out = tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
+    out = tensor_mod.new_handle(x.shape, x.dtype, x.tile_shape)
     token = call("dropout", [x.handle, out], [x.token], zero_grads=[out] if zero_grad else [], inputs=[seed],
                  rate=rate)
     return Tensor(token, out), (x, seed, Tensor(token, out))
@@ -49,8 +49,8 @@ def dropout(x: Tensor, rate: float, seed) -> Tensor:
     rate = float(rate)
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout: rate={rate} must be in [0, 1)")
-    if x.dtype != "float32":
-        raise TypeError(f"dropout needs a float32 tensor, got {x!r}")
+    if x.dtype not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"dropout needs a float32 or bfloat16 tensor, got {x!r}")
     if not jnp.issubdtype(jnp.result_type(seed), jnp.integer) or jnp.ndim(seed) != 0:
         raise TypeError(f"dropout: seed must be an integer scalar (a per-step jnp.int32 value), got "
                         f"{jnp.result_type(seed)} with shape {jnp.shape(seed)}")

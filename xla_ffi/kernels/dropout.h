@@ -20,8 +20,9 @@ JNNTILE_HD float dropout_value(uint64_t seed, int64_t g, double rate, float scal
   return uniform01(seed ^ kDropoutStream, uint64_t(g)) >= rate ? x * scale : 0.0f;
 }
 
-// out = in * mask / (1 - rate), or out += that when `accumulate` (the backward).
+// out = in * mask / (1 - rate), or out += that when `accumulate` (the backward); tiles of `type`.
 template <Device D>
-void dropout(const TileGeometry& g, uint64_t seed, double rate, bool accumulate, const float* in, float* out);
+void dropout(FloatType type, const TileGeometry& g, uint64_t seed, double rate, bool accumulate, const void* in,
+             void* out);
 
 }  // namespace jnntile

@@ -11,6 +11,7 @@ namespace jnntile {
 namespace {
 
 struct DropoutArgs {
+  FloatType type;
   TileGeometry geo;
   uint64_t seed;
   double rate;
@@ -19,13 +20,15 @@ struct DropoutArgs {
 
 template <Device D>
 void dropout_kernel(void** buffers, const DropoutArgs& a) {
-  dropout<D>(a.geo, a.seed, a.rate, a.accumulate, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  dropout<D>(a.type, a.geo, a.seed, a.rate, a.accumulate, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
 }
 
 // Submits out = (or +=) in * mask / (1 - rate) for every tile; `in` and `out` share the tiling.
 void submit_dropout(const OpCall& call, const TiledTensor& in, const TiledTensor& out, bool accumulate) {
   check_same_tiling(in, out, "dropout");
-  if (in.dtype != DType::F32) throw std::invalid_argument("dropout needs float32: " + in.describe());
+  FloatType type = float_type(in, "dropout");
+  if (float_type(out, "dropout") != type)
+    throw std::invalid_argument("dropout: in and out differ in dtype: " + in.describe() + ", " + out.describe());
   double rate = attr<double>(call.attrs, "rate");
   if (!(rate >= 0.0 && rate < 1.0)) throw std::invalid_argument("dropout: rate must be in [0, 1)");
   // An int32 seed; negative values are as good as any.
@@ -33,7 +36,7 @@ void submit_dropout(const OpCall& call, const TiledTensor& in, const TiledTensor
   static starpu_codelet* cl = JNNTILE_CODELET(DropoutArgs, dropout_kernel, "dropout");
   for (int64_t t = 0; t < in.num_tiles(); ++t)
     submit_task(cl, {{in.tiles[t], STARPU_R}, {out.tiles[t], accumulate ? STARPU_RW : STARPU_W}},
-                DropoutArgs{tile_geometry(in, t), seed, rate, accumulate}, double(in.tile_numel(t)));
+                DropoutArgs{type, tile_geometry(in, t), seed, rate, accumulate}, double(in.tile_numel(t)));
 }
 
 // ids [x, y]; extra input 0: the seed
