@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import BFLOAT16_TOL, check_op
+
 import jnntile
 from jnntile.ops.layernorm import layer_norm, rms_norm
 
@@ -134,6 +136,24 @@ def test_rms_norm_values_and_gradients(tiling, jit):
     assert rel_err(value, ref_value) <= 1e-5
     for grad, ref_grad in zip(grads, ref_grads):
         assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_bfloat16_activations(tiling, centered):
+    """x, y, dy and dx bfloat16; statistics, parameters and their gradients in float32."""
+    shape, tile = TILINGS[tiling]
+    _, (x_np, w_np, b_np), _ = make_case(shape, tile, seed=5)
+
+    def mixed(f):
+        return lambda x, *params: f(x.astype(jnp.float32), *params).astype(jnp.bfloat16)
+
+    if centered:
+        check_op(lambda x, w, b: layer_norm(x, w, b, EPS), mixed(reference), [x_np, w_np, b_np],
+                 [tile, tile[-1:], tile[-1:]], jit=True, dtype=["bfloat16", "float32", "float32"], tol=BFLOAT16_TOL)
+    else:
+        check_op(lambda x, w: rms_norm(x, w, EPS), mixed(rms_reference), [x_np, w_np], [tile, tile[-1:]], jit=True,
+                 dtype=["bfloat16", "float32"], tol=BFLOAT16_TOL)
 
 
 def test_rms_norm_of_a_large_mean_keeps_it():

@@ -19,7 +19,9 @@ from jnntile.tensor import Tensor
 
 
 def _check(op: str, x: Tensor, params: dict, eps: float):
-    for name, t in (("x", x), *params.items()):
+    if x.dtype not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"{op}: x must be float32 or bfloat16, got {x!r}")
+    for name, t in params.items():  # parameters stay float32 masters, whatever x's dtype
         if t.dtype != "float32":
             raise TypeError(f"{op}: {name} must be float32, got {t!r}")
     if x.ndim < 1:
@@ -37,7 +39,7 @@ def _check(op: str, x: Tensor, params: dict, eps: float):
 
 def _forward(x, weight, bias, eps, zero_grad):
     # The per-row (mean, rstd) are only read by the backward: kept only when differentiating.
-    y = tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
+    y = tensor_mod.new_handle(x.shape, x.dtype, x.tile_shape)
     stats = tensor_mod.new_handle(x.shape[:-1] + (2,), "float32", x.tile_shape[:-1] + (2,)) if zero_grad else None
     centered = bias is not None
     token = call("layer_norm", [x.handle, weight.handle, bias.handle if centered else None, y, stats],

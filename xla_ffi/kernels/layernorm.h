@@ -10,6 +10,8 @@
 // are built from per-tile partials (in double) and combined. In every kernel a
 // tile is (rows, n): `rows` rows of x, each with the `n` columns of this C tile.
 // stats: (rows, 2) float, per row (mean, rstd) with rstd = 1 / sqrt(var + eps).
+// x, y, dy and dx are tiles of `type` (float32 or bfloat16), loaded into float; w, b, their gradients and
+// stats are float32.
 // Row sums take the elements begin, begin + stride, ... below n of a row: the
 // CPU takes a whole row (0, n, 1), a GPU lane every 32nd element, and the lanes'
 // results merge like those of C tiles.
@@ -29,17 +31,18 @@ struct Moments {
 
 // Two passes in double: the mean, then the squared deviations from it.
 // Uncentered: the mean is 0 and one pass sums the squares.
-JNNTILE_HD Moments strided_moments(const float* x, int64_t begin, int64_t n, int64_t stride, bool centered) {
+template <class T>
+JNNTILE_HD Moments strided_moments(const T* x, int64_t begin, int64_t n, int64_t stride, bool centered) {
   Moments m;
   double sum = 0.0;
   for (int64_t j = begin; j < n; j += stride) {
-    sum += x[j];
+    sum += to_float(x[j]);
     m.count += 1.0;
   }
   if (m.count == 0.0) return m;
   m.mean = centered ? sum / m.count : 0.0;
   for (int64_t j = begin; j < n; j += stride) {
-    double d = x[j] - m.mean;
+    double d = to_float(x[j]) - m.mean;
     m.m2 += d * d;
   }
   return m;
@@ -78,13 +81,14 @@ struct GradSums {
   double g = 0.0, gx = 0.0;
 };
 
-JNNTILE_HD GradSums strided_grad_sums(const float* x, const float* dy, const float* w, float mean, float rstd,
-                                      int64_t begin, int64_t n, int64_t stride) {
+template <class T>
+JNNTILE_HD GradSums strided_grad_sums(const T* x, const T* dy, const float* w, float mean, float rstd, int64_t begin,
+                                      int64_t n, int64_t stride) {
   GradSums s;
   for (int64_t j = begin; j < n; j += stride) {
-    float g = dy[j] * w[j];
+    float g = to_float(dy[j]) * w[j];
     s.g += g;
-    s.gx += double(g) * xhat(x[j], mean, rstd);
+    s.gx += double(g) * xhat(to_float(x[j]), mean, rstd);
   }
   return s;
 }
@@ -114,7 +118,7 @@ JNNTILE_HD void add_param_terms(float x, float dy, float mean, float rstd, doubl
 
 // partial: (rows, 2) per row the tile's (mean, M2).
 template <Device D>
-void layernorm_partial(int64_t rows, int64_t n, bool centered, const float* x, double* partial);
+void layernorm_partial(FloatType type, int64_t rows, int64_t n, bool centered, const void* x, double* partial);
 
 // stats from the partials of `count` C tiles of width tile_c (the last one
 // what is left of c). scratch: `count` pointers (GPU, see cuda::device_pointers).
@@ -124,13 +128,13 @@ void layernorm_stats(int64_t rows, int64_t count, const double* const* partials,
 
 // y = (x - mean) * rstd * w + b;  w, b: (n,), b null for RMS normalization
 template <Device D>
-void layernorm_normalize(int64_t rows, int64_t n, const float* x, const float* stats, const float* w,
-                         const float* b, float* y);
+void layernorm_normalize(FloatType type, int64_t rows, int64_t n, const void* x, const float* stats, const float* w,
+                         const float* b, void* y);
 
 // partial: (rows, 2) per row the tile's layernorm::GradSums (g, gx).
 template <Device D>
-void layernorm_backward_partial(int64_t rows, int64_t n, const float* x, const float* stats, const float* w,
-                                const float* dy, double* partial);
+void layernorm_backward_partial(FloatType type, int64_t rows, int64_t n, const void* x, const float* stats,
+                                const float* w, const void* dy, double* partial);
 
 // sums: (rows, 2) the sums of the `count` partials. scratch: `count` pointers (GPU).
 template <Device D>
@@ -140,13 +144,13 @@ void layernorm_backward_combine(int64_t rows, int64_t count, const double* const
 // dx += layernorm::dx(...) with the means of sums over `c`, the whole normalized axis (mean(g) only where
 // centered).
 template <Device D>
-void layernorm_backward_dx(int64_t rows, int64_t n, int64_t c, bool centered, const float* x, const float* stats,
-                           const float* w, const float* dy, const double* sums, float* dx);
+void layernorm_backward_dx(FloatType type, int64_t rows, int64_t n, int64_t c, bool centered, const void* x,
+                           const float* stats, const float* w, const void* dy, const double* sums, void* dx);
 
 // dw += sum over rows of dy * xhat, db += sum over rows of dy (either may be
 // null), each column summed in double over the rows in order.
 template <Device D>
-void layernorm_backward_params(int64_t rows, int64_t n, const float* x, const float* stats, const float* dy,
-                               float* dw, float* db);
+void layernorm_backward_params(FloatType type, int64_t rows, int64_t n, const void* x, const float* stats,
+                               const void* dy, float* dw, float* db);
 
 }  // namespace jnntile

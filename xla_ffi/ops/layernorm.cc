@@ -22,6 +22,7 @@ namespace jnntile {
 namespace {
 
 struct TileArgs {
+  FloatType type;  // of x, y, dy and dx; w, b, their gradients and the stats are float32
   int64_t rows;   // rows in the leading tile
   int64_t n;      // width of this C tile
   int64_t c;      // the whole normalized axis
@@ -36,6 +37,7 @@ struct CombineArgs {
 };
 
 struct ParamsArgs {
+  FloatType type;
   int64_t rows, n;
   bool has_dw, has_db;
 };
@@ -43,7 +45,7 @@ struct ParamsArgs {
 // buffers: x, partial
 template <Device D>
 void partial_kernel(void** buffers, const TileArgs& a) {
-  layernorm_partial<D>(a.rows, a.n, a.centered, tile_ptr<float>(buffers[0]), tile_ptr<double>(buffers[1]));
+  layernorm_partial<D>(a.type, a.rows, a.n, a.centered, tile_ptr<void>(buffers[0]), tile_ptr<double>(buffers[1]));
 }
 
 std::vector<const double*> partials(void** buffers, int64_t count) {
@@ -63,15 +65,15 @@ void stats_kernel(void** buffers, const CombineArgs& a) {
 template <Device D>
 void normalize_kernel(void** buffers, const TileArgs& a) {
   const float* b = a.centered ? tile_ptr<float>(buffers[3]) : nullptr;
-  layernorm_normalize<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                         tile_ptr<float>(buffers[2]), b, tile_ptr<float>(buffers[a.centered ? 4 : 3]));
+  layernorm_normalize<D>(a.type, a.rows, a.n, tile_ptr<void>(buffers[0]), tile_ptr<float>(buffers[1]),
+                         tile_ptr<float>(buffers[2]), b, tile_ptr<void>(buffers[a.centered ? 4 : 3]));
 }
 
 // buffers: x, stats, w, dy, partial
 template <Device D>
 void backward_partial_kernel(void** buffers, const TileArgs& a) {
-  layernorm_backward_partial<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                                tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]),
+  layernorm_backward_partial<D>(a.type, a.rows, a.n, tile_ptr<void>(buffers[0]), tile_ptr<float>(buffers[1]),
+                                tile_ptr<float>(buffers[2]), tile_ptr<void>(buffers[3]),
                                 tile_ptr<double>(buffers[4]));
 }
 
@@ -85,9 +87,9 @@ void backward_combine_kernel(void** buffers, const CombineArgs& a) {
 // buffers: x, stats, w, dy, sums, dx
 template <Device D>
 void backward_dx_kernel(void** buffers, const TileArgs& a) {
-  layernorm_backward_dx<D>(a.rows, a.n, a.c, a.centered, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                           tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<double>(buffers[4]),
-                           tile_ptr<float>(buffers[5]));
+  layernorm_backward_dx<D>(a.type, a.rows, a.n, a.c, a.centered, tile_ptr<void>(buffers[0]),
+                           tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]), tile_ptr<void>(buffers[3]),
+                           tile_ptr<double>(buffers[4]), tile_ptr<void>(buffers[5]));
 }
 
 // buffers: x, stats, dy, then dw and/or db
@@ -95,23 +97,30 @@ template <Device D>
 void backward_params_kernel(void** buffers, const ParamsArgs& a) {
   float* dw = a.has_dw ? tile_ptr<float>(buffers[3]) : nullptr;
   float* db = a.has_db ? tile_ptr<float>(buffers[a.has_dw ? 4 : 3]) : nullptr;
-  layernorm_backward_params<D>(a.rows, a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                               tile_ptr<float>(buffers[2]), dw, db);
+  layernorm_backward_params<D>(a.type, a.rows, a.n, tile_ptr<void>(buffers[0]), tile_ptr<float>(buffers[1]),
+                               tile_ptr<void>(buffers[2]), dw, db);
 }
 
 // The tiling shared by x, a (C,) parameter and the stats tensor.
 struct Layout {
+  FloatType type;  // x's
   int64_t k_tiles, lead_tiles, tile_c, c;
   int64_t rows(const TiledTensor& x, int64_t lead) const { return x.tile_numel(lead * k_tiles) / tile_c; }
   int64_t width(int64_t k) const { return std::min(tile_c, c - k * tile_c); }
 };
 
 Layout check_layout(const TiledTensor& x, const TiledTensor& w, const char* op) {
-  if (x.dtype != DType::F32 || w.dtype != DType::F32 || x.ndim() < 1 || w.ndim() != 1 ||
+  if ((x.dtype != DType::F32 && x.dtype != DType::BF16) || w.dtype != DType::F32 || x.ndim() < 1 || w.ndim() != 1 ||
       w.shape[0] != x.shape.back() || w.tile_shape[0] != x.tile_shape.back())
-    throw std::invalid_argument(std::string(op) + ": needs float32 x (..., C) and (C,) parameters tiled like x's "
-                                "last axis: " + x.describe() + ", " + w.describe());
-  return Layout{x.grid.back(), x.num_tiles() / x.grid.back(), x.tile_shape.back(), x.shape.back()};
+    throw std::invalid_argument(std::string(op) + ": needs float32 or bfloat16 x (..., C) and float32 (C,) "
+                                "parameters tiled like x's last axis: " + x.describe() + ", " + w.describe());
+  return Layout{float_type(x, op), x.grid.back(), x.num_tiles() / x.grid.back(), x.tile_shape.back(), x.shape.back()};
+}
+
+// y, dy or dx: tiled like x and of x's dtype.
+void check_like_x(const TiledTensor& x, const TiledTensor& t, const char* op) {
+  check_same_tiling(x, t, op);
+  if (t.dtype != x.dtype) throw std::invalid_argument(std::string(op) + ": dtype differs from x's: " + t.describe());
 }
 
 void check_stats(const TiledTensor& x, const TiledTensor& stats, const char* op) {
@@ -131,7 +140,7 @@ void layernorm_submit(const OpCall& call) {
   if (centered != (call.ids[2] >= 0)) throw std::invalid_argument("layer_norm: a bias exactly when centered");
   Layout l = check_layout(x, w, "layer_norm");
   if (centered) check_layout(x, call.tensor(2), "layer_norm");
-  check_same_tiling(x, y, "layer_norm");
+  check_like_x(x, y, "layer_norm");
   bool keep_stats = call.ids[4] >= 0;
   if (keep_stats) check_stats(x, call.tensor(4), "layer_norm");
   double eps = attr<double>(call.attrs, "eps");
@@ -144,7 +153,7 @@ void layernorm_submit(const OpCall& call) {
     for (int64_t k = 0; k < l.k_tiles; ++k) {
       starpu_data_handle_t partial = temporary_vector(2 * rows, sizeof(double));
       submit_task(partial_cl, {{x.tiles[lead * l.k_tiles + k], STARPU_R}, {partial, STARPU_W}},
-                  TileArgs{rows, l.width(k), l.c, centered}, 3.0 * rows * l.width(k));
+                  TileArgs{l.type, rows, l.width(k), l.c, centered}, 3.0 * rows * l.width(k));
       combine.push_back({partial, STARPU_R});
     }
     starpu_data_handle_t stats = keep_stats ? call.tensor(4).tiles[lead] : temporary_vector(2 * rows, sizeof(float));
@@ -157,7 +166,7 @@ void layernorm_submit(const OpCall& call) {
       std::vector<Buffer> buffers{{x.tiles[t], STARPU_R}, {stats, STARPU_R}, {w.tiles[k], STARPU_R}};
       if (centered) buffers.push_back({call.tensor(2).tiles[k], STARPU_R});
       buffers.push_back({y.tiles[t], STARPU_W});
-      submit_task(normalize_cl, buffers, TileArgs{rows, l.width(k), l.c, centered}, 4.0 * rows * l.width(k));
+      submit_task(normalize_cl, buffers, TileArgs{l.type, rows, l.width(k), l.c, centered}, 4.0 * rows * l.width(k));
     }
     for (int64_t k = 0; k < l.k_tiles; ++k) starpu_data_unregister_submit(combine[k].handle);
     starpu_data_unregister_submit(pointers);
@@ -172,9 +181,9 @@ void layernorm_backward_submit(const OpCall& call) {
   const bool centered = attr<int64_t>(call.attrs, "centered") != 0;
   Layout l = check_layout(x, w, "layer_norm backward");
   check_stats(x, stats, "layer_norm backward");
-  check_same_tiling(x, dy, "layer_norm backward");
+  check_like_x(x, dy, "layer_norm backward");
   bool has_dx = call.ids[4] >= 0, has_dw = call.ids[5] >= 0, has_db = call.ids[6] >= 0;
-  if (has_dx) check_same_tiling(x, call.tensor(4), "layer_norm backward");
+  if (has_dx) check_like_x(x, call.tensor(4), "layer_norm backward");
   if (has_dw) check_layout(x, call.tensor(5), "layer_norm backward");
   if (has_db) check_layout(x, call.tensor(6), "layer_norm backward");
   static starpu_codelet* partial_cl = JNNTILE_CODELET(TileArgs, backward_partial_kernel, "layer_norm_backward_partial");
@@ -192,7 +201,7 @@ void layernorm_backward_submit(const OpCall& call) {
         submit_task(partial_cl,
                     {{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {w.tiles[k], STARPU_R},
                      {dy.tiles[t], STARPU_R}, {partial, STARPU_W}},
-                    TileArgs{rows, l.width(k), l.c, centered}, 6.0 * rows * l.width(k));
+                    TileArgs{l.type, rows, l.width(k), l.c, centered}, 6.0 * rows * l.width(k));
         combine.push_back({partial, STARPU_R});
       }
       starpu_data_handle_t sums = temporary_vector(2 * rows, sizeof(double));
@@ -204,7 +213,7 @@ void layernorm_backward_submit(const OpCall& call) {
         submit_task(dx_cl,
                     {{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {w.tiles[k], STARPU_R},
                      {dy.tiles[t], STARPU_R}, {sums, STARPU_R}, {call.tensor(4).tiles[t], STARPU_RW}},
-                    TileArgs{rows, l.width(k), l.c, centered}, 8.0 * rows * l.width(k));
+                    TileArgs{l.type, rows, l.width(k), l.c, centered}, 8.0 * rows * l.width(k));
       }
       for (const Buffer& buffer : combine) starpu_data_unregister_submit(buffer.handle);
     }
@@ -214,7 +223,7 @@ void layernorm_backward_submit(const OpCall& call) {
         std::vector<Buffer> buffers{{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {dy.tiles[t], STARPU_R}};
         if (has_dw) buffers.push_back({call.tensor(5).tiles[k], STARPU_RW});
         if (has_db) buffers.push_back({call.tensor(6).tiles[k], STARPU_RW});
-        submit_task(params_cl, buffers, ParamsArgs{rows, l.width(k), has_dw, has_db}, 5.0 * rows * l.width(k));
+        submit_task(params_cl, buffers, ParamsArgs{l.type, rows, l.width(k), has_dw, has_db}, 5.0 * rows * l.width(k));
       }
     }
   }

@@ -7,7 +7,8 @@ namespace {
 using cuda::kWarp;
 
 // A warp per row: each lane the moments of every 32nd element, merged across the warp.
-__global__ void partial_kernel(int64_t rows, int64_t n, bool centered, const float* x, double* partial) {
+template <class T>
+__global__ void partial_kernel(int64_t rows, int64_t n, bool centered, const T* x, double* partial) {
   for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
     layernorm::Moments m = layernorm::strided_moments(x + r * n, cuda::lane(), n, kWarp, centered);
     m = cuda::warp_reduce(m, [](layernorm::Moments a, layernorm::Moments b) { return layernorm::merge(a, b); });
@@ -26,17 +27,20 @@ __global__ void stats_kernel(int64_t rows, int64_t count, const double* const* p
 }
 
 // A warp per row, its lanes on every 32nd element.
-__global__ void normalize_kernel(int64_t rows, int64_t n, const float* x, const float* stats, const float* w,
-                                 const float* b, float* y) {
+template <class T>
+__global__ void normalize_kernel(int64_t rows, int64_t n, const T* x, const float* stats, const float* w,
+                                 const float* b, T* y) {
   for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
     float mean = stats[2 * r], rstd = stats[2 * r + 1];
-    for (int64_t j = cuda::lane(); j < n; j += kWarp) y[r * n + j] = layernorm::y(x[r * n + j], mean, rstd, w[j], b, j);
+    for (int64_t j = cuda::lane(); j < n; j += kWarp)
+      y[r * n + j] = from_float<T>(layernorm::y(to_float(x[r * n + j]), mean, rstd, w[j], b, j));
   }
 }
 
 // A warp per row, as partial_kernel.
-__global__ void backward_partial_kernel(int64_t rows, int64_t n, const float* x, const float* stats, const float* w,
-                                        const float* dy, double* partial) {
+template <class T>
+__global__ void backward_partial_kernel(int64_t rows, int64_t n, const T* x, const float* stats, const float* w,
+                                        const T* dy, double* partial) {
   for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
     layernorm::GradSums s =
         layernorm::strided_grad_sums(x + r * n, dy + r * n, w, stats[2 * r], stats[2 * r + 1], cuda::lane(), n, kWarp);
@@ -55,23 +59,29 @@ __global__ void backward_combine_kernel(int64_t rows, int64_t count, const doubl
 }
 
 // A warp per row, as normalize_kernel.
-__global__ void backward_dx_kernel(int64_t rows, int64_t n, int64_t c, bool centered, const float* x,
-                                   const float* stats, const float* w, const float* dy, const double* sums, float* dx) {
+template <class T>
+__global__ void backward_dx_kernel(int64_t rows, int64_t n, int64_t c, bool centered, const T* x, const float* stats,
+                                   const float* w, const T* dy, const double* sums, T* dx) {
   for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
     float mean = stats[2 * r], rstd = stats[2 * r + 1];
     float mean_g = centered ? float(sums[2 * r] / double(c)) : 0.0f, mean_gx = float(sums[2 * r + 1] / double(c));
-    for (int64_t j = cuda::lane(); j < n; j += kWarp)
-      dx[r * n + j] += layernorm::dx(x[r * n + j], dy[r * n + j], w[j], mean, rstd, mean_g, mean_gx);
+    for (int64_t j = cuda::lane(); j < n; j += kWarp) {
+      int64_t i = r * n + j;
+      dx[i] = from_float<T>(to_float(dx[i]) +
+                            layernorm::dx(to_float(x[i]), to_float(dy[i]), w[j], mean, rstd, mean_g, mean_gx));
+    }
   }
 }
 
 // A thread per column, summing its rows in order (reads coalesced across columns).
-__global__ void backward_params_kernel(int64_t rows, int64_t n, const float* x, const float* stats, const float* dy,
+template <class T>
+__global__ void backward_params_kernel(int64_t rows, int64_t n, const T* x, const float* stats, const T* dy,
                                        float* dw, float* db) {
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
     double sum_dw = 0.0, sum_db = 0.0;
     for (int64_t r = 0; r < rows; ++r)
-      layernorm::add_param_terms(x[r * n + j], dy[r * n + j], stats[2 * r], stats[2 * r + 1], sum_dw, sum_db);
+      layernorm::add_param_terms(to_float(x[r * n + j]), to_float(dy[r * n + j]), stats[2 * r], stats[2 * r + 1],
+                                 sum_dw, sum_db);
     if (dw) dw[j] += float(sum_dw);
     if (db) db[j] += float(sum_db);
   }
@@ -80,8 +90,12 @@ __global__ void backward_params_kernel(int64_t rows, int64_t n, const float* x, 
 }  // namespace
 
 template <>
-void layernorm_partial<Device::Cuda>(int64_t rows, int64_t n, bool centered, const float* x, double* partial) {
-  partial_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(rows, n, centered, x, partial);
+void layernorm_partial<Device::Cuda>(FloatType type, int64_t rows, int64_t n, bool centered, const void* x,
+                                     double* partial) {
+  visit_float(type, [&](auto t) {
+    partial_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(
+        rows, n, centered, static_cast<const decltype(t)*>(x), partial);
+  });
   cuda::check_launch("layernorm_partial");
 }
 
@@ -95,17 +109,24 @@ void layernorm_stats<Device::Cuda>(int64_t rows, int64_t count, const double* co
 }
 
 template <>
-void layernorm_normalize<Device::Cuda>(int64_t rows, int64_t n, const float* x, const float* stats, const float* w,
-                                       const float* b, float* y) {
-  normalize_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(rows, n, x, stats, w, b, y);
+void layernorm_normalize<Device::Cuda>(FloatType type, int64_t rows, int64_t n, const void* x, const float* stats,
+                                       const float* w, const float* b, void* y) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    normalize_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(
+        rows, n, static_cast<const T*>(x), stats, w, b, static_cast<T*>(y));
+  });
   cuda::check_launch("layernorm_normalize");
 }
 
 template <>
-void layernorm_backward_partial<Device::Cuda>(int64_t rows, int64_t n, const float* x, const float* stats,
-                                              const float* w, const float* dy, double* partial) {
-  backward_partial_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(rows, n, x, stats, w,
-                                                                                              dy, partial);
+void layernorm_backward_partial<Device::Cuda>(FloatType type, int64_t rows, int64_t n, const void* x,
+                                              const float* stats, const float* w, const void* dy, double* partial) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    backward_partial_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(
+        rows, n, static_cast<const T*>(x), stats, w, static_cast<const T*>(dy), partial);
+  });
   cuda::check_launch("layernorm_backward_partial");
 }
 
@@ -119,18 +140,25 @@ void layernorm_backward_combine<Device::Cuda>(int64_t rows, int64_t count, const
 }
 
 template <>
-void layernorm_backward_dx<Device::Cuda>(int64_t rows, int64_t n, int64_t c, bool centered, const float* x,
-                                         const float* stats, const float* w, const float* dy, const double* sums,
-                                         float* dx) {
-  backward_dx_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(rows, n, c, centered, x,
-                                                                                        stats, w, dy, sums, dx);
+void layernorm_backward_dx<Device::Cuda>(FloatType type, int64_t rows, int64_t n, int64_t c, bool centered,
+                                         const void* x, const float* stats, const float* w, const void* dy,
+                                         const double* sums, void* dx) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    backward_dx_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(
+        rows, n, c, centered, static_cast<const T*>(x), stats, w, static_cast<const T*>(dy), sums, static_cast<T*>(dx));
+  });
   cuda::check_launch("layernorm_backward_dx");
 }
 
 template <>
-void layernorm_backward_params<Device::Cuda>(int64_t rows, int64_t n, const float* x, const float* stats,
-                                             const float* dy, float* dw, float* db) {
-  backward_params_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(rows, n, x, stats, dy, dw, db);
+void layernorm_backward_params<Device::Cuda>(FloatType type, int64_t rows, int64_t n, const void* x,
+                                             const float* stats, const void* dy, float* dw, float* db) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    backward_params_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(
+        rows, n, static_cast<const T*>(x), stats, static_cast<const T*>(dy), dw, db);
+  });
   cuda::check_launch("layernorm_backward_params");
 }
 
