@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import BFLOAT16_TOL
+
 import jnntile
 from jnntile.ops.embedding import check_ids, embedding, position_ids
 
@@ -58,6 +60,27 @@ def test_values_and_gradient(tiling, jit):
     ref_value, ref_grad = jax.value_and_grad(reference)(table_np)
     assert rel_err(value, ref_value) <= 1e-5
     assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_bfloat16_output(tiling):
+    """Rows of the float32 table rounded to bfloat16; the bfloat16 output gradient summed into float32."""
+    B, T, V, C, ids_tile, table_tile = TILINGS[tiling]
+    ids_np, table_np, weight = make_case(B, T, V, C)
+    ids, table = jnntile.from_array(ids_np, ids_tile), jnntile.from_array(table_np, table_tile)
+
+    def loss(ids, table):
+        out = jnntile.to_array(jnntile.convert(embedding(ids, table, "bfloat16"), "float32"))
+        return jnp.sum(out * weight), out
+
+    def reference(table):
+        return jnp.sum(table[ids_np].astype(jnp.bfloat16).astype(jnp.float32) * weight)
+
+    (value, out), grad = jax.jit(jnntile.value_and_grad(loss, argnums=1, has_aux=True))(ids, table)
+    ref_value, ref_grad = jax.value_and_grad(reference)(table_np)
+    np.testing.assert_array_equal(out, np.asarray(jnp.asarray(table_np[ids_np]).astype(jnp.bfloat16), np.float32))
+    assert rel_err(value, ref_value) <= 1e-5
+    assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= BFLOAT16_TOL  # the gradient passed through bfloat16
 
 
 def test_position_embedding():

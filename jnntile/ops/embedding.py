@@ -59,15 +59,15 @@ def _layout(ids: Tensor, table: Tensor):
     return ids.shape + table.shape[1:], ids.tile_shape + table.tile_shape[1:]
 
 
-def _forward(ids, table, zero_grad):
+def _forward(ids, table, dtype, zero_grad):
     shape, tile_shape = _layout(ids, table)
-    out = tensor_mod.new_handle(shape, "float32", tile_shape)
+    out = tensor_mod.new_handle(shape, dtype, tile_shape)
     token = call("embedding", [ids.handle, table.handle, out], [ids.token, table.token],
                  zero_grads=[out] if zero_grad else [])
     return Tensor(token, out), (ids, table, Tensor(token, out))
 
 
-def _backward(residuals, g):
+def _backward(dtype, residuals, g):
     ids, table, out = residuals
     token = call("embedding_backward", [ids.handle, tensor_mod.grad_handle(out.handle), grad_target(table)],
                  [out.token, g.token, ids.token, table.token])
@@ -75,10 +75,13 @@ def _backward(residuals, g):
     return ids.with_token(token), table.with_token(token)
 
 
-_embedding = differentiable(_forward, _backward)
+_embedding = differentiable(_forward, _backward, nondiff_argnums=(2,), name="embedding")
 
 
-def embedding(ids: Tensor, table: Tensor) -> Tensor:
-    """table[ids] as a new (*ids.shape, C) tensor tiled (*ids.tile_shape, table.tile_shape[1])."""
+def embedding(ids: Tensor, table: Tensor, dtype: str = "float32") -> Tensor:
+    """table[ids] as a new (*ids.shape, C) tensor tiled (*ids.tile_shape, table.tile_shape[1]), of `dtype`
+    (float32 or bfloat16: rows of the float32 table rounded); the table's gradient sums in float32."""
     _layout(ids, table)
-    return _embedding(ids, table)
+    if dtype not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"embedding: dtype must be float32 or bfloat16, got {dtype!r}")
+    return _embedding(ids, table, dtype)

@@ -19,20 +19,22 @@ JNNTILE_HD int64_t row(int32_t id, int64_t v0, int64_t vlen) {
 
 }  // namespace embedding
 
+// The table and its gradient are float32 masters; out and dout are tiles of `type` (float32 or bfloat16).
+
 // ids: (n,)  table: (vlen, c)  out: (n, c)
 // out[p] = table[ids[p] - v0] for ids in [v0, v0 + vlen). Other rows are set to
 // zero when `first` (the write-only first pass over the output tile) and left
 // as they are otherwise (another vocabulary tile fills them).
 template <Device D>
-void embedding_forward(int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids, const float* table,
-                       bool first, float* out);
+void embedding_forward(FloatType type, int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
+                       const float* table, bool first, void* out);
 
 // ids: (n,)  dout: (n, c)  dtable: (vlen, c)
 // dtable[ids[p] - v0] += dout[p] for ids in [v0, v0 + vlen); repeated ids add
 // up in id order, so every element of dtable gets its terms in the same order
 // on every device and every run.
 template <Device D>
-void embedding_backward(int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids, const float* dout,
-                        float* dtable);
+void embedding_backward(FloatType type, int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
+                        const void* dout, float* dtable);
 
 }  // namespace jnntile

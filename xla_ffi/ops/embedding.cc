@@ -15,6 +15,7 @@ namespace jnntile {
 namespace {
 
 struct EmbeddingArgs {
+  FloatType type;  // of out and dout; the table is float32
   int64_t n;      // positions in the id tile
   int64_t c;      // columns in the table tile
   int64_t v0;     // first vocabulary row of the table tile
@@ -25,34 +26,36 @@ struct EmbeddingArgs {
 // buffers: ids, table, out
 template <Device D>
 void forward_kernel(void** buffers, const EmbeddingArgs& a) {
-  embedding_forward<D>(a.n, a.c, a.v0, a.vlen, tile_ptr<int32_t>(buffers[0]), tile_ptr<float>(buffers[1]), a.first,
-                       tile_ptr<float>(buffers[2]));
+  embedding_forward<D>(a.type, a.n, a.c, a.v0, a.vlen, tile_ptr<int32_t>(buffers[0]), tile_ptr<float>(buffers[1]),
+                       a.first, tile_ptr<void>(buffers[2]));
 }
 
 // buffers: ids, dout, dtable
 template <Device D>
 void backward_kernel(void** buffers, const EmbeddingArgs& a) {
-  embedding_backward<D>(a.n, a.c, a.v0, a.vlen, tile_ptr<int32_t>(buffers[0]), tile_ptr<float>(buffers[1]),
+  embedding_backward<D>(a.type, a.n, a.c, a.v0, a.vlen, tile_ptr<int32_t>(buffers[0]), tile_ptr<void>(buffers[1]),
                         tile_ptr<float>(buffers[2]));
 }
 
 // out (or dout) must be ids' axes plus the table's columns, tiled the same way.
-void check_layout(const TiledTensor& ids, const TiledTensor& table, const TiledTensor& out, const char* op) {
-  if (ids.dtype != DType::I32 || table.dtype != DType::F32 || out.dtype != DType::F32 || table.ndim() != 2)
+FloatType check_layout(const TiledTensor& ids, const TiledTensor& table, const TiledTensor& out, const char* op) {
+  if (ids.dtype != DType::I32 || table.dtype != DType::F32 || table.ndim() != 2)
     throw std::invalid_argument(std::string(op) + ": needs int32 ids and a float32 (V, C) table: " +
                                 ids.describe() + ", " + table.describe());
+  FloatType type = float_type(out, op);
   Index shape = ids.shape, tile_shape = ids.tile_shape;
   shape.push_back(table.shape[1]);
   tile_shape.push_back(table.tile_shape[1]);
   if (out.shape != shape || out.tile_shape != tile_shape)
     throw std::invalid_argument(std::string(op) + ": output does not match ids and table: " + out.describe() +
                                 " for " + ids.describe() + ", " + table.describe());
+  return type;
 }
 
 // ids [ids, table, out]
 void embedding_submit(const OpCall& call) {
   const TiledTensor &ids = call.tensor(0), &table = call.tensor(1), &out = call.tensor(2);
-  check_layout(ids, table, out, "embedding");
+  FloatType type = check_layout(ids, table, out, "embedding");
   static starpu_codelet* cl = JNNTILE_CODELET(EmbeddingArgs, forward_kernel, "embedding");
   for (int64_t t = 0; t < out.num_tiles(); ++t) {
     Index ids_coord = out.tile_coord(t);  // the output tile is (id tile, column tile)
@@ -64,7 +67,7 @@ void embedding_submit(const OpCall& call) {
       bool first = v == 0;
       submit_task(cl, {{ids.tile(ids_coord), STARPU_R}, {table.tile({v, col}), STARPU_R},
                        {out.tiles[t], first ? STARPU_W : STARPU_RW}},
-                  EmbeddingArgs{n, extent[1], v * table.tile_shape[0], extent[0], first});
+                  EmbeddingArgs{type, n, extent[1], v * table.tile_shape[0], extent[0], first});
     }
   }
 }
@@ -74,7 +77,7 @@ JNNTILE_OP(embedding, embedding_submit);
 void embedding_backward_submit(const OpCall& call) {
   if (call.ids[2] < 0) return;  // ids get no gradient; nobody wants the table's
   const TiledTensor &ids = call.tensor(0), &dout = call.tensor(1), &dtable = call.tensor(2);
-  check_layout(ids, dtable, dout, "embedding backward");
+  FloatType type = check_layout(ids, dtable, dout, "embedding backward");
   static starpu_codelet* cl = JNNTILE_CODELET(EmbeddingArgs, backward_kernel, "embedding_backward");
   for (int64_t t = 0; t < dtable.num_tiles(); ++t) {
     Index coord = dtable.tile_coord(t), extent = dtable.tile_extent(coord);
@@ -83,7 +86,7 @@ void embedding_backward_submit(const OpCall& call) {
       dout_coord.push_back(coord[1]);
       int64_t n = ids.tile_numel(i);
       submit_task(cl, {{ids.tiles[i], STARPU_R}, {dout.tile(dout_coord), STARPU_R}, {dtable.tiles[t], STARPU_RW}},
-                  EmbeddingArgs{n, extent[1], coord[0] * dtable.tile_shape[0], extent[0], false},
+                  EmbeddingArgs{type, n, extent[1], coord[0] * dtable.tile_shape[0], extent[0], false},
                   double(n * extent[1]));
     }
   }

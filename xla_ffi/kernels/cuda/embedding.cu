@@ -7,12 +7,13 @@ namespace {
 using cuda::kWarp;
 
 // A warp per position, its lanes on every 32nd column.
+template <class T>
 __global__ void forward_kernel(int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
-                               const float* table, bool first, float* out) {
+                               const float* table, bool first, T* out) {
   for (int64_t p = cuda::warp_index(); p < n; p += cuda::warp_count()) {
     int64_t row = embedding::row(ids[p], v0, vlen);
     if (row < 0 && !first) continue;
-    for (int64_t j = cuda::lane(); j < c; j += kWarp) out[p * c + j] = row >= 0 ? table[row * c + j] : 0.0f;
+    for (int64_t j = cuda::lane(); j < c; j += kWarp) out[p * c + j] = from_float<T>(row >= 0 ? table[row * c + j] : 0.0f);
   }
 }
 
@@ -24,36 +25,42 @@ constexpr int64_t kRowGroups = 32;
 // order and adds the dout rows of those in its group: no atomics, and the
 // terms arrive in the CPU's order. Reads of dout and dtable are coalesced
 // across columns; the id is the same for the whole warp.
+template <class T>
 __global__ void backward_kernel(int64_t n, int64_t c, int64_t v0, int64_t vlen, int64_t rows_per_group,
-                                const int32_t* ids, const float* dout, float* dtable) {
+                                const int32_t* ids, const T* dout, float* dtable) {
   int64_t first_row = blockIdx.y * rows_per_group;
   int64_t group_rows = vlen - first_row < rows_per_group ? vlen - first_row : rows_per_group;
   float* group = dtable + first_row * c;
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < c; j += int64_t(gridDim.x) * blockDim.x)
     for (int64_t p = 0; p < n; ++p) {
       int64_t row = embedding::row(ids[p], v0 + first_row, group_rows);
-      if (row >= 0) group[row * c + j] += dout[p * c + j];
+      if (row >= 0) group[row * c + j] += to_float(dout[p * c + j]);
     }
 }
 
 }  // namespace
 
 template <>
-void embedding_forward<Device::Cuda>(int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
-                                     const float* table, bool first, float* out) {
-  forward_kernel<<<cuda::blocks_for_rows(n), cuda::kThreads, 0, cuda::stream()>>>(n, c, v0, vlen, ids, table, first,
-                                                                                  out);
+void embedding_forward<Device::Cuda>(FloatType type, int64_t n, int64_t c, int64_t v0, int64_t vlen,
+                                     const int32_t* ids, const float* table, bool first, void* out) {
+  visit_float(type, [&](auto t) {
+    forward_kernel<<<cuda::blocks_for_rows(n), cuda::kThreads, 0, cuda::stream()>>>(
+        n, c, v0, vlen, ids, table, first, static_cast<decltype(t)*>(out));
+  });
   cuda::check_launch("embedding_forward");
 }
 
 template <>
-void embedding_backward<Device::Cuda>(int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
-                                      const float* dout, float* dtable) {
+void embedding_backward<Device::Cuda>(FloatType type, int64_t n, int64_t c, int64_t v0, int64_t vlen,
+                                      const int32_t* ids, const void* dout, float* dtable) {
   // Groups of equal size, each starting inside the tile.
   int64_t rows_per_group = (vlen + kRowGroups - 1) / kRowGroups;
   int64_t groups = (vlen + rows_per_group - 1) / rows_per_group;
   dim3 grid(cuda::blocks_for(c), unsigned(groups));
-  backward_kernel<<<grid, cuda::kThreads, 0, cuda::stream()>>>(n, c, v0, vlen, rows_per_group, ids, dout, dtable);
+  visit_float(type, [&](auto t) {
+    backward_kernel<<<grid, cuda::kThreads, 0, cuda::stream()>>>(n, c, v0, vlen, rows_per_group, ids,
+                                                                 static_cast<const decltype(t)*>(dout), dtable);
+  });
   cuda::check_launch("embedding_backward");
 }
 
