@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import BFLOAT16_TOL
+
 import jnntile
 from jnntile.ops import loss
 
@@ -65,6 +67,20 @@ def test_values_and_gradients(tiling, jit):
     assert rel_err(grad, ref_grad) <= 1e-5
     # Ignored tokens get no gradient at all.
     assert not grad[0, 1].any() and not grad[1, 5].any()
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_bfloat16_logits(tiling):
+    """bfloat16 logits and gradient; the online logsumexp and the loss in float32/double, as the reference
+    computes the loss of the bfloat16 logits in float32."""
+    logits, targets = make_data()
+    half = jnp.asarray(logits, jnp.bfloat16)
+    x, y = jnntile.from_array(half, TILINGS[tiling]), jnntile.from_array(targets, TILINGS[tiling][:2])
+    value, grad = jax.jit(jnntile.value_and_grad(lambda x, y: jnntile.to_array(loss.cross_entropy(x, y))))(x, y)
+    ref_value, ref_grad = jax.value_and_grad(lambda z: reference(z.astype(jnp.float32), targets))(half)
+    assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
+    assert jnntile.grad_of(grad).dtype == "bfloat16"
+    assert rel_err(jnntile.grad_of(grad).numpy().astype(np.float32), np.asarray(ref_grad, np.float32)) <= BFLOAT16_TOL
 
 
 def test_primal_without_gradient():

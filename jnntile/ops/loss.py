@@ -23,8 +23,8 @@ def _check(logits: Tensor, targets: Tensor, ignore_index) -> None:
     if not isinstance(logits, Tensor) or not isinstance(targets, Tensor):
         raise TypeError(f"cross_entropy: logits and targets must be jnntile Tensors, got "
                         f"{type(logits).__name__} and {type(targets).__name__}")
-    if logits.dtype != "float32":
-        raise TypeError(f"cross_entropy: logits must be float32, got {logits!r}")
+    if logits.dtype not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"cross_entropy: logits must be float32 or bfloat16, got {logits!r}")
     if targets.dtype != "int32":
         raise TypeError(f"cross_entropy: targets must be int32 token ids, got {targets!r}")
     if logits.ndim != 3:

@@ -7,7 +7,9 @@
 // tile that holds the target is seen). A tile updates them in two passes: its
 // max gives the new m, then its terms exp(x - m) are added. Row sums take the
 // elements begin, begin + stride, ... below nv of a row: the CPU a whole row
-// (0, nv, 1), a GPU lane every 32nd element.
+// (0, nv, 1), a GPU lane every 32nd element. Logits and their gradient are tiles
+// of `type` (float32 or bfloat16), loaded into float; stats, lse and the loss are
+// float32 or double.
 #pragma once
 #include <math.h>
 
@@ -36,16 +38,18 @@ JNNTILE_HD void store(const Row& row, double* stats) {
   stats[2] = row.target;
 }
 
-JNNTILE_HD float strided_max(const float* x, int64_t begin, int64_t n, int64_t stride) {
+template <class T>
+JNNTILE_HD float strided_max(const T* x, int64_t begin, int64_t n, int64_t stride) {
   float m = -INFINITY;
-  for (int64_t j = begin; j < n; j += stride) m = fmaxf(m, x[j]);
+  for (int64_t j = begin; j < n; j += stride) m = fmaxf(m, to_float(x[j]));
   return m;
 }
 
 // The sum in double of the float terms exp(x - max).
-JNNTILE_HD double strided_sum_exp(const float* x, int64_t begin, int64_t n, int64_t stride, float max) {
+template <class T>
+JNNTILE_HD double strided_sum_exp(const T* x, int64_t begin, int64_t n, int64_t stride, float max) {
   double s = 0.0;
-  for (int64_t j = begin; j < n; j += stride) s += double(exp_approx(x[j] - max));
+  for (int64_t j = begin; j < n; j += stride) s += double(exp_approx(to_float(x[j]) - max));
   return s;
 }
 
@@ -95,10 +99,14 @@ JNNTILE_HD float grad_scale(const float* inv_count, const float* dloss) { return
 
 // The backward of a row: dx += scale * (softmax - onehot(t)), t the target's
 // column in this tile or -1.
-JNNTILE_HD void strided_grad(const float* x, float lse, float scale, int64_t t, int64_t begin, int64_t n,
-                             int64_t stride, float* dx) {
-  for (int64_t j = begin; j < n; j += stride) dx[j] += scale * exp_approx(x[j] - lse);
-  if (t >= begin && t < n && (t - begin) % stride == 0) dx[t] -= scale;
+template <class T>
+JNNTILE_HD void strided_grad(const T* x, float lse, float scale, int64_t t, int64_t begin, int64_t n, int64_t stride,
+                             T* dx) {
+  for (int64_t j = begin; j < n; j += stride) {
+    float value = to_float(dx[j]) + scale * exp_approx(to_float(x[j]) - lse);
+    if (j == t) value -= scale;
+    dx[j] = from_float<T>(value);
+  }
 }
 
 }  // namespace cross_entropy
@@ -106,7 +114,7 @@ JNNTILE_HD void strided_grad(const float* x, float lse, float scale, int64_t t, 
 // Online max-sum-exp over one vocabulary tile. stats: (rows, 3) double;
 // `first` initialises them (the tile's first access is write-only).
 template <Device D>
-void cross_entropy_stats(bool first, int64_t rows, int64_t nv, int64_t v0, const float* logits,
+void cross_entropy_stats(FloatType type, bool first, int64_t rows, int64_t nv, int64_t v0, const void* logits,
                          const int32_t* targets, double* stats);
 // lse[r] = m + log(s); partial = {sum of lse - z, count} over rows whose
 // target != ignore_index.
@@ -120,8 +128,8 @@ void cross_entropy_combine(int64_t count, const double* const* partials, float* 
 // dlogits[r, c] += scale * (softmax - onehot(target)) for rows whose target
 // != ignore_index (scale = cross_entropy::grad_scale(inv_count, dloss)); ignored rows get nothing.
 template <Device D>
-void cross_entropy_backward(int64_t rows, int64_t nv, int64_t v0, const float* logits, const int32_t* targets,
-                            const float* lse, int32_t ignore_index, const float* inv_count, const float* dloss,
-                            float* dlogits);
+void cross_entropy_backward(FloatType type, int64_t rows, int64_t nv, int64_t v0, const void* logits,
+                            const int32_t* targets, const float* lse, int32_t ignore_index, const float* inv_count,
+                            const float* dloss, void* dlogits);
 
 }  // namespace jnntile

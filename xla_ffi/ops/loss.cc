@@ -22,6 +22,7 @@ namespace jnntile {
 namespace {
 
 struct StatsArgs {
+  FloatType type;  // of the logits
   bool first;
   int64_t rows, nv, v0;
 };
@@ -29,8 +30,8 @@ struct StatsArgs {
 // buffers: logits, targets, stats
 template <Device D>
 void stats_kernel(void** buffers, const StatsArgs& a) {
-  cross_entropy_stats<D>(a.first, a.rows, a.nv, a.v0, tile_ptr<float>(buffers[0]), tile_ptr<int32_t>(buffers[1]),
-                         tile_ptr<double>(buffers[2]));
+  cross_entropy_stats<D>(a.type, a.first, a.rows, a.nv, a.v0, tile_ptr<void>(buffers[0]),
+                         tile_ptr<int32_t>(buffers[1]), tile_ptr<double>(buffers[2]));
 }
 
 struct FinishArgs {
@@ -59,6 +60,7 @@ void combine_kernel(void** buffers, const CombineArgs& a) {
 }
 
 struct BackwardArgs {
+  FloatType type;  // of the logits and their gradient
   int64_t rows, nv, v0;
   int32_t ignore_index;
 };
@@ -66,25 +68,27 @@ struct BackwardArgs {
 // buffers: logits, targets, lse, inv_count, dloss, dlogits (RW)
 template <Device D>
 void backward_kernel(void** buffers, const BackwardArgs& a) {
-  cross_entropy_backward<D>(a.rows, a.nv, a.v0, tile_ptr<float>(buffers[0]), tile_ptr<int32_t>(buffers[1]),
+  cross_entropy_backward<D>(a.type, a.rows, a.nv, a.v0, tile_ptr<void>(buffers[0]), tile_ptr<int32_t>(buffers[1]),
                             tile_ptr<float>(buffers[2]), a.ignore_index, tile_ptr<float>(buffers[3]),
-                            tile_ptr<float>(buffers[4]), tile_ptr<float>(buffers[5]));
+                            tile_ptr<float>(buffers[4]), tile_ptr<void>(buffers[5]));
 }
 
-// Checks logits (B, T, V) f32, targets (B, T) i32 and a per-token tensor
-// `rows` (B, T) f32 tiled like the logits on (B, T).
-void check_layout(const TiledTensor& logits, const TiledTensor& targets, const TiledTensor& rows, const char* op) {
+// Checks logits (B, T, V) float32 or bfloat16, targets (B, T) i32 and a per-token tensor
+// `rows` (B, T) f32 tiled like the logits on (B, T); returns the logits' float type.
+FloatType check_layout(const TiledTensor& logits, const TiledTensor& targets, const TiledTensor& rows, const char* op) {
   auto fail = [&](const std::string& why) {
     throw std::invalid_argument(std::string(op) + ": " + why + ": logits " + logits.describe() + ", targets " +
                                 targets.describe() + ", per-token " + rows.describe());
   };
-  if (logits.dtype != DType::F32 || logits.ndim() != 3) fail("logits must be float32 (B, T, V)");
+  if ((logits.dtype != DType::F32 && logits.dtype != DType::BF16) || logits.ndim() != 3)
+    fail("logits must be float32 or bfloat16 (B, T, V)");
   if (targets.dtype != DType::I32) fail("targets must be int32");
   Index bt(logits.shape.begin(), logits.shape.begin() + 2);
   Index bt_tiles(logits.tile_shape.begin(), logits.tile_shape.begin() + 2);
   if (targets.shape != bt || targets.tile_shape != bt_tiles) fail("targets must be tiled like the logits on (B, T)");
   if (rows.dtype != DType::F32 || rows.shape != bt || rows.tile_shape != bt_tiles)
     fail("per-token tensor must be float32 tiled like the logits on (B, T)");
+  return float_type(logits, op);
 }
 
 // Rows (tokens) in the token tile `tok` = (ib, it) of the logits.
@@ -97,7 +101,7 @@ int64_t tile_rows(const TiledTensor& logits, int64_t ib, int64_t it) {
 void cross_entropy_submit(const OpCall& call) {
   const TiledTensor &logits = call.tensor(0), &targets = call.tensor(1), &loss = call.tensor(2),
                     &lse = call.tensor(3), &inv_count = call.tensor(4);
-  check_layout(logits, targets, lse, "cross_entropy");
+  FloatType type = check_layout(logits, targets, lse, "cross_entropy");
   if (loss.numel() != 1 || inv_count.numel() != 1 || loss.dtype != DType::F32 || inv_count.dtype != DType::F32)
     throw std::invalid_argument("cross_entropy: loss and inv_count must be float32 scalars");
   auto ignore_index = int32_t(attr<int64_t>(call.attrs, "ignore_index"));
@@ -117,7 +121,7 @@ void cross_entropy_submit(const OpCall& call) {
         int64_t nv = logits.tile_extent({ib, it, iv})[2];
         starpu_data_access_mode stats_mode = iv == 0 ? STARPU_W : STARPU_RW;
         submit_task(stats_cl, {{logits.tile({ib, it, iv}), STARPU_R}, {target_tile, STARPU_R}, {stats, stats_mode}},
-                    StatsArgs{iv == 0, rows, nv, iv * logits.tile_shape[2]}, 3.0 * rows * nv);
+                    StatsArgs{type, iv == 0, rows, nv, iv * logits.tile_shape[2]}, 3.0 * rows * nv);
       }
       submit_task(finish_cl,
                   {{stats, STARPU_R}, {target_tile, STARPU_R}, {lse.tile({ib, it}), STARPU_W}, {partial, STARPU_W}},
@@ -143,8 +147,10 @@ void cross_entropy_backward_submit(const OpCall& call) {
   if (call.ids[5] < 0) return;  // nobody differentiates the logits
   const TiledTensor &logits = call.tensor(0), &targets = call.tensor(1), &lse = call.tensor(2),
                     &inv_count = call.tensor(3), &dloss = call.tensor(4), &dlogits = call.tensor(5);
-  check_layout(logits, targets, lse, "cross_entropy backward");
+  FloatType type = check_layout(logits, targets, lse, "cross_entropy backward");
   check_same_tiling(logits, dlogits, "cross_entropy backward");
+  if (dlogits.dtype != logits.dtype)
+    throw std::invalid_argument("cross_entropy backward: dlogits must have the logits' dtype: " + dlogits.describe());
   auto ignore_index = int32_t(attr<int64_t>(call.attrs, "ignore_index"));
   static starpu_codelet* cl = JNNTILE_CODELET(BackwardArgs, backward_kernel, "cross_entropy_backward");
   for (int64_t t = 0; t < logits.num_tiles(); ++t) {
@@ -154,7 +160,7 @@ void cross_entropy_backward_submit(const OpCall& call) {
     submit_task(cl,
                 {{logits.tiles[t], STARPU_R}, {targets.tile(tok), STARPU_R}, {lse.tile(tok), STARPU_R},
                  {inv_count.tiles[0], STARPU_R}, {dloss.tiles[0], STARPU_R}, {dlogits.tiles[t], STARPU_RW}},
-                BackwardArgs{rows, nv, coord[2] * logits.tile_shape[2], ignore_index}, 4.0 * rows * nv);
+                BackwardArgs{type, rows, nv, coord[2] * logits.tile_shape[2], ignore_index}, 4.0 * rows * nv);
   }
 }
 JNNTILE_OP(cross_entropy_backward, cross_entropy_backward_submit);

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
+
+#include "kernels/data.h"
 
 namespace jnntile {
 namespace {
@@ -47,13 +50,22 @@ double row_sum_exp(const float* x, int64_t n, float max) {
   return tail;
 }
 
+// Row r of a logits tile as float32: the tile's own row, or a bfloat16 row widened into `row`.
+const float* float_row(FloatType type, const void* logits, int64_t r, int64_t nv, std::vector<float>& row) {
+  if (type == FloatType::F32) return static_cast<const float*>(logits) + r * nv;
+  row.resize(nv);
+  convert<Device::Cpu>(nv, type, static_cast<const bfloat16*>(logits) + r * nv, FloatType::F32, row.data());
+  return row.data();
+}
+
 }  // namespace
 
 template <>
-void cross_entropy_stats<Device::Cpu>(bool first, int64_t rows, int64_t nv, int64_t v0, const float* logits,
-                                      const int32_t* targets, double* stats) {
+void cross_entropy_stats<Device::Cpu>(FloatType type, bool first, int64_t rows, int64_t nv, int64_t v0,
+                                      const void* logits, const int32_t* targets, double* stats) {
+  std::vector<float> widened;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* x = logits + r * nv;
+    const float* x = float_row(type, logits, r, nv, widened);
     cross_entropy::Row row = cross_entropy::load(first, stats + r * kCrossEntropyStats);
     double m = cross_entropy::new_max(row, row_max(x, nv));
     cross_entropy::add_tile(row, m, row_sum_exp(x, nv, float(m)));
@@ -79,15 +91,20 @@ void cross_entropy_combine<Device::Cpu>(int64_t count, const double* const* part
 }
 
 template <>
-void cross_entropy_backward<Device::Cpu>(int64_t rows, int64_t nv, int64_t v0, const float* logits,
+void cross_entropy_backward<Device::Cpu>(FloatType type, int64_t rows, int64_t nv, int64_t v0, const void* logits,
                                          const int32_t* targets, const float* lse, int32_t ignore_index,
-                                         const float* inv_count, const float* dloss, float* dlogits) {
+                                         const float* inv_count, const float* dloss, void* dlogits) {
   float scale = cross_entropy::grad_scale(inv_count, dloss);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (targets[r] == ignore_index) continue;
-    int64_t t = cross_entropy::target_column(targets[r], v0, nv);
-    cross_entropy::strided_grad(logits + r * nv, lse[r], scale, t, 0, nv, 1, dlogits + r * nv);
-  }
+  visit_float(type, [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = static_cast<const T*>(logits);
+    T* dx = static_cast<T*>(dlogits);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (targets[r] == ignore_index) continue;
+      int64_t t = cross_entropy::target_column(targets[r], v0, nv);
+      cross_entropy::strided_grad(x + r * nv, lse[r], scale, t, 0, nv, 1, dx + r * nv);
+    }
+  });
 }
 
 }  // namespace jnntile

@@ -9,10 +9,11 @@ using cuda::kWarp;
 // A warp per row, its lanes on every 32nd logit: the max over the warp gives
 // every lane the same new running max m, then the lanes' sums of exp(x - m)
 // add up over the warp and lane 0 updates the row.
-__global__ void stats_kernel(bool first, int64_t rows, int64_t nv, int64_t v0, const float* logits,
+template <class T>
+__global__ void stats_kernel(bool first, int64_t rows, int64_t nv, int64_t v0, const T* logits,
                              const int32_t* targets, double* stats) {
   for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
-    const float* x = logits + r * nv;
+    const T* x = logits + r * nv;
     cross_entropy::Row row = cross_entropy::load(first, stats + r * kCrossEntropyStats);
     float tile_max = cuda::warp_reduce(cross_entropy::strided_max(x, cuda::lane(), nv, kWarp),
                                        [](float a, float b) { return fmaxf(a, b); });
@@ -22,7 +23,7 @@ __global__ void stats_kernel(bool first, int64_t rows, int64_t nv, int64_t v0, c
     if (cuda::lane() == 0) {
       cross_entropy::add_tile(row, m, tile_sum);
       int64_t t = cross_entropy::target_column(targets[r], v0, nv);
-      if (t >= 0) row.target = x[t];
+      if (t >= 0) row.target = to_float(x[t]);
       cross_entropy::store(row, stats + r * kCrossEntropyStats);
     }
   }
@@ -59,9 +60,10 @@ __global__ void combine_kernel(int64_t count, const double* const* partials, flo
 }
 
 // A warp per row, its lanes on every 32nd logit.
-__global__ void backward_kernel(int64_t rows, int64_t nv, int64_t v0, const float* logits, const int32_t* targets,
+template <class T>
+__global__ void backward_kernel(int64_t rows, int64_t nv, int64_t v0, const T* logits, const int32_t* targets,
                                 const float* lse, int32_t ignore_index, const float* inv_count, const float* dloss,
-                                float* dlogits) {
+                                T* dlogits) {
   float scale = cross_entropy::grad_scale(inv_count, dloss);
   for (int64_t r = cuda::warp_index(); r < rows; r += cuda::warp_count()) {
     if (targets[r] == ignore_index) continue;
@@ -73,10 +75,12 @@ __global__ void backward_kernel(int64_t rows, int64_t nv, int64_t v0, const floa
 }  // namespace
 
 template <>
-void cross_entropy_stats<Device::Cuda>(bool first, int64_t rows, int64_t nv, int64_t v0, const float* logits,
-                                       const int32_t* targets, double* stats) {
-  stats_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(first, rows, nv, v0, logits,
-                                                                                   targets, stats);
+void cross_entropy_stats<Device::Cuda>(FloatType type, bool first, int64_t rows, int64_t nv, int64_t v0,
+                                       const void* logits, const int32_t* targets, double* stats) {
+  visit_float(type, [&](auto t) {
+    stats_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(
+        first, rows, nv, v0, static_cast<const decltype(t)*>(logits), targets, stats);
+  });
   cuda::check_launch("cross_entropy_stats");
 }
 
@@ -96,11 +100,15 @@ void cross_entropy_combine<Device::Cuda>(int64_t count, const double* const* par
 }
 
 template <>
-void cross_entropy_backward<Device::Cuda>(int64_t rows, int64_t nv, int64_t v0, const float* logits,
+void cross_entropy_backward<Device::Cuda>(FloatType type, int64_t rows, int64_t nv, int64_t v0, const void* logits,
                                           const int32_t* targets, const float* lse, int32_t ignore_index,
-                                          const float* inv_count, const float* dloss, float* dlogits) {
-  backward_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(
-      rows, nv, v0, logits, targets, lse, ignore_index, inv_count, dloss, dlogits);
+                                          const float* inv_count, const float* dloss, void* dlogits) {
+  visit_float(type, [&](auto t) {
+    using T = decltype(t);
+    backward_kernel<<<cuda::blocks_for_rows(rows), cuda::kThreads, 0, cuda::stream()>>>(
+        rows, nv, v0, static_cast<const T*>(logits), targets, lse, ignore_index, inv_count, dloss,
+        static_cast<T*>(dlogits));
+  });
   cuda::check_launch("cross_entropy_backward");
 }
 
