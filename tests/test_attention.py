@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import BFLOAT16_TOL, check_op
 from conftest import causal_attention_reference as reference
 from conftest import rel_err
 
@@ -75,6 +76,20 @@ def test_rows_longer_than_a_warp(tiling):
 def test_grouped_query_attention(tiling, groups, jit):
     # G query heads per key/value head: a task reads the queries of the whole group with one key and value tile.
     check_values_and_gradients(*make_data(seed=4, groups=groups), TILINGS[tiling], jit)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("tiling", ["one_tile", "uneven_seq", "batch_uneven_heads_seq"])
+def test_bfloat16(tiling, groups):
+    """bfloat16 qkv, output and gradients; scores, softmax and the sums over key tiles in float32, rounded to
+    bfloat16 once, as the reference computes attention of the bfloat16 qkv in float32."""
+    qkv, _ = make_data(seed=5, groups=groups)
+
+    def mixed_reference(z):
+        return reference(z.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    check_op(attention.causal_attention, mixed_reference, [qkv], [TILINGS[tiling]], jit=True, dtype="bfloat16",
+             tol=BFLOAT16_TOL)
 
 
 def test_grouped_query_attention_equals_multi_head_attention_over_repeated_keys_and_values():

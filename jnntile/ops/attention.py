@@ -36,8 +36,8 @@ from jnntile.tensor import Tensor
 def _check(qkv: Tensor, op: str = "causal_attention") -> None:
     if not isinstance(qkv, Tensor):
         raise TypeError(f"{op}: qkv must be a jnntile Tensor, got {type(qkv).__name__}")
-    if qkv.dtype != "float32":
-        raise TypeError(f"{op}: qkv must be float32, got {qkv!r}")
+    if qkv.dtype not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"{op}: qkv must be float32 or bfloat16, got {qkv!r}")
     if qkv.ndim != 5 or qkv.shape[2] < 3:
         raise ValueError(f"{op}: qkv must have shape (B, T, G + 2, H, D), got {qkv.shape}; view the fused "
                          "projection's output (B, T, (G + 2) * H * D) as (B, T, G + 2, H, D)")
@@ -63,7 +63,7 @@ def output_layout(qkv: Tensor) -> tuple[tuple, tuple]:
 def _forward(qkv: Tensor, zero_grad: bool):
     """Submits the forward; returns the output and the residuals (qkv, output, logsumexp per query row)."""
     shape, tile_shape = output_layout(qkv)
-    out = tensor_mod.new_handle(shape, "float32", tile_shape)
+    out = tensor_mod.new_handle(shape, qkv.dtype, tile_shape)
     lse = tensor_mod.new_handle(shape[:-1], "float32", tile_shape[:-1])
     token = call("attention", [qkv.handle, out, lse], [qkv.token], zero_grads=[out] if zero_grad else [])
     return Tensor(token, out), (qkv, Tensor(token, out), Tensor(token, lse))
@@ -169,6 +169,6 @@ def cached_attention(qkv: Tensor, cache: Tensor, pos) -> Tensor:
     """
     pos = _check_cache(qkv, cache, pos, "cached_attention")
     shape, tile_shape = output_layout(qkv)
-    out = tensor_mod.new_handle(shape, "float32", tile_shape)
+    out = tensor_mod.new_handle(shape, qkv.dtype, tile_shape)
     token = call("attention_cached", [qkv.handle, cache.handle, out], [qkv.token, cache.token], inputs=[pos])
     return Tensor(token, out)

@@ -26,6 +26,12 @@
 // (tt, tt) blocks, twice in the backward, reused by the group members), so
 // memory does not grow with T^2.
 //
+// bfloat16 qkv, out and their gradients: the kernels compute on float32 tiles, so the op widens each
+// bfloat16 tile it reads into a float32 temporary once, and computes each tile it writes or accumulates
+// (out, dqkv) in a float32 temporary rounded back once at the end (Float32Tiles), as a bfloat16 product
+// sums in float32 across K tiles (ops/gemm.cc). Stored activations stay bfloat16; the float32 copies
+// live during the op only.
+//
 // Incremental decoding (no backward): a key/value cache (B, T_max, 2, H, D)
 // tiled (tb, tc, 1, th, D) holds the keys (axis 2 index 0) and values (1) of the
 // positions so far. `attention_cache_write` copies the k and v of qkv, whose
@@ -39,11 +45,49 @@
 #include <cmath>
 #include <functional>
 
+#include <map>
+
 #include "kernels/attention.h"
+#include "ops/data.h"
 #include "task.h"
 
 namespace jnntile {
 namespace {
+
+// float32 stand-ins for the tiles of a tensor: the tiles themselves when it is float32; for a bfloat16
+// tensor, a float32 temporary per tile used, widened from the tile on first use when `read`, rounded back
+// into the tile by finish() when `write`.
+class Float32Tiles {
+ public:
+  Float32Tiles(const TiledTensor& t, bool read, bool write) : t_(t), read_(read), write_(write) {}
+  Float32Tiles(const Float32Tiles&) = delete;
+  ~Float32Tiles() { STARPU_ASSERT_MSG(temps_.empty(), "Float32Tiles: finish() was not called"); }
+
+  starpu_data_handle_t tile(const Index& coord) {
+    const int64_t linear = t_.tile_linear(coord);
+    if (t_.dtype == DType::F32) return t_.tiles[linear];
+    auto found = temps_.find(linear);
+    if (found != temps_.end()) return found->second;
+    starpu_data_handle_t temp = temporary_vector(t_.tile_numel(linear), sizeof(float));
+    if (read_) submit_convert(t_.tiles[linear], FloatType::BF16, temp, FloatType::F32, t_.tile_numel(linear));
+    temps_.emplace(linear, temp);
+    return temp;
+  }
+
+  // After every task on the tiles has been submitted.
+  void finish() {
+    for (auto [linear, temp] : temps_) {
+      if (write_) submit_convert(temp, FloatType::F32, t_.tiles[linear], FloatType::BF16, t_.tile_numel(linear));
+      starpu_data_unregister_submit(temp);
+    }
+    temps_.clear();
+  }
+
+ private:
+  const TiledTensor& t_;
+  const bool read_, write_;
+  std::map<int64_t, starpu_data_handle_t> temps_;
+};
 
 struct StepArgs {
   bool first;
@@ -101,8 +145,8 @@ struct Layout {
   bool group_axis;     // out and lse have the G axis
   int64_t tt, d;
   float scale;
-  starpu_data_handle_t out_tile(const TiledTensor& out, int64_t ib, int64_t i, int64_t g, int64_t ih) const {
-    return group_axis ? out.tile({ib, i, g, ih, 0}) : out.tile({ib, i, ih, 0});
+  Index out_coord(int64_t ib, int64_t i, int64_t g, int64_t ih) const {
+    return group_axis ? Index{ib, i, g, ih, 0} : Index{ib, i, ih, 0};
   }
   starpu_data_handle_t lse_tile(const TiledTensor& lse, int64_t ib, int64_t i, int64_t g, int64_t ih) const {
     return group_axis ? lse.tile({ib, i, g, ih}) : lse.tile({ib, i, ih});
@@ -110,8 +154,8 @@ struct Layout {
 };
 
 void check_qkv(const TiledTensor& qkv, const std::function<void(const std::string&)>& fail) {
-  if (qkv.dtype != DType::F32 || qkv.ndim() != 5 || qkv.shape[2] < 3)
-    fail("qkv must be float32 (B, T, G + 2, H, D)");
+  if ((qkv.dtype != DType::F32 && qkv.dtype != DType::BF16) || qkv.ndim() != 5 || qkv.shape[2] < 3)
+    fail("qkv must be float32 or bfloat16 (B, T, G + 2, H, D)");
   if (qkv.tile_shape[2] != 1 || qkv.tile_shape[4] != qkv.shape[4]) fail("qkv tiles must be (tb, tt, 1, th, D)");
 }
 
@@ -120,11 +164,11 @@ bool check_out(const TiledTensor& qkv, const TiledTensor& out, const std::functi
   const Index &s = qkv.shape, &ts = qkv.tile_shape;
   const int64_t G = s[2] - 2;
   const bool group_axis = out.ndim() == 5;
-  if (out.dtype != DType::F32 || (!group_axis && G != 1) ||
+  if (out.dtype != qkv.dtype || (!group_axis && G != 1) ||
       out.shape != (group_axis ? Index{s[0], s[1], G, s[3], s[4]} : Index{s[0], s[1], s[3], s[4]}) ||
       out.tile_shape != (group_axis ? Index{ts[0], ts[1], 1, ts[3], ts[4]} : Index{ts[0], ts[1], ts[3], ts[4]}))
-    fail("out must be float32 (B, T, G, H, D) tiled (tb, tt, 1, th, D) (where G = 1 also (B, T, H, D) tiled "
-         "(tb, tt, th, D))");
+    fail("out must have qkv's dtype and be (B, T, G, H, D) tiled (tb, tt, 1, th, D) (where G = 1 also "
+         "(B, T, H, D) tiled (tb, tt, th, D))");
   return group_axis;
 }
 
@@ -156,6 +200,7 @@ void attention_submit(const OpCall& call) {
   const TiledTensor &qkv = call.tensor(0), &out = call.tensor(1), &lse = call.tensor(2);
   const Layout l = check_layout(qkv, out, lse, "causal_attention");
   const int64_t G = l.groups;
+  Float32Tiles qkv32(qkv, true, false), out32(out, false, true);
   static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
   static starpu_codelet* finish_cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
   for (int64_t ib = 0; ib < l.gb; ++ib)
@@ -170,10 +215,10 @@ void attention_submit(const OpCall& call) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
           std::vector<Buffer> buffers;
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
-          buffers.push_back({qkv.tile({ib, j, G, ih, 0}), STARPU_R});
-          buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({l.out_tile(out, ib, i, g, ih), mode});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv32.tile({ib, i, g, ih, 0}), STARPU_R});
+          buffers.push_back({qkv32.tile({ib, j, G, ih, 0}), STARPU_R});
+          buffers.push_back({qkv32.tile({ib, j, G + 1, ih, 0}), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({out32.tile(l.out_coord(ib, i, g, ih)), mode});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
           starpu_data_handle_t scratch = temporary_vector(attention::forward_scratch_size(p), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
@@ -182,12 +227,14 @@ void attention_submit(const OpCall& call) {
         }
         for (int64_t g = 0; g < G; ++g) {
           submit_task(finish_cl,
-                      {{stats[g], STARPU_R}, {l.out_tile(out, ib, i, g, ih), STARPU_RW},
+                      {{stats[g], STARPU_R}, {out32.tile(l.out_coord(ib, i, g, ih)), STARPU_RW},
                        {l.lse_tile(lse, ib, i, g, ih), STARPU_W}},
                       RowsArgs{rows, l.d}, double(rows * l.d));
           starpu_data_unregister_submit(stats[g]);
         }
       }
+  qkv32.finish();
+  out32.finish();
 }
 JNNTILE_OP(attention, attention_submit);
 
@@ -200,7 +247,11 @@ void attention_backward_submit(const OpCall& call) {
   const Layout l = check_layout(qkv, out, lse, "causal_attention backward");
   check_same_tiling(out, dout, "causal_attention backward");
   check_same_tiling(qkv, dqkv, "causal_attention backward");
+  if (dout.dtype != out.dtype || dqkv.dtype != qkv.dtype)
+    throw std::invalid_argument("causal_attention backward: gradients must have their tensors' dtypes: " +
+                                dout.describe() + ", " + dqkv.describe());
   const int64_t G = l.groups;
+  Float32Tiles qkv32(qkv, true, false), out32(out, true, false), dout32(dout, true, false), dqkv32(dqkv, true, true);
   static starpu_codelet* delta_cl = JNNTILE_CODELET(RowsArgs, backward_delta_kernel, "attention_backward_delta");
   static starpu_codelet* step_cl = JNNTILE_CODELET(BackwardArgs, backward_step_kernel, "attention_backward_step");
   for (int64_t ib = 0; ib < l.gb; ++ib)
@@ -213,22 +264,22 @@ void attention_backward_submit(const OpCall& call) {
         for (int64_t g = 0; g < G; ++g) {
           delta[g] = temporary_vector(rows, sizeof(float));
           submit_task(delta_cl,
-                      {{l.out_tile(out, ib, i, g, ih), STARPU_R}, {l.out_tile(dout, ib, i, g, ih), STARPU_R},
+                      {{out32.tile(l.out_coord(ib, i, g, ih)), STARPU_R}, {dout32.tile(l.out_coord(ib, i, g, ih)), STARPU_R},
                        {delta[g], STARPU_W}},
                       RowsArgs{rows, l.d}, 2.0 * rows * l.d);
         }
         for (int64_t j = 0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           std::vector<Buffer> buffers;
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
-          buffers.push_back({qkv.tile({ib, j, G, ih, 0}), STARPU_R});
-          buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({l.out_tile(dout, ib, i, g, ih), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv32.tile({ib, i, g, ih, 0}), STARPU_R});
+          buffers.push_back({qkv32.tile({ib, j, G, ih, 0}), STARPU_R});
+          buffers.push_back({qkv32.tile({ib, j, G + 1, ih, 0}), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({dout32.tile(l.out_coord(ib, i, g, ih)), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({l.lse_tile(lse, ib, i, g, ih), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({delta[g], STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv.tile({ib, i, g, ih, 0}), STARPU_RW});
-          buffers.push_back({dqkv.tile({ib, j, G, ih, 0}), STARPU_RW});
-          buffers.push_back({dqkv.tile({ib, j, G + 1, ih, 0}), STARPU_RW});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv32.tile({ib, i, g, ih, 0}), STARPU_RW});
+          buffers.push_back({dqkv32.tile({ib, j, G, ih, 0}), STARPU_RW});
+          buffers.push_back({dqkv32.tile({ib, j, G + 1, ih, 0}), STARPU_RW});
           starpu_data_handle_t scratch = temporary_vector(attention::backward_scratch_size(p), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
           submit_task(step_cl, buffers, BackwardArgs{G, p}, 10.0 * G * pair_flops(p));
@@ -236,6 +287,7 @@ void attention_backward_submit(const OpCall& call) {
         }
         for (starpu_data_handle_t handle : delta) starpu_data_unregister_submit(handle);
       }
+  for (Float32Tiles* tiles : {&qkv32, &out32, &dout32, &dqkv32}) tiles->finish();
 }
 JNNTILE_OP(attention_backward, attention_backward_submit);
 
@@ -309,6 +361,7 @@ void cache_write_submit(const OpCall& call) {
                               " continues a cache tile whose earlier positions hold nothing (never written, or "
                               "invalidated): write the positions in order from 0");
   const int64_t end = l.pos + l.t;
+  Float32Tiles qkv32(qkv, true, false);
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t j = l.pos / l.tc; j * l.tc < end; ++j) {  // the cache tiles the positions fall in
@@ -324,11 +377,12 @@ void cache_write_submit(const OpCall& call) {
           const CacheCopyArgs a{start == c0, {q_ext[0], q_ext[3] * l.d, q_ext[1], start - q0, c_ext[1], start - c0,
                                               stop - start}};
           for (int64_t kv = 0; kv < 2; ++kv)
-            submit_task(cl, {{qkv.tile({ib, i, l.groups + kv, ih, 0}), STARPU_R},
+            submit_task(cl, {{qkv32.tile({ib, i, l.groups + kv, ih, 0}), STARPU_R},
                              {cache.tile({ib, j, kv, ih, 0}), a.first ? STARPU_W : STARPU_RW}},
                         a);
         }
       }
+  qkv32.finish();
 }
 JNNTILE_OP(attention_cache_write, cache_write_submit);
 
@@ -342,8 +396,9 @@ void cached_attention_submit(const OpCall& call) {
     throw std::invalid_argument("cached attention: " + why + ": qkv " + qkv.describe() + ", out " + out.describe());
   });
   const int64_t G = l.groups;
+  Float32Tiles qkv32(qkv, true, false), out32(out, false, true);
   auto out_tile = [&](int64_t ib, int64_t i, int64_t g, int64_t ih) {
-    return group_axis ? out.tile({ib, i, g, ih, 0}) : out.tile({ib, i, ih, 0});
+    return out32.tile(group_axis ? Index{ib, i, g, ih, 0} : Index{ib, i, ih, 0});
   };
   // The cache tiles up to the last position hold keys and values.
   require_cache_written(cache, l, 0, (l.pos + l.t - 1) / l.tc + 1,
@@ -365,7 +420,7 @@ void cached_attention_submit(const OpCall& call) {
           const AttentionPair p{q_ext[0], q_ext[3], q_ext[1], k_ext[1], l.d, q0, j * l.tc, l.scale};
           starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
           std::vector<Buffer> buffers;
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv32.tile({ib, i, g, ih, 0}), STARPU_R});
           buffers.push_back({cache.tile({ib, j, 0, ih, 0}), STARPU_R});
           buffers.push_back({cache.tile({ib, j, 1, ih, 0}), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({out_tile(ib, i, g, ih), mode});
@@ -384,6 +439,8 @@ void cached_attention_submit(const OpCall& call) {
           starpu_data_unregister_submit(lse);
         }
       }
+  qkv32.finish();
+  out32.finish();
 }
 JNNTILE_OP(attention_cached, cached_attention_submit);
 
