@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import BFLOAT16_TOL, check_op, rel_err
 
 import jnntile
 from jnntile.ops.gated import swiglu
@@ -43,6 +43,14 @@ def test_values_and_gradients(tiling, jit):
     ref_value, ref_grad = jax.value_and_grad(lambda z: jnp.sum(reference(z) * weight))(x_np)
     assert rel_err(value, ref_value) <= 1e-5
     assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_bfloat16(tiling):
+    shape, tile = TILINGS[tiling]
+    x_np = (3.0 * np.random.default_rng(1).standard_normal(shape)).astype(np.float32)
+    check_op(swiglu, lambda z: reference(z.astype(jnp.float32)).astype(jnp.bfloat16), [x_np], [tile], jit=True,
+             dtype="bfloat16", tol=BFLOAT16_TOL)
 
 
 def test_extreme_inputs_stay_finite_and_exact():

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import BFLOAT16_TOL, check_op, rel_err
 
 import jnntile
 from jnntile.models.llama import LlamaConfig
@@ -51,6 +51,15 @@ def test_values_and_gradients(tiling, pos, jit):
     assert rel_err(value, ref_value) <= 1e-5
     assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
     np.testing.assert_allclose(rotary(x, INV_FREQ, pos).numpy(), reference(x_np, pos, 3), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_bfloat16(tiling):
+    """bfloat16 x and y (and gradients), turned in float32."""
+    x_np = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
+    check_op(lambda x: rotary(x, INV_FREQ, np.int32(37)),
+             lambda z: reference(z.astype(jnp.float32), 37, 3).astype(jnp.bfloat16), [x_np], [TILINGS[tiling]],
+             jit=True, dtype="bfloat16", tol=BFLOAT16_TOL)
 
 
 def test_one_compiled_step_serves_every_offset():

@@ -14,7 +14,7 @@ from jnntile.tensor import Tensor
 
 
 def _forward(x, zero_grad):
-    y = tensor_mod.new_handle(x.shape[:-2] + x.shape[-1:], "float32", x.tile_shape[:-2] + x.tile_shape[-1:])
+    y = tensor_mod.new_handle(x.shape[:-2] + x.shape[-1:], x.dtype, x.tile_shape[:-2] + x.tile_shape[-1:])
     token = call("swiglu", [x.handle, y], [x.token], zero_grads=[y] if zero_grad else [])
     return Tensor(token, y), (x, Tensor(token, y))
 
@@ -37,8 +37,8 @@ _swiglu = differentiable(_forward, _backward, name="swiglu", footprint=_footprin
 
 def swiglu(x: Tensor) -> Tensor:
     """silu(x[..., 0, :]) * x[..., 1, :] for x (..., 2, I) tiled (..., 1, ti); the result is (..., I) tiled (..., ti)."""
-    if not isinstance(x, Tensor) or x.dtype != "float32":
-        raise TypeError(f"swiglu: x must be a float32 jnntile Tensor, got {x!r}")
+    if not isinstance(x, Tensor) or x.dtype not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"swiglu: x must be a float32 or bfloat16 jnntile Tensor, got {x!r}")
     if x.ndim < 2 or x.shape[-2] != 2:
         raise ValueError(f"swiglu: x must have shape (..., 2, I) (gate and up projections on axis -2), got "
                          f"{x.shape}; view the fused projection's output (..., 2 * I) as (..., 2, I)")

@@ -28,7 +28,7 @@ MAX_HEAD_DIM = 512  # kernels/rotary.h: kRotaryMaxHalf frequencies travel with e
 
 
 def _forward(x, pos, inv_freq, rotated_parts, zero_grad):
-    y = tensor_mod.new_handle(x.shape, "float32", x.tile_shape)
+    y = tensor_mod.new_handle(x.shape, x.dtype, x.tile_shape)
     token = call("rotary", [x.handle, y], [x.token], zero_grads=[y] if zero_grad else [], inputs=[pos],
                  inv_freq=inv_freq, rotated_parts=rotated_parts)
     return Tensor(token, y), (x, pos, Tensor(token, y))
@@ -49,8 +49,8 @@ _rotary = differentiable(_forward, _backward, nondiff_argnums=(2, 3), name="rota
 def rotary(x: Tensor, inv_freq, pos=0, rotated_parts: int | None = None) -> Tensor:
     """x (B, T, P, H, D) with the parts p < rotated_parts (default: all but the last) turned by their
     positions pos, pos + 1, ... along T; same layout as x."""
-    if not isinstance(x, Tensor) or x.dtype != "float32":
-        raise TypeError(f"rotary: x must be a float32 jnntile Tensor, got {x!r}")
+    if not isinstance(x, Tensor) or x.dtype not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"rotary: x must be a float32 or bfloat16 jnntile Tensor, got {x!r}")
     if x.ndim != 5:
         raise ValueError(f"rotary: x must have shape (B, T, P, H, D), got {x.shape}; view a projection's output "
                          "(B, T, P * H * D) as (B, T, P, H, D)")

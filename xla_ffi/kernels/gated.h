@@ -35,11 +35,13 @@ JNNTILE_HD void backward(float gate, float up, float dy, float& dgate, float& du
 }  // namespace gated
 
 // y = silu(gate) * up over n elements.
+// gate, up, y and their gradients are elements of tiles of `type` (float32 or bfloat16), computed in float32.
 template <Device D>
-void swiglu_forward(int64_t n, const float* gate, const float* up, float* y);
+void swiglu_forward(FloatType type, int64_t n, const void* gate, const void* up, void* y);
 
 // dgate += ..., dup += ... over n elements (gated::backward).
 template <Device D>
-void swiglu_backward(int64_t n, const float* gate, const float* up, const float* dy, float* dgate, float* dup);
+void swiglu_backward(FloatType type, int64_t n, const void* gate, const void* up, const void* dy, void* dgate,
+                     void* dup);
 
 }  // namespace jnntile

@@ -43,11 +43,12 @@ JNNTILE_HD void turn(float a, float b, float cos_a, float sin_a, float& out_a, f
 }  // namespace rotary
 
 // y = x turned by the tile's angles (or copied where !t.rotate), every element of the tile.
+// x, y, dy and dx are tiles of `type` (float32 or bfloat16), turned in float32.
 template <Device D>
-void rotary_forward(const RotaryTile& t, const float* x, float* y);
+void rotary_forward(FloatType type, const RotaryTile& t, const void* x, void* y);
 
 // dx += dy turned back (or dx += dy where !t.rotate).
 template <Device D>
-void rotary_backward(const RotaryTile& t, const float* dy, float* dx);
+void rotary_backward(FloatType type, const RotaryTile& t, const void* dy, void* dx);
 
 }  // namespace jnntile

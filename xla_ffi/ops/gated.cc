@@ -10,20 +10,21 @@ namespace jnntile {
 namespace {
 
 struct Args {
-  int64_t n;  // elements in the tile
+  FloatType type;  // of x, y and their gradients
+  int64_t n;       // elements in the tile
 };
 
 // buffers: gate, up, y
 template <Device D>
 void forward_kernel(void** buffers, const Args& a) {
-  swiglu_forward<D>(a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]));
+  swiglu_forward<D>(a.type, a.n, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]), tile_ptr<void>(buffers[2]));
 }
 
 // buffers: gate, up, dy, dgate, dup
 template <Device D>
 void backward_kernel(void** buffers, const Args& a) {
-  swiglu_backward<D>(a.n, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]),
-                     tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]));
+  swiglu_backward<D>(a.type, a.n, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]), tile_ptr<void>(buffers[2]),
+                     tile_ptr<void>(buffers[3]), tile_ptr<void>(buffers[4]));
 }
 
 // The gate (half 0) or up (half 1) tile of x for tile `index` of y.
@@ -33,28 +34,29 @@ starpu_data_handle_t half_tile(const TiledTensor& x, const TiledTensor& y, int64
   return x.tile(coord);
 }
 
-void check_layout(const TiledTensor& x, const TiledTensor& y, const char* op) {
+FloatType check_layout(const TiledTensor& x, const TiledTensor& y, const char* op) {
   const size_t n = x.ndim();
   Index y_shape(x.shape.begin(), x.shape.end()), y_tiles(x.tile_shape.begin(), x.tile_shape.end());
   if (n >= 2) {
     y_shape.erase(y_shape.end() - 2);
     y_tiles.erase(y_tiles.end() - 2);
   }
-  if (x.dtype != DType::F32 || y.dtype != DType::F32 || n < 2 || x.shape[n - 2] != 2 || x.tile_shape[n - 2] != 1 ||
-      y.shape != y_shape || y.tile_shape != y_tiles)
-    throw std::invalid_argument(std::string(op) + ": needs float32 x (..., 2, I) tiled (..., 1, ti) and y (..., I) "
-                                "tiled (..., ti): x " + x.describe() + ", y " + y.describe());
+  if ((x.dtype != DType::F32 && x.dtype != DType::BF16) || y.dtype != x.dtype || n < 2 || x.shape[n - 2] != 2 ||
+      x.tile_shape[n - 2] != 1 || y.shape != y_shape || y.tile_shape != y_tiles)
+    throw std::invalid_argument(std::string(op) + ": needs float32 or bfloat16 x (..., 2, I) tiled (..., 1, ti) and "
+                                "y (..., I) of its dtype tiled (..., ti): x " + x.describe() + ", y " + y.describe());
+  return float_type(x, op);
 }
 
 // ids [x, y]
 void swiglu_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &y = call.tensor(1);
-  check_layout(x, y, "swiglu");
+  const FloatType type = check_layout(x, y, "swiglu");
   static starpu_codelet* cl = JNNTILE_CODELET(Args, forward_kernel, "swiglu_forward");
   for (int64_t t = 0; t < y.num_tiles(); ++t) {
     const int64_t n = y.tile_numel(t);
     submit_task(cl, {{half_tile(x, y, t, 0), STARPU_R}, {half_tile(x, y, t, 1), STARPU_R}, {y.tiles[t], STARPU_W}},
-                Args{n}, 6.0 * n);
+                Args{type, n}, 6.0 * n);
   }
 }
 JNNTILE_OP(swiglu, swiglu_submit);
@@ -63,15 +65,16 @@ JNNTILE_OP(swiglu, swiglu_submit);
 void swiglu_backward_submit(const OpCall& call) {
   if (call.ids[2] < 0) return;
   const TiledTensor &x = call.tensor(0), &dy = call.tensor(1), &dx = call.tensor(2);
-  check_layout(x, dy, "swiglu backward");
+  const FloatType type = check_layout(x, dy, "swiglu backward");
   check_same_tiling(x, dx, "swiglu backward");
+  if (dx.dtype != x.dtype) throw std::invalid_argument("swiglu backward: dx must have x's dtype: " + dx.describe());
   static starpu_codelet* cl = JNNTILE_CODELET(Args, backward_kernel, "swiglu_backward");
   for (int64_t t = 0; t < dy.num_tiles(); ++t) {
     const int64_t n = dy.tile_numel(t);
     submit_task(cl,
                 {{half_tile(x, dy, t, 0), STARPU_R}, {half_tile(x, dy, t, 1), STARPU_R}, {dy.tiles[t], STARPU_R},
                  {half_tile(dx, dy, t, 0), STARPU_RW}, {half_tile(dx, dy, t, 1), STARPU_RW}},
-                Args{n}, 12.0 * n);
+                Args{type, n}, 12.0 * n);
   }
 }
 JNNTILE_OP(swiglu_backward, swiglu_backward_submit);

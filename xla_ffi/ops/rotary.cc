@@ -11,24 +11,31 @@
 namespace jnntile {
 namespace {
 
+struct RotaryArgs {
+  FloatType type;  // of x and y (dy and dx)
+  RotaryTile tile;
+};
+
 template <Device D>
-void forward_kernel(void** buffers, const RotaryTile& t) {
-  rotary_forward<D>(t, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+void forward_kernel(void** buffers, const RotaryArgs& a) {
+  rotary_forward<D>(a.type, a.tile, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
 }
 
 template <Device D>
-void backward_kernel(void** buffers, const RotaryTile& t) {
-  rotary_backward<D>(t, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+void backward_kernel(void** buffers, const RotaryArgs& a) {
+  rotary_backward<D>(a.type, a.tile, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
 }
 
-// Calls submit(tile index, RotaryTile) for every tile of x, after checking the layout and the attributes.
+// Calls submit(tile index, RotaryArgs) for every tile of x, after checking the layout and the attributes.
 template <class Submit>
 void for_each_tile(const OpCall& call, const TiledTensor& x, const TiledTensor& y, const char* op, Submit submit) {
-  if (x.dtype != DType::F32 || x.ndim() != 5 || x.tile_shape[2] != 1 || x.tile_shape[4] != x.shape[4] ||
-      x.shape[4] % 2 != 0)
-    throw std::invalid_argument(std::string(op) + ": x must be float32 (B, T, P, H, D) with an even D, tiled "
-                                "(tb, tt, 1, th, D): " + x.describe());
+  if ((x.dtype != DType::F32 && x.dtype != DType::BF16) || x.ndim() != 5 || x.tile_shape[2] != 1 ||
+      x.tile_shape[4] != x.shape[4] || x.shape[4] % 2 != 0)
+    throw std::invalid_argument(std::string(op) + ": x must be float32 or bfloat16 (B, T, P, H, D) with an even D, "
+                                "tiled (tb, tt, 1, th, D): " + x.describe());
   check_same_tiling(x, y, op);
+  if (y.dtype != x.dtype) throw std::invalid_argument(std::string(op) + ": dtypes differ: " + y.describe());
+  const FloatType type = float_type(x, op);
   auto freqs = call.attrs.get<ffi::Span<const double>>("inv_freq");
   if (freqs.has_error()) throw std::invalid_argument(std::string(op) + ": missing attribute 'inv_freq'");
   const int64_t half = x.shape[4] / 2, rotated = attr<int64_t>(call.attrs, "rotated_parts");
@@ -46,16 +53,16 @@ void for_each_tile(const OpCall& call, const TiledTensor& x, const TiledTensor& 
     t.d = ext[4];
     t.pos0 = pos + coord[1] * x.tile_shape[1];
     t.rotate = coord[2] < rotated;
-    submit(index, t);
+    submit(index, RotaryArgs{type, t});
   }
 }
 
 // ids [x, y], inputs [pos]; attrs inv_freq (D/2 floats), rotated_parts
 void rotary_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &y = call.tensor(1);
-  static starpu_codelet* cl = JNNTILE_CODELET(RotaryTile, forward_kernel, "rotary_forward");
-  for_each_tile(call, x, y, "rotary", [&](int64_t index, const RotaryTile& t) {
-    submit_task(cl, {{x.tiles[index], STARPU_R}, {y.tiles[index], STARPU_W}}, t, 6.0 * rotary::numel(t));
+  static starpu_codelet* cl = JNNTILE_CODELET(RotaryArgs, forward_kernel, "rotary_forward");
+  for_each_tile(call, x, y, "rotary", [&](int64_t index, const RotaryArgs& a) {
+    submit_task(cl, {{x.tiles[index], STARPU_R}, {y.tiles[index], STARPU_W}}, a, 6.0 * rotary::numel(a.tile));
   });
 }
 JNNTILE_OP(rotary, rotary_submit);
@@ -64,9 +71,9 @@ JNNTILE_OP(rotary, rotary_submit);
 void rotary_backward_submit(const OpCall& call) {
   if (call.ids[1] < 0) return;
   const TiledTensor &dy = call.tensor(0), &dx = call.tensor(1);
-  static starpu_codelet* cl = JNNTILE_CODELET(RotaryTile, backward_kernel, "rotary_backward");
-  for_each_tile(call, dy, dx, "rotary backward", [&](int64_t index, const RotaryTile& t) {
-    submit_task(cl, {{dy.tiles[index], STARPU_R}, {dx.tiles[index], STARPU_RW}}, t, 6.0 * rotary::numel(t));
+  static starpu_codelet* cl = JNNTILE_CODELET(RotaryArgs, backward_kernel, "rotary_backward");
+  for_each_tile(call, dy, dx, "rotary backward", [&](int64_t index, const RotaryArgs& a) {
+    submit_task(cl, {{dy.tiles[index], STARPU_R}, {dx.tiles[index], STARPU_RW}}, a, 6.0 * rotary::numel(a.tile));
   });
 }
 JNNTILE_OP(rotary_backward, rotary_backward_submit);

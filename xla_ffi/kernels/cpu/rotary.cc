@@ -28,27 +28,40 @@ void for_each_pair(const RotaryTile& t, Pair pair) {
 }  // namespace
 
 template <>
-void rotary_forward<Device::Cpu>(const RotaryTile& t, const float* x, float* y) {
-  if (!t.rotate) {
-    for (int64_t i = 0; i < rotary::numel(t); ++i) y[i] = x[i];
-    return;
-  }
-  for_each_pair(t, [&](int64_t i, int64_t j, float cos_a, float sin_a) {
-    rotary::turn(x[i], x[j], cos_a, sin_a, y[i], y[j]);
+void rotary_forward<Device::Cpu>(FloatType type, const RotaryTile& t, const void* x, void* y) {
+  visit_float(type, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xt = static_cast<const T*>(x);
+    T* yt = static_cast<T*>(y);
+    if (!t.rotate) {
+      for (int64_t i = 0; i < rotary::numel(t); ++i) yt[i] = xt[i];
+      return;
+    }
+    for_each_pair(t, [&](int64_t i, int64_t j, float cos_a, float sin_a) {
+      float a, b;
+      rotary::turn(to_float(xt[i]), to_float(xt[j]), cos_a, sin_a, a, b);
+      yt[i] = from_float<T>(a);
+      yt[j] = from_float<T>(b);
+    });
   });
 }
 
 template <>
-void rotary_backward<Device::Cpu>(const RotaryTile& t, const float* dy, float* dx) {
-  if (!t.rotate) {
-    for (int64_t i = 0; i < rotary::numel(t); ++i) dx[i] += dy[i];
-    return;
-  }
-  for_each_pair(t, [&](int64_t i, int64_t j, float cos_a, float sin_a) {
-    float a, b;
-    rotary::turn(dy[i], dy[j], cos_a, -sin_a, a, b);
-    dx[i] += a;
-    dx[j] += b;
+void rotary_backward<Device::Cpu>(FloatType type, const RotaryTile& t, const void* dy, void* dx) {
+  visit_float(type, [&](auto tag) {
+    using T = decltype(tag);
+    const T* dyt = static_cast<const T*>(dy);
+    T* dxt = static_cast<T*>(dx);
+    if (!t.rotate) {
+      for (int64_t i = 0; i < rotary::numel(t); ++i) dxt[i] = from_float<T>(to_float(dxt[i]) + to_float(dyt[i]));
+      return;
+    }
+    for_each_pair(t, [&](int64_t i, int64_t j, float cos_a, float sin_a) {
+      float a, b;
+      rotary::turn(to_float(dyt[i]), to_float(dyt[j]), cos_a, -sin_a, a, b);
+      dxt[i] = from_float<T>(to_float(dxt[i]) + a);
+      dxt[j] = from_float<T>(to_float(dxt[j]) + b);
+    });
   });
 }
 
