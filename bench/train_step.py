@@ -1,7 +1,8 @@
 """Training-step throughput: jnntile's model vs the pure-JAX reference, same model, batch and machine, one run.
 
-    .venv/bin/python bench/train_step.py [--configs tiny small 124M-4x256 124M-1x1024 124M-4x1024
-                                          124M-4x1024-remat llama-tiny smollm-135m] [--steps 10] [--json]
+    .venv/bin/python bench/train_step.py [--configs tiny small 124M-4x256 124M-4x256-bf16 124M-1x1024
+                                          124M-4x1024 124M-4x1024-remat llama-tiny smollm-135m] [--steps 10]
+                                         [--json]
 
 Both train with AdamW + global-norm clipping under `jax.jit`; the reference
 donates its parameters and optimizer state (best-practice plain JAX). Each
@@ -32,6 +33,8 @@ CONFIGS = {
     "tiny": ("tiny", dict(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=256), 8, 128),
     "small": ("tiny", dict(n_layer=6, n_head=6, n_embd=384, vocab_size=4096, n_positions=256), 8, 256),
     "124M-4x256": ("gpt2", {}, 4, 256),
+    # Mixed precision: bfloat16 activations and weight copies, float32 masters (the XLA baseline stays float32).
+    "124M-4x256-bf16": ("gpt2", dict(dtype="bfloat16"), 4, 256),
     "124M-1x1024": ("gpt2", {}, 1, 1024),
     # The cost of activation recomputation in RAM: the same step with every block recomputed.
     "124M-4x1024": ("gpt2", {}, 4, 1024),
@@ -44,7 +47,8 @@ CONFIGS = {
 def label(name: str) -> str:
     """The config name of the report: "tiny 8x128", "124M 4x256", ..."""
     _, fields, batch, seq = CONFIGS[name]
-    return f"{name.split('-')[0] if name[0].isdigit() else name} {batch}x{seq}" + (" remat" if "remat" in fields else "")
+    return (f"{name.split('-')[0] if name[0].isdigit() else name} {batch}x{seq}" + (" remat" if "remat" in fields else "")
+            + (" bf16" if "dtype" in fields else ""))
 
 
 def measure(name: str, which: str, steps: int) -> dict:

@@ -1,8 +1,8 @@
 """The command-line flags that `train`, `generate` and `memory` share, defined once with their defaults.
 
 Runtime flags map one to one onto `jnntile.runtime.RuntimeConfig` fields; a flag left out keeps the
-runtime's default (stated in RuntimeConfig). Execution flags map onto the model config's tile_* fields and
-its `remat`.
+runtime's default (stated in RuntimeConfig). Execution flags map onto the model config's tile_* fields,
+its `dtype` and its `remat`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from jnntile import runtime
-from jnntile.models import REMAT_CHOICES, TILE_AXES
+from jnntile.models import COMPUTE_DTYPES, REMAT_CHOICES, TILE_AXES
 
 # Flag -> RuntimeConfig field, for the flags that set one directly. --swap-size-mb and --swap-backend
 # count only with --swap-dir (runtime_settings); the planner reads --swap-size-mb alone as a what-if.
@@ -51,9 +51,13 @@ def runtime_settings(args) -> dict:
 
 
 def add_execution_flags(parser: argparse.ArgumentParser, training: bool = True) -> None:
-    """The tile flags, and --remat where a command trains (`training`)."""
+    """The tile flags, --dtype, and --remat where a command trains (`training`)."""
     for axis in TILE_AXES:
         parser.add_argument(f"--tile-{axis}", type=int, help=f"tile size on the {axis} axis (default: automatic)")
+    parser.add_argument("--dtype", choices=COMPUTE_DTYPES,
+                        help="compute dtype: bfloat16 makes activations and the weights' compute copies bfloat16, "
+                             "the parameters, their gradients and the optimizer state stay float32 (default: "
+                             "float32)")
     if not training:
         return
     parser.add_argument("--remat", choices=REMAT_CHOICES,
@@ -63,9 +67,11 @@ def add_execution_flags(parser: argparse.ArgumentParser, training: bool = True) 
 
 
 def execution_settings(args) -> dict:
-    """The model config's tile_* fields and remat the flags set (only those given)."""
+    """The model config's tile_* fields, dtype and remat the flags set (only those given)."""
     settings = {f"tile_{axis}": getattr(args, f"tile_{axis}") for axis in TILE_AXES
                 if getattr(args, f"tile_{axis}", None) is not None}
+    if getattr(args, "dtype", None) is not None:
+        settings["dtype"] = args.dtype
     if hasattr(args, "remat"):  # a command that trains: recomputation is chosen under a memory limit by default
         remat = args.remat or ("auto" if getattr(args, "memory_limit_mb", None) is not None else None)
         if remat is not None:

@@ -73,6 +73,7 @@ class _T:
     tile: tuple
     itemsize: int
     kind: str
+    floating: bool = True  # float32 or bfloat16: differentiated (token ids and positions are not)
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +85,7 @@ class _T:
 
     @property
     def has_grad(self) -> bool:
-        return self.kind in ("param", "act") and self.itemsize == F32
+        return self.kind in ("param", "act") and self.floating
 
 
 @dataclasses.dataclass
@@ -122,7 +123,8 @@ def record_step(build_model, loss) -> _RecordedStep:
 
     def describe(t, kind, name):
         if t.handle not in described:
-            described[t.handle] = _T(name, t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, kind)
+            described[t.handle] = _T(name, t.shape, t.tile_shape, np.dtype(t.dtype).itemsize, kind,
+                                     t.dtype in tensor_mod.FLOAT_DTYPES)
         return described[t.handle]
 
     params = [describe(variable.get_value(), "param", ".".join(str(p) for p in path))

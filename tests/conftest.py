@@ -98,6 +98,13 @@ def rng():
 # One bfloat16 ulp is 2^-8 of a value (0.4%): a result rounded once differs from the reference's by at
 # most half an ulp per element, and by an ulp where the two sum in another order before rounding.
 BFLOAT16_TOL = 1e-2
+# A whole model in bfloat16 against the float32 reference: rounding only the weights to bfloat16 (the
+# compute copies) already moves the reference's own gradients by up to 1.5e-2 (normwise) on the Llama and
+# Qwen2 fixtures, and each op rounds its output again (up to 2^-9 per element, about ten ops per block).
+# Measured: 5e-3 to 1.5e-2 for most gradients, 3e-2 at most (Qwen2's key bias, a gradient whose terms nearly
+# cancel); float32 stays within 1e-5 in the same tests, so a bfloat16 path that drops a gradient term or
+# loses the float32 accumulation (errors of 1e-1 and more) still fails.
+BFLOAT16_MODEL_TOL = 5e-2
 
 
 def check_op(op, reference, arrays, tile_shapes, *, jit, tol=1e-5, seed=0, dtype="float32"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import BFLOAT16_MODEL_TOL, rel_err
 from flax import nnx
 
 import jnntile
@@ -107,6 +107,38 @@ def test_loss_from_hugging_face_checkpoint_matches_reference():
     idx, targets = _batch(config, seed=3)
     _, loss = model(model.token_tensor(idx), model.token_tensor(targets, allow_ignore=True))
     assert rel_err(loss.numpy(), ref.loss(params, config, idx, targets)) < 1e-5
+
+
+FIXTURE_TILINGS = {  # the fixture: C 32, H 2, V 96
+    "one tile": {},
+    "many tiles": dict(tile_batch=1, tile_seq=4, tile_embd=8, tile_heads=1, tile_hidden=32, tile_vocab=24),
+    "uneven tiles": dict(tile_batch=1, tile_seq=5, tile_embd=12, tile_hidden=40, tile_vocab=40),
+}
+
+
+@pytest.mark.parametrize("tiling", FIXTURE_TILINGS.values(), ids=FIXTURE_TILINGS.keys())
+def test_bfloat16_matches_hugging_face_and_the_reference_within_rounding(tiling):
+    """--dtype bfloat16 on the Hugging Face fixture: bfloat16 activations and weight copies, float32 masters
+    whose gradients match the float32 reference's within bfloat16 rounding (BFLOAT16_MODEL_TOL)."""
+    model = families.from_hf(FIXTURE, batch_size=B, seq_len=T, dtype="bfloat16", **tiling)
+    config, params = load_hf(FIXTURE)
+    expected = np.load(FIXTURE.parent / "hf_tiny_gpt2_expected.npz")
+    idx, targets = expected["idx"], expected["targets"]
+
+    def loss_fn(m, idx, targets):
+        logits, loss = m(m.token_tensor(idx), m.token_tensor(targets, allow_ignore=True))
+        return loss, logits
+
+    (loss, logits), grads = jnntile.nn.value_and_grad(loss_fn, has_aux=True, keep_activations=True)(
+        model, idx, targets)
+    assert logits.dtype == "bfloat16"
+    assert rel_err(logits.numpy(), expected["logits"]) < BFLOAT16_MODEL_TOL
+    assert abs(float(loss) - float(expected["loss"])) < BFLOAT16_MODEL_TOL * float(expected["loss"])
+    ref_grads = jax.grad(lambda p: ref.loss(p, config, idx, targets))(params)
+    for name, g in zip(model.named_params(), jnntile.nn.tensors(grads)):
+        values = jnntile.grad_of(g).numpy()
+        assert values.dtype == np.float32, f"the gradient of the master {name} is float32"
+        assert rel_err(values.reshape(ref_grads[name].shape), ref_grads[name]) < BFLOAT16_MODEL_TOL, name
 
 
 def test_a_model_built_for_loading_computes_no_initial_values():

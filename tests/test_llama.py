@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import rel_err
+from conftest import BFLOAT16_MODEL_TOL, rel_err
 from flax import nnx
 
 import jnntile
@@ -76,6 +76,27 @@ def test_logits_loss_and_gradients_match_the_reference_and_transformers(name, ti
     for key, grad in grads.items():
         assert rel_err(grad, ref_grads[key]) < 1e-5, key
         assert rel_err(grad, expected["grad:" + key]) < 1e-4, key
+
+
+@pytest.mark.parametrize("tiling", ["one tile", "uneven tiles"])
+@pytest.mark.parametrize("name", FIXTURES)
+def test_bfloat16_matches_transformers_and_the_reference_within_rounding(name, tiling):
+    """dtype="bfloat16": logits near transformers' float32 ones, float32 master gradients near the
+    reference's, within bfloat16 rounding (BFLOAT16_MODEL_TOL)."""
+    directory, params, expected = _fixture(name)
+    idx, targets = expected["idx"], expected["targets"]
+    model = families.from_hf(directory, batch_size=B, seq_len=T, dtype="bfloat16", **TILINGS[tiling])
+    logits, _ = model(model.token_tensor(idx))
+    assert logits.dtype == "bfloat16"
+    assert rel_err(logits.numpy(), expected["logits"]) < BFLOAT16_MODEL_TOL
+    loss, grads = _loss_and_grads(model, idx, targets)
+    ref_params = {k: jnp.asarray(v) for k, v in params.items()}
+    ref_loss, ref_grads = jax.value_and_grad(ref.loss)(ref_params, model.config, jnp.asarray(idx),
+                                                       jnp.asarray(targets))
+    assert abs(loss - float(ref_loss)) < BFLOAT16_MODEL_TOL * float(ref_loss)
+    for key, grad in grads.items():
+        assert grad.dtype == np.float32, key
+        assert rel_err(grad, ref_grads[key]) < BFLOAT16_MODEL_TOL, key
 
 
 def test_save_hf_writes_the_checkpoint_back(tmp_path):

@@ -192,14 +192,17 @@ TINY = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=2048, n_positions=
                   tile_embd=64, tile_heads=2, tile_hidden=256, tile_vocab=512)
 
 
-def test_planner_counts_what_a_traced_step_creates(restore_runtime):
-    """The planner's activations are exactly the tensors a jitted step of jnntile/models/gpt2/model.py creates."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planner_counts_what_a_traced_step_creates(restore_runtime, dtype):
+    """The planner's activations are exactly the tensors a jitted step of jnntile/models/gpt2/model.py creates,
+    in bytes of their dtypes (bfloat16: the activations and weight copies; the parameters stay float32)."""
     from jnntile import tensor as tensor_mod
 
     _restart(memory_limit_mb=1024, swap_dir=None)
-    plan = memory.plan(TINY, 2, 64)
-    model = gpt2.GPT2(TINY, batch_size=2, seq_len=64)
-    assert plan.n_params == TINY.n_params()
+    config = dataclasses.replace(TINY, dtype=dtype)
+    plan = memory.plan(config, 2, 64)
+    model = gpt2.GPT2(config, batch_size=2, seq_len=64)
+    assert plan.n_params == TINY.n_params() and plan.parameters == 4 * plan.n_params
     created = []
     original = tensor_mod.new_handle
 
@@ -215,7 +218,8 @@ def test_planner_counts_what_a_traced_step_creates(restore_runtime):
         fn.lower(model, ids)
     finally:
         tensor_mod.new_handle = original
-    assert sum(np.prod(h.shape) * 4 for h in created) == plan.activations + plan.inputs
+    assert sum(np.prod(h.shape) * np.dtype(h.dtype).itemsize for h in created) == plan.activations + plan.inputs
+    assert {h.dtype for h in created} >= {dtype}
 
 
 def test_planner_peak_against_the_measured_peak(restore_runtime):

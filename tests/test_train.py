@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from conftest import rel_err
 
 from jnntile import data as data_mod
@@ -106,6 +107,22 @@ def test_resume_with_micro_batches_is_bit_identical(dataset, tmp_path):
     _run(dataset, tmp_path / "resumed", *common, "--steps", "2")
     _run(dataset, tmp_path / "resumed", *common, "--steps", "4", "--resume")
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+
+
+def test_bfloat16_trains_near_float32_and_resumes_bit_identically(dataset, tmp_path):
+    """--dtype bfloat16: float32 masters in the checkpoint, losses near float32's, resume bit for bit."""
+    common = ["--eval-interval", "0", "--samples", "0", "--dropout", "0.1", "--lr", "3e-3"]
+    _run(dataset, tmp_path / "float32", *common, "--steps", "8")
+    _run(dataset, tmp_path / "straight", *common, "--steps", "8", "--dtype", "bfloat16")
+    _run(dataset, tmp_path / "resumed", *common, "--steps", "4", "--dtype", "bfloat16")
+    _run(dataset, tmp_path / "resumed", *common, "--steps", "8", "--dtype", "bfloat16", "--resume")
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    bf16, f32 = _losses(tmp_path / "straight"), _losses(tmp_path / "float32")
+    assert bf16 != f32, "bfloat16 rounds: the losses differ from float32's"
+    assert rel_err(bf16, f32) < 1e-2, (bf16, f32)  # 8 steps: the bfloat16 rounding, not a drift, separates them
+    latest = tmp_path / "straight" / (tmp_path / "straight" / "latest").read_text()
+    masters = safetensors.numpy.load_file(latest / "model.safetensors")
+    assert masters and all(v.dtype == np.float32 for v in masters.values())
 
 
 def test_export_and_init_from_hugging_face(dataset, tmp_path):

@@ -30,13 +30,19 @@ TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
 # block keep only its input and recompute its forward in the backward (jnntile.remat); "auto" lets the
 # memory planner choose before the model is built (jnntile.memory.choose_remat).
 REMAT_CHOICES = ("none", "block", "auto")
+COMPUTE_DTYPES = ("float32", "bfloat16")  # of activations and weight copies; parameters are float32
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionFields:
     """How a model is executed, fields every model config has: the tile_<axis> sizes (None lets jnntile choose;
-    see TILE_AXES) and `remat`. They change neither the model nor its results, so a checkpoint resumes under
-    other ones."""
+    see TILE_AXES), `remat` and `dtype`. They change neither the model nor its parameters, so a checkpoint
+    resumes under other ones; tiles and recomputation do not change its results either, `dtype` rounds them.
+
+    `dtype` is the compute dtype (Flax's `dtype`): with "bfloat16" the activations, their gradients and the
+    compute copies of the weights are bfloat16 tiles, while the parameters (masters), their gradients and
+    the optimizer state stay float32 (Flax's `param_dtype`); products, normalisation statistics, softmax and
+    the loss run in float32 inside the ops."""
 
     tile_batch: Optional[int] = None
     tile_seq: Optional[int] = None
@@ -48,6 +54,7 @@ class ExecutionFields:
     # With remat="block": how many blocks are recomputed, from the first (None: all). At the end of the
     # forward every block's activations are alive, so any k blocks lower that peak alike.
     remat_blocks: Optional[int] = None
+    dtype: str = "float32"
 
     @classmethod
     def execution_field_names(cls) -> tuple[str, ...]:
@@ -58,6 +65,8 @@ class ExecutionFields:
         raise NotImplementedError
 
     def check_execution_fields(self) -> None:
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(COMPUTE_DTYPES)}")
         if self.remat not in REMAT_CHOICES:
             raise ValueError(f"remat={self.remat!r}: use one of {', '.join(REMAT_CHOICES)}")
         if self.remat_blocks is not None and (not is_int(self.remat_blocks) or self.remat_blocks < 0):

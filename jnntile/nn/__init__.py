@@ -11,6 +11,11 @@ is derived from the model seed and the parameter's name, so the same seed
 gives the same weights for any tiling and any number of workers. Modules
 built inside `uninitialized()` get parameters that hold nothing yet, for a
 loader that overwrites them all.
+
+Mixed precision follows Flax: parameters are float32 (`param_dtype`), and a
+module's `dtype` ("bfloat16") is the dtype it computes and outputs in: its
+weight enters the products as a bfloat16 copy (`jnntile.convert`, one task per
+tile per step), whose gradient adds into the float32 master's.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ def _param(initial: Callable[[], Tensor], shape, tile_shape) -> nnx.Param:
     return nnx.Param(initial() if _initialize else jnntile.empty(shape, tile_shape=tile_shape))
 
 
+def compute_copy(weight: Tensor, dtype: str) -> Tensor:
+    """`weight` itself when it has `dtype`, else its copy in `dtype` (differentiable into the master)."""
+    return weight if weight.dtype == dtype else jnntile.convert(weight, dtype)
+
+
 def param_seed(seed: int, name: str) -> int:
     """A per-parameter seed: stable across runs, tilings and Python versions."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
@@ -66,12 +76,14 @@ class Linear(nnx.Module):
     W: (*in_shape, *out_shape) tiled (*in_tiles, *out_tiles); b: out_shape. With
     `weight_out_first`, W is (*out_shape, *in_shape), as torch.nn.Linear stores it,
     and y = x @ W^T: Hugging Face's weights then load without a transpose.
+    x and y have `dtype`; W and b are float32 (a bfloat16 y adds the float32 b in float32).
     """
 
     def __init__(self, in_shape, out_shape, *, in_tiles, out_tiles, seed: int, name: str,
-                 std: float = 0.02, use_bias: bool = True, weight_out_first: bool = False):
+                 std: float = 0.02, use_bias: bool = True, weight_out_first: bool = False, dtype: str = "float32"):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         self.in_ndim = len(in_shape)
+        self.dtype = dtype
         self.weight_out_first = weight_out_first
         shape = out_shape + in_shape if weight_out_first else in_shape + out_shape
         weight_tiles = tuple(out_tiles) + tuple(in_tiles) if weight_out_first else tuple(in_tiles) + tuple(out_tiles)
@@ -82,7 +94,8 @@ class Linear(nnx.Module):
                            tuple(out_tiles)) if use_bias else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        y = gemm.matmul(x, self.weight.get_value(), ndim=self.in_ndim, trans_b=self.weight_out_first)
+        y = gemm.matmul(x, compute_copy(self.weight.get_value(), self.dtype), ndim=self.in_ndim,
+                        trans_b=self.weight_out_first)
         if self.bias is not None:
             y = bias_ops.add_bias(y, self.bias.get_value())
         return y
@@ -112,16 +125,22 @@ class RMSNorm(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    """A (num_embeddings, features) table looked up by int32 ids."""
+    """A (num_embeddings, features) float32 table looked up by int32 ids, into rows of `dtype`."""
 
-    def __init__(self, num_embeddings: int, features: int, *, tiles, seed: int, name: str, std: float = 0.02):
+    def __init__(self, num_embeddings: int, features: int, *, tiles, seed: int, name: str, std: float = 0.02,
+                 dtype: str = "float32"):
+        self.dtype = dtype
         self.weight = _param(lambda: jnntile.random_normal((num_embeddings, features),
                                                            param_seed(seed, name + ".weight"), std=std,
                                                            tile_shape=tuple(tiles)),
                              (num_embeddings, features), tuple(tiles))
 
     def __call__(self, ids: Tensor) -> Tensor:
-        return embedding_ops.embedding(ids, self.weight.get_value())
+        return embedding_ops.embedding(ids, self.weight.get_value(), dtype=self.dtype)
+
+    def attend(self, x: Tensor) -> Tensor:
+        """x @ table^T in `dtype` (a head tied to the embeddings, or a head stored like them): (..., V)."""
+        return gemm.matmul(x, compute_copy(self.weight.get_value(), self.dtype), trans_b=True)
 
 
 class Dropout(nnx.Module):

@@ -25,7 +25,6 @@ from jnntile.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import elementwise as ew
 from jnntile.ops import embedding as embedding_ops
-from jnntile.ops import gemm
 from jnntile.tensor import Tensor
 
 from jnntile.models import LanguageModel, Tiles, recomputed_blocks, resolve_tiles
@@ -37,10 +36,10 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPT2Config, tiles: Tiles, seed: int, prefix: str):
         C, H, D = config.n_embd, config.n_head, config.head_dim
         self.c_attn = nn.Linear((C,), (3, H, D), in_tiles=(tiles.embd,), out_tiles=(1, tiles.heads, D),
-                                seed=seed, name=prefix + "c_attn")
+                                seed=seed, name=prefix + "c_attn", dtype=config.dtype)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) at init.
         self.c_proj = nn.Linear((H, D), (C,), in_tiles=(tiles.heads, D), out_tiles=(tiles.embd,), seed=seed,
-                                name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer))
+                                name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer), dtype=config.dtype)
 
     def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
         """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it."""
@@ -53,9 +52,9 @@ class MLP(nnx.Module):
     def __init__(self, config: GPT2Config, tiles: Tiles, seed: int, prefix: str):
         C = config.n_embd
         self.c_fc = nn.Linear((C,), (4 * C,), in_tiles=(tiles.embd,), out_tiles=(tiles.hidden,), seed=seed,
-                              name=prefix + "c_fc")
+                              name=prefix + "c_fc", dtype=config.dtype)
         self.c_proj = nn.Linear((4 * C,), (C,), in_tiles=(tiles.hidden,), out_tiles=(tiles.embd,), seed=seed,
-                                name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer))
+                                name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer), dtype=config.dtype)
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.c_proj(ew.gelu_tanh(self.c_fc(x)))  # (B, T, 4C) -> (B, T, C)
@@ -88,9 +87,10 @@ class GPT2(LanguageModel):
         self.tiles = tiles = resolve_tiles(config, batch_size, seq_len)
         self.recomputed_blocks = recomputed_blocks(config)
         C = config.n_embd
-        self.wte = nn.Embedding(config.vocab_size, C, tiles=(tiles.vocab, tiles.embd), seed=seed, name="wte")
+        self.wte = nn.Embedding(config.vocab_size, C, tiles=(tiles.vocab, tiles.embd), seed=seed, name="wte",
+                                dtype=config.dtype)
         self.wpe = nn.Embedding(config.n_positions, C, tiles=(tiles.seq, tiles.embd), seed=seed, name="wpe",
-                                std=0.01)
+                                std=0.01, dtype=config.dtype)
         self.embd_dropout = nn.Dropout(config.dropout, site=0)
         self.h = nnx.List([Block(config, tiles, seed, i) for i in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(C, tile=tiles.embd, eps=config.layer_norm_epsilon)
@@ -124,7 +124,7 @@ class GPT2(LanguageModel):
 
     def head(self, x: Tensor) -> Tensor:
         """Logits (B, T, V) of the last block's output: final layer norm, then the head tied to wte."""
-        return gemm.matmul(self.ln_f(x), self.wte.weight.get_value(), trans_b=True)
+        return self.wte.attend(self.ln_f(x))
 
     # ---- Hugging Face layout
 

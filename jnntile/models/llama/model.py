@@ -26,7 +26,6 @@ from jnntile.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import elementwise as ew
 from jnntile.ops import gated
-from jnntile.ops import gemm
 from jnntile.ops import rotary as rotary_ops
 from jnntile.tensor import Tensor
 
@@ -36,9 +35,9 @@ from . import hf
 from .config import LlamaConfig
 
 
-def _linear(in_shape, out_shape, in_tiles, out_tiles, *, seed, name, bias=False):
+def _linear(in_shape, out_shape, in_tiles, out_tiles, *, seed, name, dtype, bias=False):
     return nn.Linear(in_shape, out_shape, in_tiles=in_tiles, out_tiles=out_tiles, seed=seed, name=name,
-                     use_bias=bias, weight_out_first=True)
+                     use_bias=bias, weight_out_first=True, dtype=dtype)
 
 
 class Attention(nnx.Module):
@@ -47,11 +46,11 @@ class Attention(nnx.Module):
         self.groups = G
         self.inv_freq = tuple(float(f) for f in config.inverse_frequencies())
         self.qkv_proj = _linear((C,), (G + 2, KV, D), (tiles.embd,), (1, tiles.heads, D), seed=seed,
-                                name=prefix + "qkv_proj", bias=config.qkv_bias)
+                                name=prefix + "qkv_proj", dtype=config.dtype, bias=config.qkv_bias)
         # The attention output is (B, T, KV, D) where G = 1 (multi-head attention).
         heads, head_tiles = ((KV, D), (tiles.heads, D)) if G == 1 else ((G, KV, D), (1, tiles.heads, D))
         self.o_proj = _linear(heads, (C,), head_tiles, (tiles.embd,), seed=seed, name=prefix + "o_proj",
-                              bias=config.o_bias)
+                              dtype=config.dtype, bias=config.o_bias)
 
     def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
         """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it."""
@@ -66,8 +65,9 @@ class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, tiles: Tiles, seed: int, prefix: str):
         C, I = config.hidden_size, config.intermediate_size
         self.gate_up_proj = _linear((C,), (2, I), (tiles.embd,), (1, tiles.hidden), seed=seed,
-                                    name=prefix + "gate_up_proj")
-        self.down_proj = _linear((I,), (C,), (tiles.hidden,), (tiles.embd,), seed=seed, name=prefix + "down_proj")
+                                    name=prefix + "gate_up_proj", dtype=config.dtype)
+        self.down_proj = _linear((I,), (C,), (tiles.hidden,), (tiles.embd,), seed=seed, name=prefix + "down_proj",
+                                 dtype=config.dtype)
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.down_proj(gated.swiglu(self.gate_up_proj(x)))  # (B, T, 2, I) -> (B, T, I) -> (B, T, C)
@@ -101,12 +101,12 @@ class Llama(LanguageModel):
         self.recomputed_blocks = recomputed_blocks(config)
         C, V = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Embedding(V, C, tiles=(tiles.vocab, tiles.embd), seed=seed,
-                                         name="model.embed_tokens")
+                                         name="model.embed_tokens", dtype=config.dtype)
         self.layers = nnx.List([DecoderLayer(config, tiles, seed, i) for i in range(config.num_hidden_layers)])
         self.norm = nn.RMSNorm(C, tile=tiles.embd, eps=config.rms_norm_eps)
         # An untied head is a (V, C) table like the embeddings: logits = x @ lm_head^T.
         self.lm_head = None if config.tie_word_embeddings else nn.Embedding(
-            V, C, tiles=(tiles.vocab, tiles.embd), seed=seed, name="lm_head")
+            V, C, tiles=(tiles.vocab, tiles.embd), seed=seed, name="lm_head", dtype=config.dtype)
 
     # ---- forward
 
@@ -129,7 +129,7 @@ class Llama(LanguageModel):
     def head(self, x: Tensor) -> Tensor:
         """Logits (B, T, V) of the last layer's output: final RMSNorm, then the (tied) head."""
         table = self.embed_tokens if self.lm_head is None else self.lm_head
-        return gemm.matmul(self.norm(x), table.weight.get_value(), trans_b=True)
+        return table.attend(self.norm(x))
 
     # ---- Hugging Face files
 
