@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from jnntile.ops import data as data_ops
@@ -42,7 +43,9 @@ MAX_HEADER_BYTES = 100_000_000
 
 
 def dtype_code(dtype) -> str:
-    """The safetensors name of a numpy dtype ("F32" for float32)."""
+    """The safetensors name of a numpy dtype ("F32" for float32, "BF16" for ml_dtypes' bfloat16)."""
+    if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16):
+        return "BF16"
     code = _CODES.get(np.dtype(dtype).newbyteorder("="))
     if code is None:
         raise TypeError(f"dtype {np.dtype(dtype).name} has no safetensors equivalent")
@@ -296,12 +299,13 @@ def _pwrite(fd, buffer: np.ndarray, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def write_file(path, tensors: Mapping, metadata: dict | None = None) -> None:
+def write_file(path, tensors: Mapping, metadata: dict | None = None, float_dtype=None) -> None:
     """Writes a new safetensors file holding `tensors` (name -> numpy or JAX array, Tensor, Reshaped or Derived).
 
     Arrays are written whole; tiled tensors chunk by chunk, straight from their
     tiles to their place in the file; a Derived is computed when its turn comes. The file is complete only when this
-    returns: callers write under a temporary name and rename.
+    returns: callers write under a temporary name and rename. With `float_dtype` ("float32" or "bfloat16"), every
+    floating tensor is written in that dtype (rounded to nearest even), chunk by chunk.
     """
     entries, position = {}, 0
     for name, value in tensors.items():
@@ -309,11 +313,14 @@ def write_file(path, tensors: Mapping, metadata: dict | None = None) -> None:
             value = Reshaped(value, value.shape)
         elif not isinstance(value, (Reshaped, Derived)):
             value = np.asarray(value, order="C")  # (ascontiguousarray would make scalars 1-d)
-        nbytes = math.prod(value.shape) * value.dtype.itemsize
-        entries[name] = (value, {"dtype": dtype_code(value.dtype), "shape": list(value.shape),
-                                 "data_offsets": [position, position + nbytes]})
+        dtype = value.dtype
+        if float_dtype is not None and (np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16):
+            dtype = np.dtype(float_dtype)
+        nbytes = math.prod(value.shape) * dtype.itemsize
+        entries[name] = (value, dtype, {"dtype": dtype_code(dtype), "shape": list(value.shape),
+                                        "data_offsets": [position, position + nbytes]})
         position += nbytes
-    header = {name: entry for name, (_, entry) in entries.items()}
+    header = {name: entry for name, (_, _, entry) in entries.items()}
     if metadata:
         header = {"__metadata__": metadata, **header}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -333,18 +340,19 @@ def write_file(path, tensors: Mapping, metadata: dict | None = None) -> None:
 
 
 def _blocks(entries, data_start):
-    """(flat array, [(file offset, elements)] of its runs) for all data of `entries`, in file order: arrays
-    whole, tiled tensors a chunk at a time."""
-    for value, entry in entries:
+    """(flat array, [(file offset, elements)] of its runs) for all data of `entries` (value, dtype written,
+    header entry), in file order: arrays whole, tiled tensors a chunk at a time."""
+    for value, dtype, entry in entries:
         begin = data_start + entry["data_offsets"][0]
         if isinstance(value, (np.ndarray, Derived)):
-            array = np.asarray(value).reshape(-1)
+            array = np.asarray(value).reshape(-1).astype(dtype, copy=False)
             yield array, [(begin, array.size)]
             continue
-        itemsize = value.dtype.itemsize
+        itemsize = dtype.itemsize
         for chunk, block in data_ops.read_chunks(value.tensor):
-            yield block.reshape(-1), [(begin + offset * itemsize, length)
-                                      for offset, length in _runs(value.tensor.shape, chunk.start, chunk.stop)]
+            yield block.reshape(-1).astype(dtype, copy=False), [
+                (begin + offset * itemsize, length) for offset, length in _runs(value.tensor.shape, chunk.start,
+                                                                                chunk.stop)]
             del block  # one chunk in memory at a time
 
 

@@ -80,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--init-from-hf", metavar="DIR", help="start from a Hugging Face checkpoint directory (GPT-2, "
                    "Llama, Mistral, Qwen2: its config.json's model_type tells)")
     p.add_argument("--export-hf", metavar="DIR", help="write the final weights as a Hugging Face checkpoint")
+    p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the --export-hf weights (bfloat16: rounded to nearest even from the float32 "
+                        "parameters; checkpoints stay float32)")
     flags.add_runtime_flags(p)
     p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="text samples printed at the end")
     p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"])
@@ -278,7 +281,7 @@ def _evaluate(eval_step, params, dataset, args) -> float:
 
 # Flags that may differ between the ranks of a distributed run: where things are on each machine, what
 # each machine can hold, what rank 0 alone does. The rest must be the same on every rank.
-PER_RANK_FLAGS = {"data", "out", "quiet", "init_from_hf", "export_hf", "workers", "memory_limit_mb", "swap_dir",
+PER_RANK_FLAGS = {"data", "out", "quiet", "init_from_hf", "export_hf", "export_dtype", "workers", "memory_limit_mb", "swap_dir",
                   "swap_size_mb", "swap_backend", "gpu_memory_limit_mb", "cuda_workers"}
 
 
@@ -509,8 +512,8 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     plot_losses(metrics_path, out / "loss.png")
     final_model = nnx.merge(graphdef, params)
     if args.export_hf:
-        families.save_hf(final_model, args.export_hf)
-        print(f"exported Hugging Face checkpoint to {args.export_hf}")
+        families.save_hf(final_model, args.export_hf, args.export_dtype)
+        print(f"exported Hugging Face checkpoint ({args.export_dtype}) to {args.export_hf}")
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     summary = {"step": step, "losses": losses, "checkpoint": str(path), "first_loss": rows[0]["loss"] if rows else None,
                "last_loss": rows[-1]["loss"] if rows else None,

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -113,7 +114,8 @@ def test_bfloat16_trains_near_float32_and_resumes_bit_identically(dataset, tmp_p
     """--dtype bfloat16: float32 masters in the checkpoint, losses near float32's, resume bit for bit."""
     common = ["--eval-interval", "0", "--samples", "0", "--dropout", "0.1", "--lr", "3e-3"]
     _run(dataset, tmp_path / "float32", *common, "--steps", "8")
-    _run(dataset, tmp_path / "straight", *common, "--steps", "8", "--dtype", "bfloat16")
+    _run(dataset, tmp_path / "straight", *common, "--steps", "8", "--dtype", "bfloat16",
+         "--export-hf", str(tmp_path / "hf"), "--export-dtype", "bfloat16")
     _run(dataset, tmp_path / "resumed", *common, "--steps", "4", "--dtype", "bfloat16")
     _run(dataset, tmp_path / "resumed", *common, "--steps", "8", "--dtype", "bfloat16", "--resume")
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
@@ -123,6 +125,15 @@ def test_bfloat16_trains_near_float32_and_resumes_bit_identically(dataset, tmp_p
     latest = tmp_path / "straight" / (tmp_path / "straight" / "latest").read_text()
     masters = safetensors.numpy.load_file(latest / "model.safetensors")
     assert masters and all(v.dtype == np.float32 for v in masters.values())
+    # --export-dtype bfloat16: the masters rounded to nearest even, as numpy's ml_dtypes rounds them
+    with open(tmp_path / "hf" / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert {entry["dtype"] for name, entry in header.items() if name != "__metadata__"} == {"BF16"}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _, exported = load_hf(tmp_path / "hf")  # widened to float32 exactly
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, masters["transformer." + name].astype(ml_dtypes.bfloat16)
+                                      .astype(np.float32), err_msg=name)
 
 
 def test_export_and_init_from_hugging_face(dataset, tmp_path):

@@ -24,7 +24,7 @@ class Family:
     model_types: tuple[str, ...]  # the config.json model_type values it reads
     config: type  # preset(name, **overrides), from_hf_dict, param_shapes, n_params, axis_sizes
     model: type  # model(config, *, batch_size, seq_len, seed); max_positions, named_params, load_hf_params...
-    hf: ModuleType  # read_config(directory, **tiles), open_hf(directory, **tiles), save_hf(directory, config, ...)
+    hf: ModuleType  # read_config(directory, **tiles), open_hf(directory, **tiles), save_hf(directory, config, params, dtype)
     presets: dict
 
 
@@ -94,6 +94,7 @@ def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **tiles)
     return model
 
 
-def save_hf(model, directory) -> None:
-    """Writes `model` as a Hugging Face checkpoint directory of its family (config.json, model.safetensors)."""
-    of_config(model.config).hf.save_hf(directory, model.config, model.to_hf_params())
+def save_hf(model, directory, dtype: str = "float32") -> None:
+    """Writes `model` as a Hugging Face checkpoint directory of its family (config.json, model.safetensors in
+    `dtype`: float32, or bfloat16 rounded to nearest even from the float32 parameters)."""
+    of_config(model.config).hf.save_hf(directory, model.config, model.to_hf_params(), dtype)

@@ -85,8 +85,8 @@ def load_hf(directory) -> tuple[GPT2Config, dict[str, np.ndarray]]:
     return config, {name: value.read().astype(np.float32, copy=False) for name, value in params.items()}
 
 
-def save_hf(directory, config: GPT2Config, params: dict) -> None:
-    """Write config.json and model.safetensors (float32, "transformer."-prefixed
+def save_hf(directory, config: GPT2Config, params: dict, dtype: str = "float32") -> None:
+    """Write config.json and model.safetensors (in `dtype`, float32 or bfloat16; "transformer."-prefixed
     names, no lm_head) into directory, creating it. Params are arrays or tiled
     parameters (`Reshaped`, streamed from their tiles). Each file is written to
     a temporary name and renamed, so a crash never leaves a half-written file."""
@@ -97,8 +97,9 @@ def save_hf(directory, config: GPT2Config, params: dict) -> None:
                np.asarray(value, np.float32) for name, value in checked.items()}
 
     # "format": "pt" is the metadata transformers requires to load the file.
-    write_atomically(directory / WEIGHTS_FILE, lambda path: write_file(path, tensors, metadata={"format": "pt"}))
-    text = json.dumps(config.to_hf_dict(), indent=2) + "\n"
+    write_atomically(directory / WEIGHTS_FILE, lambda path: write_file(path, tensors, metadata={"format": "pt"},
+                                                                      float_dtype=dtype))
+    text = json.dumps({**config.to_hf_dict(), "torch_dtype": dtype}, indent=2) + "\n"
     write_atomically(directory / CONFIG_FILE, lambda path: Path(path).write_text(text))
 
 

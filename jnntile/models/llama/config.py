@@ -227,7 +227,7 @@ class LlamaConfig(ExecutionFields):
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
             max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta, rope_scaling=self.rope_scaling_dict,
-            tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu", torch_dtype="float32")
+            tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu")
         if self.model_type == "llama":
             hf["attention_bias"] = self.o_bias
         if self.sliding_window is not None:

@@ -8,7 +8,7 @@ one, is skipped (the embeddings serve).
 Nothing needs a whole checkpoint in RAM: `open_hf` checks the files and returns the tensors unread
 (`jnntile.tensorfile.FileTensor`); `to_model` describes each parameter of `model.Llama` as the file
 tensors it is made of (`tensorfile.Stacked`: q, k and v for the fused projection, gate and up), which
-`load_into` streams into the tiles chunk by chunk. `save_hf` writes float32 files in Hugging Face's
+`load_into` streams into the tiles chunk by chunk. `save_hf` writes float32 or bfloat16 files in Hugging Face's
 names: a tensor that is a parameter as it is streams from its tiles, one cut from a fused parameter
 (q_proj from qkv_proj) is computed when it is written, one at a time.
 """
@@ -140,13 +140,14 @@ def from_model(config: LlamaConfig, tensors: dict) -> dict:
     return out
 
 
-def save_hf(directory, config: LlamaConfig, tensors: dict) -> None:
-    """Writes config.json and model.safetensors (float32) into directory, creating it; `tensors` as
+def save_hf(directory, config: LlamaConfig, tensors: dict, dtype: str = "float32") -> None:
+    """Writes config.json and model.safetensors (in `dtype`, float32 or bfloat16) into directory, creating it; `tensors` as
     `from_model` gives them. Each file is written under a temporary name and renamed."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     checked(tensors, config, "the params to save")
     # "format": "pt" is the metadata transformers requires to load the file.
-    write_atomically(directory / WEIGHTS_FILE, lambda path: write_file(path, tensors, metadata={"format": "pt"}))
-    text = json.dumps(config.to_hf_dict(), indent=2) + "\n"
+    write_atomically(directory / WEIGHTS_FILE, lambda path: write_file(path, tensors, metadata={"format": "pt"},
+                                                                      float_dtype=dtype))
+    text = json.dumps({**config.to_hf_dict(), "torch_dtype": dtype}, indent=2) + "\n"
     write_atomically(directory / CONFIG_FILE, lambda path: Path(path).write_text(text))
