@@ -119,7 +119,8 @@ class KVCache:
         call: XLA keeps it though nothing consumes its token.
         """
         keep = self.keep | set(also_keep)
-        dead = [h for h in self.step.touched if h not in keep and not LEDGER.invalidated(h)]
+        dead = [h for h in self.step.touched
+                if h not in keep and h.master is None and not LEDGER.invalidated(h)]  # compute copies persist
         self.step.touched.clear()
         if dead:
             _ffi.call("invalidate", dead, [_ffi.join(*after)], writes=dead)

@@ -215,7 +215,7 @@ def remat(fn: Callable) -> Callable:
         step.touched.update(touched_before)
         if not step.keep_activations and _ffi.RELEASE:
             keep = {t.handle for t in jax.tree.leaves(args, is_leaf=_is_tensor) if _is_tensor(t)} | {y.handle}
-            dead = [h for h in created if h not in keep]
+            dead = [h for h in created if h not in keep and h.master is None]  # compute copies persist
             if dead:
                 y = y.with_token(call("invalidate", dead, [y.token], writes=dead))
                 for h in dead:

@@ -66,7 +66,8 @@ class MemoryPlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class _T:
-    """A tensor of the step: bytes, tile bytes, kind ("param", "act", "scratch", "input")."""
+    """A tensor of the step: bytes, tile bytes, kind ("param", "act", "scratch", "input", "copy": a
+    parameter's persistent compute copy, written by the optimizer update)."""
 
     name: str
     shape: tuple
@@ -85,7 +86,7 @@ class _T:
 
     @property
     def has_grad(self) -> bool:
-        return self.kind in ("param", "act") and self.floating
+        return self.kind in ("param", "act", "copy") and self.floating
 
 
 @dataclasses.dataclass
@@ -107,6 +108,7 @@ class _RecordedStep:
     ops: list  # _Op
     params: list  # _T
     inputs: list  # _T
+    copies: dict = dataclasses.field(default_factory=dict)  # parameter name -> its compute copy (_T)
 
 
 def record_step(build_model, loss) -> _RecordedStep:
@@ -137,7 +139,8 @@ def record_step(build_model, loss) -> _RecordedStep:
         for t in op.inputs:
             if t.handle not in described:  # data written from the host (token ids, positions), not by an op
                 inputs.append(describe(t, "input", f"{name} input"))
-        outputs = [describe(t, "act", f"{name} output") for t in op.outputs]
+        outputs = [describe(t, "act", f"{name} output") if t.handle.master is None else
+                   describe(t, "copy", f"{described[t.handle.master].name} compute copy") for t in op.outputs]
         residuals = [describe(t, "scratch", f"{name} scratch") for t in op.residuals]
         ops.append(_Op(name, [described[t.handle] for t in op.inputs], outputs, residuals,
                        [(op.task_bytes, op.task)]))
@@ -147,7 +150,8 @@ def record_step(build_model, loss) -> _RecordedStep:
         last = next(i for i in range(len(ops) - 1, start - 1, -1)
                     if any(t.handle == region.output.handle for t in recorded[i].outputs))
         ops[last].region_start, ops[last].region_output = start, described[region.output.handle]
-    return _RecordedStep(ops, params, inputs)
+    copies = {described[h.master].name: t for h, t in described.items() if t.kind == "copy"}
+    return _RecordedStep(ops, params, inputs, copies)
 
 
 def _trace_step(config, batch_size: int, seq_len: int, tiles) -> _RecordedStep:
@@ -184,13 +188,14 @@ class MemoryPlan:
     seq_len: int = 0
     tiles: object = None  # jnntile.models.Tiles
     grad_accum_steps: int = 1  # micro-batches of (batch_size, seq_len) per step
+    compute_copies: int = 0  # the parameters' bfloat16 copies of a model in bfloat16, kept between steps
     tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
     step: _RecordedStep = dataclasses.field(default=None, repr=False)  # what the numbers come from
 
     @property
     def state(self) -> int:
-        """Parameters + gradients + optimizer state."""
-        return self.parameters + self.gradients + self.optimizer_state
+        """Parameters + gradients + optimizer state + compute copies."""
+        return self.parameters + self.gradients + self.optimizer_state + self.compute_copies
 
     @property
     def concurrent_tasks(self) -> int:
@@ -341,6 +346,8 @@ class MemoryPlan:
             ("gradients", self.gradients / MB, "freed by the optimizer update" + (
                 ", kept between micro-batches" if self.grad_accum_steps > 1 else "")),
             ("optimizer state", self.optimizer_state / MB, self.optimizer),
+            *([("compute copies", self.compute_copies / MB, "bfloat16 weights, written by the update")]
+              if self.compute_copies else []),
             ("token ids", self.inputs / MB, "idx, targets, positions"),
             ("activations kept for backward", self.activations / MB, "incl. layer-norm/attention/loss residuals"),
             ("activation gradients (peak)", self.activation_gradients / MB, "alive at once in the backward pass"),
@@ -373,8 +380,9 @@ def _largest_task_of_tiles(config, batch_size, seq_len, tiles: tuple, optimizer:
 def _largest_of(step: _RecordedStep, optimizer: str):
     tasks = [task for op in step.ops for task in op.tasks]
     n_state = OPTIMIZER_STATES[optimizer]
-    for p in step.params:  # optimizer update: parameter, gradient and states, one tile each
-        tasks.append(((2 + n_state) * p.tile_bytes, f"{optimizer} update of a {p.name} tile {_tile_str(p)}"))
+    for p in step.params:  # optimizer update: parameter, gradient, states and compute copy, one tile each
+        copy = step.copies[p.name].tile_bytes if p.name in step.copies else 0
+        tasks.append(((2 + n_state) * p.tile_bytes + copy, f"{optimizer} update of a {p.name} tile {_tile_str(p)}"))
     return max(tasks, key=lambda t: t[0])
 
 
@@ -391,17 +399,18 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
     """
     n_state = OPTIMIZER_STATES[optimizer]
     params = sum(p.nbytes for p in step.params)
-    base = params * (1 + n_state + accumulating) + sum(t.nbytes for t in step.inputs)
+    base = (params * (1 + n_state + accumulating) + sum(t.nbytes for t in step.inputs)
+            + sum(t.nbytes for t in step.copies.values()))
     live = 0  # activations, residuals, and gradients allocated so far
     peak, phase = base, "start"
 
     # Recomputed regions, by the index of their last op: what their ops create but the region's output,
     # freed after the region's forward and made again at its backward.
     made_again = {end: sum(t.nbytes for op in step.ops[last.region_start:end + 1]
-                           for t in op.outputs + op.residuals if t is not last.region_output)
+                           for t in op.outputs + op.residuals if t is not last.region_output and t.kind != "copy")
                   for end, last in enumerate(step.ops) if last.region_output is not None}
     for index, op in enumerate(step.ops):  # forward
-        live += sum(t.nbytes for t in op.outputs + op.residuals)
+        live += sum(t.nbytes for t in op.outputs + op.residuals if t.kind != "copy")
         if base + live > peak:
             peak, phase = base + live, "end of forward"
         live -= made_again.get(index, 0)
@@ -431,11 +440,13 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
             peak, phase = base + live, f"backward of {op.name}"
         if op.region_output is not None:  # the recomputed output goes with the first one
             live -= op.region_output.nbytes
-        for t in op.outputs + op.residuals:  # released after the op's backward
-            live -= t.nbytes
+        for t in op.outputs + op.residuals:  # released after the op's backward (a compute copy stays)
+            if t.kind != "copy":
+                live -= t.nbytes
             if t.name in grads:
                 live -= t.nbytes
-                act_grad_live -= t.nbytes
+                if t.kind == "act":
+                    act_grad_live -= t.nbytes
     for p in step.params:  # parameters nobody differentiated still get a zero gradient
         if p.name not in grads:
             live += p.nbytes
@@ -461,7 +472,9 @@ def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_s
     die. The optimizer reads a parameter, its gradient and state and writes them back; without clipping it
     runs as soon as the gradient is final (after the backward of the parameter's first reader) and the
     gradient dies there; with clipping the global norm reads every gradient first and the updates follow the
-    backward."""
+    backward. A model in bfloat16 converts each weight into its compute copy once (the update writes the
+    copy with the parameter): the convert reads and writes nothing in a step, its backward adds the copy's
+    gradient into the parameter's."""
     accesses = []
     state = {p.name: [dataclasses.replace(p, name=f"{p.name} {kind}", kind="state")
                       for kind in ("moment 1", "moment 2")[:OPTIMIZER_STATES[optimizer]]] for p in step.params}
@@ -483,10 +496,17 @@ def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_s
         use(grad_of(p))
         for s in state[p.name]:
             use(s, writes=True)
+        if p.name in step.copies:
+            use(step.copies[p.name], reads=False, writes=True)
         free(grad.pop(p.name))
+
+    def makes_copy(op: _Op) -> bool:
+        return any(t.kind == "copy" for t in op.outputs)
 
     def forward(ops) -> None:
         for op in ops:
+            if makes_copy(op):  # fresh: no task
+                continue
             for t in op.inputs:
                 use(t)
             for t in op.outputs + op.residuals:
@@ -508,13 +528,13 @@ def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_s
             if op.region_output is not None:
                 for made in step.ops[op.region_start:index + 1]:
                     for t in made.outputs + made.residuals:
-                        if t is not op.region_output:
+                        if t is not op.region_output and t.kind != "copy":
                             free(t)
         for index in reversed(range(len(step.ops))):
             op = step.ops[index]
             if op.region_output is not None:
                 forward(step.ops[op.region_start:index + 1])
-            for t in op.inputs + op.residuals:
+            for t in [] if makes_copy(op) else op.inputs + op.residuals:
                 use(t)
             for t in op.outputs:
                 if t.has_grad:
@@ -523,7 +543,8 @@ def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_s
                 if t.has_grad:
                     use(grad_of(t), writes=True)
             for t in op.outputs + op.residuals:
-                free(t)
+                if t.kind != "copy":
+                    free(t)
                 if t.name in grad:
                     free(grad.pop(t.name))
             if fused:
@@ -626,6 +647,7 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
     return MemoryPlan(
         optimizer=optimizer, workers=workers, n_params=params // F32, parameters=params, gradients=params,
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
+        compute_copies=sum(t.nbytes for t in step.copies.values()),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
         largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, step=step,
         **shape)

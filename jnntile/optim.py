@@ -96,6 +96,12 @@ def _consume(g: Tensor, token):
     return _ffi.invalidate([_grad_values(g)], [token])
 
 
+def _copy_operands(p: Tensor) -> tuple[list, dict]:
+    """The compute copy an update of `p` writes in the same task, when `p` has one (a model in bfloat16)."""
+    copy = p.handle.copy
+    return ([copy], {"copy": True}) if copy is not None else ([], {})
+
+
 def _learning_rate(learning_rate, count):
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
     return jnp.asarray(lr, jnp.float32)
@@ -134,9 +140,11 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
         tokens = []
         for g, p, m, v, d in zip(grad_leaves, param_leaves, _leaves(state.mu), _leaves(state.nu), decay):
             clip_handles, clip_tokens, max_norm = _clip_operands(g)
-            token = call("adamw", [p.handle, _grad_values(g), m.handle, v.handle] + clip_handles,
+            copy_handles, copy_attrs = _copy_operands(p)
+            token = call("adamw", [p.handle, _grad_values(g), m.handle, v.handle] + copy_handles + clip_handles,
                          [g.token, p.token, m.token, v.token] + clip_tokens, inputs=[lr, step.astype(jnp.int32)],
-                         b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if d else 0.0, max_norm=max_norm)
+                         b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if d else 0.0, max_norm=max_norm,
+                         **copy_attrs)
             tokens.append(_consume(g, token))
         tokens_iter = iter(tokens)
         mu = jax.tree.map(lambda m: m.with_token(next(tokens_iter)), state.mu, is_leaf=_is_tensor)
@@ -160,8 +168,10 @@ def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
         tokens = []
         for g, p in zip(grad_leaves, param_leaves):
             clip_handles, clip_tokens, max_norm = _clip_operands(g)
-            tokens.append(_consume(g, call("sgd", [p.handle, _grad_values(g)] + clip_handles,
-                                           [g.token, p.token] + clip_tokens, inputs=[lr], max_norm=max_norm)))
+            copy_handles, copy_attrs = _copy_operands(p)
+            tokens.append(_consume(g, call("sgd", [p.handle, _grad_values(g)] + copy_handles + clip_handles,
+                                           [g.token, p.token] + clip_tokens, inputs=[lr], max_norm=max_norm,
+                                           **copy_attrs)))
         return _updates_like(params, tokens), optax.ScaleByScheduleState(count=state.count + 1)
 
     return optax.GradientTransformation(init, update)

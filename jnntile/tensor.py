@@ -42,9 +42,9 @@ class _Handle:
     """Owns one registry id; the static part of a Tensor pytree."""
 
     __slots__ = ("id", "shape", "dtype", "tile_shape", "owner", "native", "freed", "last_token", "grad",
-                 "grad_zeroed", "is_grad", "__weakref__")
+                 "grad_zeroed", "is_grad", "copy", "master", "__weakref__")
 
-    def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True, native=True):
+    def __init__(self, tensor_id, shape, dtype, tile_shape, owner=True, native=True, master=None):
         self.id = tensor_id
         self.shape = shape
         self.dtype = dtype
@@ -55,7 +55,9 @@ class _Handle:
         self.last_token = None  # the latest concrete token, waited on before freeing
         self.grad = None
         self.grad_zeroed = False  # backward ops accumulate only into zeroed gradients
-        self.is_grad = not owner  # a gradient companion
+        self.is_grad = not owner and master is None  # a gradient companion
+        self.copy = None  # the compute copy (compute_copy_handle)
+        self.master = master  # of a compute copy: the tensor it copies, whose lifetime it shares
         _live.add(self)
 
     def key(self):
@@ -346,6 +348,20 @@ def new_handle(shape, dtype, tile_shape) -> _Handle:
                          "gpu_memory_limit_mb")
     tensor_id = _xla_ffi.tensor_create(list(shape), list(tile_shape), DTYPES[dtype])
     return _Handle(tensor_id, shape, dtype, tile_shape)
+
+
+def compute_copy_handle(handle: _Handle, dtype: str) -> _Handle:
+    """The compute copy of a tensor in `dtype` (a bfloat16 copy of a float32 weight): same layout, freed
+    with it, never invalidated. What it holds is kept fresh natively: a convert into it skips the tiles
+    already equal to the master's current values, and optimizer updates write it with the master."""
+    handle.check_alive()
+    if handle.copy is None:
+        copy_id = _xla_ffi.tensor_compute_copy(handle.id, DTYPES[dtype]) if handle.native else next(_recorded_ids)
+        handle.copy = _Handle(copy_id, handle.shape, dtype, handle.tile_shape, owner=False, native=handle.native,
+                              master=handle)
+    elif handle.copy.dtype != dtype:
+        raise ValueError(f"{handle!r} has a compute copy in {handle.copy.dtype}, not {dtype}")
+    return handle.copy
 
 
 def grad_handle(handle: _Handle) -> _Handle:

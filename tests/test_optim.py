@@ -15,17 +15,23 @@ pytestmark = pytest.mark.usefixtures("placement")
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 0.05, warmup_steps=3, decay_steps=10)
 
 
-def _compare(rng, jnntile_tx, optax_tx, steps=10):
+def _mlp_training(rng, tx, loss_fn=mlp_loss):
+    """The MLP problem on Tensors (w1 (6, 8) in 2 x 3 tiles, w2 (8, 3) in 3 x 2, x in 2 tiles), `tx`'s
+    state, and a jitted training step."""
     arrays, (x_np,) = mlp_problem(rng)
     params = mlp_params(arrays)
-    x = jnntile.from_array(x_np, (5, 4))
-    state = jnntile_tx.init(params)
 
     @jax.jit
     def step(params, state, x):
-        loss, grads = jnntile.value_and_grad(mlp_loss)(params, x)
-        updates, state = jnntile_tx.update(grads, state, params)
+        loss, grads = jnntile.value_and_grad(loss_fn)(params, x)
+        updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
+
+    return arrays, x_np, params, jnntile.from_array(x_np, (5, 4)), tx.init(params), step
+
+
+def _compare(rng, jnntile_tx, optax_tx, steps=10):
+    arrays, x_np, params, x, state, step = _mlp_training(rng, jnntile_tx)
 
     ref_params = jax.tree.map(jnp.asarray, arrays)
     ref_state = optax_tx.init(ref_params)
@@ -176,3 +182,51 @@ def test_an_update_applies_the_clip_without_a_pass_of_its_own(rng):
     codelets = jnntile.runtime.stats()["codelets"]
     assert codelets.get("clip_by_norm", {}).get("tasks", 0) == before
     assert codelets["adamw"]["tasks"] > 0
+
+
+
+def _bfloat16_mlp_loss(params, x):
+    """mlp_loss computed in bfloat16 on the weights' compute copies (a model with dtype="bfloat16")."""
+    from jnntile.ops import data as data_ops
+    from jnntile.ops import elementwise as ew
+    from jnntile.ops import gemm
+
+    def copy(w):
+        return data_ops.compute_copy(w, "bfloat16")
+
+    h = ew.gelu_tanh(gemm.matmul(jnntile.convert(x, "bfloat16"), copy(params["w1"])))
+    return jnp.sum(jnntile.to_array(jnntile.convert(gemm.matmul(h, copy(params["w2"])), "float32")) ** 2)
+
+
+@pytest.mark.parametrize("tx", [optim.adamw(1e-2), optim.sgd(1e-2)], ids=["adamw", "sgd"])
+def test_an_update_writes_the_compute_copy_and_the_next_forward_converts_nothing(rng, tx):
+    """The task that updates a master writes its bfloat16 compute copy (the master rounded to nearest even, as
+    ml_dtypes rounds it); the next forward finds every copy tile fresh and submits no convert task for the
+    weights; a write of a master from the host (a load, a restore) makes its copy stale, and the next forward
+    converts it again."""
+    import ml_dtypes
+    import numpy as np
+
+    from jnntile import tensorfile
+
+    arrays, _, params, x, state, step = _mlp_training(rng, tx, _bfloat16_mlp_loss)
+
+    def converts_in_a_step():
+        nonlocal params, state
+        jnntile.runtime.wait_all()
+        before = jnntile.runtime.stats()["codelets"].get("convert", {}).get("tasks", 0)
+        params, state, loss = step(params, state, x)
+        jnntile.runtime.wait_all()
+        for name, w in params.items():
+            np.testing.assert_array_equal(jnntile.Tensor(w.token, w.handle.copy).numpy(),
+                                          w.numpy().astype(ml_dtypes.bfloat16), err_msg=name)
+        return jnntile.runtime.stats()["codelets"]["convert"]["tasks"] - before
+
+    # Every step converts x, the output and the operands the bfloat16 products widen; the weights' copies
+    # (6 tiles each) only at the first step and after the load.
+    first, every_step = converts_in_a_step(), converts_in_a_step()
+    assert first == every_step + 6 + 6
+    assert converts_in_a_step() == every_step
+    params["w1"] = tensorfile.load_into(params["w1"], arrays["w1"])
+    assert converts_in_a_step() == every_step + 6
+    assert converts_in_a_step() == every_step

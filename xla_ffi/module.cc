@@ -155,6 +155,7 @@ NB_MODULE(_xla_ffi, m) {
   m.def("tensor_free", &tensor_free);
   m.def("tensor_exists", &tensor_exists);
   m.def("tensor_grad", &tensor_grad);
+  m.def("tensor_compute_copy", [](int64_t id, int dtype) { return tensor_compute_copy(id, DType(dtype)); });
   // Whole tensors, or the block of tiles tiles_from <= i < tiles_to (per axis)
   // when those are given: the array is then that block alone (see TileBox).
   m.def(

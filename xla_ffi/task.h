@@ -95,8 +95,10 @@ void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const A
   // Before anything is submitted: a read of a tile that holds nothing is an error.
   for (const Buffer& b : buffers)
     if (b.mode & STARPU_R) check_readable(b.handle);
-  for (const Buffer& b : buffers)
+  for (const Buffer& b : buffers) {
     if (!(b.mode & STARPU_R)) mark_written(b.handle);
+    if (b.mode & STARPU_W) count_write(b.handle);
+  }
   starpu_task* task = starpu_task_create();
   task->cl = cl;
   task->nbuffers = int(buffers.size());

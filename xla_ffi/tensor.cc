@@ -25,7 +25,7 @@ Registry& registry() {
 void unregister_locked(Registry& r, int64_t id, bool sync) {
   auto it = r.tensors.find(id);
   if (it == r.tensors.end()) return;
-  int64_t grad_id = it->second->grad_id;
+  int64_t grad_id = it->second->grad_id, copy_id = it->second->copy_id;
   // Asynchronous: StarPU unregisters each tile after the tasks that use it.
   // Synchronous (at stop, all tasks done): returns once StarPU's own requests
   // on the tile (write-backs to swap) finished; the data is dropped, not fetched.
@@ -38,6 +38,7 @@ void unregister_locked(Registry& r, int64_t id, bool sync) {
   }
   r.tensors.erase(it);
   if (grad_id >= 0) unregister_locked(r, grad_id, sync);
+  if (copy_id >= 0) unregister_locked(r, copy_id, sync);
 }
 
 }  // namespace
@@ -194,6 +195,40 @@ int64_t tensor_grad(int64_t id) {
   return grad_id;
 }
 
+int64_t tensor_compute_copy(int64_t id, DType dtype) {
+  TiledTensor& t = tensor_get(id);
+  if (t.copy_id >= 0) {
+    if (tensor_get(t.copy_id).dtype != dtype)
+      throw std::invalid_argument(t.describe() + " has a compute copy in " + dtype_name(tensor_get(t.copy_id).dtype) +
+                                  ", not " + dtype_name(dtype));
+    return t.copy_id;
+  }
+  int64_t copy_id = tensor_create(t.shape, t.tile_shape, dtype);
+  t.copy_id = copy_id;
+  return copy_id;
+}
+
+namespace {
+TileState* tile_state(starpu_data_handle_t handle) {
+  return static_cast<TileState*>(starpu_data_get_user_data(handle));
+}
+}  // namespace
+
+bool copy_is_fresh(starpu_data_handle_t copy, starpu_data_handle_t master) {
+  TileState *c = tile_state(copy), *m = tile_state(master);
+  return c != nullptr && m != nullptr && TileContent(c->content.load()) == TileContent::Valid &&
+         c->copy_of_version.load() == m->version.load();
+}
+
+void mark_copy_fresh(starpu_data_handle_t copy, starpu_data_handle_t master) {
+  TileState *c = tile_state(copy), *m = tile_state(master);
+  if (c != nullptr && m != nullptr) c->copy_of_version.store(m->version.load());
+}
+
+void count_write(starpu_data_handle_t handle) {
+  if (TileState* state = tile_state(handle)) state->version.fetch_add(1);
+}
+
 void check_readable(starpu_data_handle_t handle) {
   auto* state = static_cast<TileState*>(starpu_data_get_user_data(handle));
   if (state == nullptr) return;
@@ -215,7 +250,9 @@ void mark_written(starpu_data_handle_t handle) {
 
 void mark_invalidated(starpu_data_handle_t handle) {
   auto* state = static_cast<TileState*>(starpu_data_get_user_data(handle));
-  if (state != nullptr) state->content.store(uint8_t(TileContent::Invalidated), std::memory_order_relaxed);
+  if (state == nullptr) return;
+  state->content.store(uint8_t(TileContent::Invalidated), std::memory_order_relaxed);
+  state->version.fetch_add(1);
 }
 
 int64_t tensor_count() {

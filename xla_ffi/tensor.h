@@ -35,6 +35,10 @@ enum class TileContent : uint8_t { NeverWritten = 0, Valid = 1, Invalidated = 2 
 struct TileState {
   std::atomic<uint8_t> content{uint8_t(TileContent::NeverWritten)};
   const TiledTensor* tensor = nullptr;
+  // Submissions that write the tile (or invalidate it), counted: a compute copy's tile is fresh while
+  // its master tile's count is the one it was made from (`copy_of_version`).
+  std::atomic<uint64_t> version{0};
+  std::atomic<uint64_t> copy_of_version{UINT64_MAX};
 };
 
 struct TiledTensor {
@@ -46,6 +50,7 @@ struct TiledTensor {
   std::vector<starpu_data_handle_t> tiles;  // row-major over the grid
   std::unique_ptr<TileState[]> tile_states;  // one per tile, user data of its handle
   int64_t grad_id = -1;  // companion gradient tensor, created on demand
+  int64_t copy_id = -1;  // compute copy in another float dtype (a bfloat16 copy of a float32 weight), on demand
 
   int ndim() const { return int(shape.size()); }
   int64_t numel() const;
@@ -66,12 +71,21 @@ TiledTensor& tensor_get(int64_t id);
 bool tensor_exists(int64_t id);
 // The gradient companion of `id` (same shape, tiles and dtype), created once.
 int64_t tensor_grad(int64_t id);
+// The compute copy of `id` in `dtype` (same shape and tiles), created once, freed with it. Nothing keeps it
+// equal to `id`: a convert into it skips the tiles that are fresh (`copy_is_fresh`), and an optimizer
+// update that writes it as it writes the master marks them so (`mark_copy_fresh`).
+int64_t tensor_compute_copy(int64_t id, DType dtype);
+bool copy_is_fresh(starpu_data_handle_t copy, starpu_data_handle_t master);
+// After the submission that writes `copy` from `master`'s current values.
+void mark_copy_fresh(starpu_data_handle_t copy, starpu_data_handle_t master);
 int64_t tensor_count();
 // Throws std::invalid_argument naming the tensor when a task may not read `handle`
 // (a tile of a registered tensor never written or invalidated); other handles pass.
 void check_readable(starpu_data_handle_t handle);
 // Records a write-only access (the tile becomes valid) or an invalidation.
 void mark_written(starpu_data_handle_t handle);
+// Counts a submission that writes the tile (write-only or read-write).
+void count_write(starpu_data_handle_t handle);
 void mark_invalidated(starpu_data_handle_t handle);
 // Unregisters every tensor; `sync` (only once no task is pending) waits for
 // StarPU's requests on each tile, so that shutdown finds none queued.

@@ -14,8 +14,9 @@ loader that overwrites them all.
 
 Mixed precision follows Flax: parameters are float32 (`param_dtype`), and a
 module's `dtype` ("bfloat16") is the dtype it computes and outputs in: its
-weight enters the products as a bfloat16 copy (`jnntile.convert`, one task per
-tile per step), whose gradient adds into the float32 master's.
+weight enters the products as its persistent bfloat16 compute copy
+(`compute_copy`: converted only where the master changed, and an optimizer
+update writes it with the master), whose gradient adds into the master's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flax import nnx
 
 import jnntile
 from jnntile.ops import bias as bias_ops
+from jnntile.ops import data as data_ops
 from jnntile.ops import dropout as dropout_ops
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import gemm
@@ -61,8 +63,9 @@ def _param(initial: Callable[[], Tensor], shape, tile_shape) -> nnx.Param:
 
 
 def compute_copy(weight: Tensor, dtype: str) -> Tensor:
-    """`weight` itself when it has `dtype`, else its copy in `dtype` (differentiable into the master)."""
-    return weight if weight.dtype == dtype else jnntile.convert(weight, dtype)
+    """`weight` itself when it has `dtype`, else its persistent compute copy in `dtype`
+    (`jnntile.ops.data.compute_copy`, differentiable into the master)."""
+    return weight if weight.dtype == dtype else data_ops.compute_copy(weight, dtype)
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -339,12 +339,14 @@ def invalidate(handles: Sequence[_Handle | None], tokens: Sequence):
 
     Returns the token of the invalidation. Handles already invalidated, freed
     or None are skipped; so are gradient companions whose zero-fill is still
-    pending (they hold nothing).
+    pending (they hold nothing) and compute copies (they live with their master).
     """
     step = current_step()
     targets = []
     for handle in handles:
         if handle is None or handle.freed or LEDGER.invalidated(handle) or any(handle is t for t in targets):
+            continue
+        if handle.master is not None:
             continue
         if LEDGER.zero_pending(handle):  # never filled: nothing to drop, and it starts at zero when next used
             continue

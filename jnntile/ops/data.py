@@ -237,6 +237,35 @@ def convert(x: Tensor, dtype) -> Tensor:
     return _convert(x, name)
 
 
+def _compute_copy_forward(x, dtype, zero_grad):
+    copy = tensor_mod.compute_copy_handle(x.handle, dtype)
+    # Native: only the tiles that are not fresh are converted (none after an update that wrote the copy).
+    token = call("convert", [x.handle, copy], [x.token], zero_grads=[copy] if zero_grad else [])
+    return Tensor(token, copy), (x, Tensor(token, copy))
+
+
+def _compute_copy_backward(dtype, residuals, g):
+    x, copy = residuals  # the copy's gradient adds into x's; the copy itself lives on with x
+    grad = tensor_mod.grad_handle(copy.handle)
+    token = call("accumulate", [grad, grad_target(x)], [copy.token, g.token, x.token], alphas=[1.0])
+    return (x.with_token(release(token, grad)),)
+
+
+_compute_copy = differentiable(_compute_copy_forward, _compute_copy_backward, nondiff_argnums=(1,),
+                               name="compute_copy")
+
+
+def compute_copy(x: Tensor, dtype) -> Tensor:
+    """`convert(x, dtype)` into x's persistent compute copy (`tensor.compute_copy_handle`): the weight of a
+    model in bfloat16. Converted only where x changed since the copy was last written, and an optimizer
+    update of x writes the copy in the same task, so a training step reads 2 bytes per weight, not 4 + 2.
+    Differentiable as `convert`."""
+    name = dtype_name(dtype)
+    if x.dtype != "float32" or name != "bfloat16":
+        raise TypeError(f"compute_copy: makes bfloat16 copies of float32 tensors, got {x!r} to {name}")
+    return _compute_copy(x, name)
+
+
 def fill(t: Tensor, value: float) -> Tensor:
     """Sets every element of `t` to `value` in place (valid again if it was invalidated)."""
     return t.with_token(call("fill", [t.handle], [t.token], value=float(value), writes=[t.handle]))

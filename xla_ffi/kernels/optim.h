@@ -33,11 +33,14 @@ struct GradClip {
   JNNTILE_HD float factor() const { return norm != nullptr && clips(*norm, max_norm) ? max_norm / *norm : 1.0f; }
 };
 
+// `copy`, when not null, receives the updated p rounded to bfloat16 (the compute copy of a model in
+// bfloat16), in the same pass.
 template <Device D>
-void adamw(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m, float* v);
+void adamw(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m, float* v,
+           bfloat16* copy);
 // p -= lr * g
 template <Device D>
-void sgd(int64_t n, float lr, GradClip clip, float* p, const float* g);
+void sgd(int64_t n, float lr, GradClip clip, float* p, const float* g, bfloat16* copy);
 // x *= max_norm / *norm when clips(*norm, max_norm); norm is a scalar in the device's memory.
 template <Device D>
 void clip_by_norm(int64_t n, float max_norm, const float* norm, float* x);

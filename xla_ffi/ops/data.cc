@@ -162,12 +162,19 @@ void submit_convert(starpu_data_handle_t src, FloatType from, starpu_data_handle
 
 namespace {
 
-// ids [src, dst]: dst = src in dst's float type (the bfloat16 compute copy of a float32 master, and back).
+// ids [src, dst]: dst = src in dst's float type. Where dst is src's compute copy (tensor_compute_copy), the
+// tiles already fresh (written by the optimizer update that wrote src, or by an earlier convert since src's
+// last write) are skipped: a training step converts a weight once, at its first step or after a load.
 void convert_submit(const OpCall& call) {
   const TiledTensor &src = call.tensor(0), &dst = call.tensor(1);
   FloatType from = float_type(src, "convert"), to = float_type(dst, "convert");
   check_same_tiling(src, dst, "convert");
-  for (int64_t t = 0; t < src.num_tiles(); ++t) submit_convert(src.tiles[t], from, dst.tiles[t], to, src.tile_numel(t));
+  const bool copy = src.copy_id == dst.id;
+  for (int64_t t = 0; t < src.num_tiles(); ++t) {
+    if (copy && copy_is_fresh(dst.tiles[t], src.tiles[t])) continue;
+    submit_convert(src.tiles[t], from, dst.tiles[t], to, src.tile_numel(t));
+    if (copy) mark_copy_fresh(dst.tiles[t], src.tiles[t]);
+  }
 }
 JNNTILE_OP(convert, convert_submit);
 

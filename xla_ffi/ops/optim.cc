@@ -4,7 +4,9 @@
 // submission (DESIGN invariant 4); hyper-parameters that never change are
 // attributes. An update may take a global norm as its last id (attribute
 // max_norm): it then applies clip_by_global_norm's scale to the gradient as it
-// reads it, instead of a clip task rewriting every gradient tile first.
+// reads it, instead of a clip task rewriting every gradient tile first. An update may also take the
+// parameter's compute copy (attribute copy=1, its id after the update's own): the task that writes the
+// master writes its bfloat16 copy too, and the next forward's convert finds it fresh (tensor_compute_copy).
 #include <cmath>
 
 #include "kernels/optim.h"
@@ -23,28 +25,57 @@ starpu_data_handle_t clip_norm(const OpCall& call, size_t own_ids) {
   return norm.tiles[0];
 }
 
-// The kernel's clip: the norm is the buffer after the update's own ones.
-GradClip grad_clip(void** buffers, int own_buffers, float max_norm, bool clipped) {
-  return {clipped ? tile_ptr<float>(buffers[own_buffers]) : nullptr, max_norm};
+// What an update writes besides the parameter and reads besides its gradient: the compute copy (buffer
+// `own`, after the update's own) and the norm (after the copy).
+struct UpdateExtras {
+  int own;  // the update's own buffers
+  bool copied, clipped;
+
+  bfloat16* copy(void** buffers) const { return copied ? tile_ptr<bfloat16>(buffers[own]) : nullptr; }
+  GradClip clip(void** buffers, float max_norm) const {
+    return {clipped ? tile_ptr<float>(buffers[own + copied]) : nullptr, max_norm};
+  }
+};
+
+// The parameter's compute copy when the update writes it (attribute copy), else null.
+const TiledTensor* update_copy(const OpCall& call, const TiledTensor& p, size_t own_ids, const char* op) {
+  auto copy = call.attrs.get<int64_t>("copy");
+  if (copy.has_error() || copy.value() == 0) return nullptr;
+  const TiledTensor& c = call.tensor(own_ids);
+  if (p.copy_id != c.id || c.dtype != DType::BF16)
+    throw std::invalid_argument(std::string(op) + ": " + c.describe() + " is not the bfloat16 compute copy of " +
+                                p.describe());
+  return &c;
+}
+
+// Submits the update of tile t: `buffers` (the update's own), then the copy and the norm when given.
+template <class Args>
+void submit_update(starpu_codelet* cl, std::vector<Buffer> buffers, const TiledTensor& p, const TiledTensor* copy,
+                   starpu_data_handle_t norm, int64_t t, const Args& args, double flops) {
+  if (copy) buffers.push_back({copy->tiles[t], STARPU_W});
+  if (norm) buffers.push_back({norm, STARPU_R});
+  submit_task(cl, buffers, args, flops);
+  if (copy) mark_copy_fresh(copy->tiles[t], p.tiles[t]);
 }
 
 struct AdamwArgs {
   int64_t n;
   AdamwStep step;
   float max_norm;
-  bool clipped;
+  UpdateExtras extras;
 };
 
 template <Device D>
 void adamw_kernel(void** buffers, const AdamwArgs& a) {
-  adamw<D>(a.n, a.step, grad_clip(buffers, 4, a.max_norm, a.clipped), tile_ptr<float>(buffers[0]),
-           tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]));
+  adamw<D>(a.n, a.step, a.extras.clip(buffers, a.max_norm), tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+           tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), a.extras.copy(buffers));
 }
 
-// ids [p, g, m, v] or [p, g, m, v, norm]; inputs [lr, step (1-based)]
+// ids [p, g, m, v], then p's compute copy (attribute copy=1), then a norm; inputs [lr, step (1-based)]
 void adamw_submit(const OpCall& call) {
   const TiledTensor &p = call.tensor(0), &g = call.tensor(1), &m = call.tensor(2), &v = call.tensor(3);
-  starpu_data_handle_t norm = clip_norm(call, 4);
+  const TiledTensor* copy = update_copy(call, p, 4, "adamw");
+  starpu_data_handle_t norm = clip_norm(call, 4 + (copy != nullptr));
   for (const TiledTensor* t : {&g, &m, &v}) check_same_tiling(p, *t, "adamw");
   float lr = float(call.input_scalar(0));
   double step = call.input_scalar(1);
@@ -52,14 +83,12 @@ void adamw_submit(const OpCall& call) {
   float bc1 = float(1.0 - std::pow(double(b1), step)), bc2 = float(1.0 - std::pow(double(b2), step));
   AdamwArgs args{0, {lr, b1, b2, float(attr<double>(call.attrs, "eps")),
                      float(attr<double>(call.attrs, "weight_decay")), bc1, bc2},
-                 float(attr<double>(call.attrs, "max_norm")), norm != nullptr};
+                 float(attr<double>(call.attrs, "max_norm")), {4, copy != nullptr, norm != nullptr}};
   static starpu_codelet* cl = JNNTILE_CODELET(AdamwArgs, adamw_kernel, "adamw");
   for (int64_t t = 0; t < p.num_tiles(); ++t) {
     args.n = p.tile_numel(t);
-    std::vector<Buffer> buffers{
-        {p.tiles[t], STARPU_RW}, {g.tiles[t], STARPU_R}, {m.tiles[t], STARPU_RW}, {v.tiles[t], STARPU_RW}};
-    if (norm) buffers.push_back({norm, STARPU_R});
-    submit_task(cl, buffers, args, 10.0 * args.n);
+    submit_update(cl, {{p.tiles[t], STARPU_RW}, {g.tiles[t], STARPU_R}, {m.tiles[t], STARPU_RW}, {v.tiles[t], STARPU_RW}},
+                  p, copy, norm, t, args, 10.0 * args.n);
   }
 }
 JNNTILE_OP(adamw, adamw_submit);
@@ -68,28 +97,27 @@ struct SgdArgs {
   int64_t n;
   float lr;
   float max_norm;
-  bool clipped;
+  UpdateExtras extras;
 };
 
 template <Device D>
 void sgd_kernel(void** buffers, const SgdArgs& a) {
-  sgd<D>(a.n, a.lr, grad_clip(buffers, 2, a.max_norm, a.clipped), tile_ptr<float>(buffers[0]),
-         tile_ptr<float>(buffers[1]));
+  sgd<D>(a.n, a.lr, a.extras.clip(buffers, a.max_norm), tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+         a.extras.copy(buffers));
 }
 
-// ids [p, g] or [p, g, norm]; inputs [lr]
+// ids [p, g], then p's compute copy (attribute copy=1), then a norm; inputs [lr]
 void sgd_submit(const OpCall& call) {
   const TiledTensor &p = call.tensor(0), &g = call.tensor(1);
   check_same_tiling(p, g, "sgd");
-  starpu_data_handle_t norm = clip_norm(call, 2);
+  const TiledTensor* copy = update_copy(call, p, 2, "sgd");
+  starpu_data_handle_t norm = clip_norm(call, 2 + (copy != nullptr));
   float lr = float(call.input_scalar(0));
   float max_norm = float(attr<double>(call.attrs, "max_norm"));
   static starpu_codelet* cl = JNNTILE_CODELET(SgdArgs, sgd_kernel, "sgd");
-  for (int64_t t = 0; t < p.num_tiles(); ++t) {
-    std::vector<Buffer> buffers{{p.tiles[t], STARPU_RW}, {g.tiles[t], STARPU_R}};
-    if (norm) buffers.push_back({norm, STARPU_R});
-    submit_task(cl, buffers, SgdArgs{p.tile_numel(t), lr, max_norm, norm != nullptr}, 2.0 * p.tile_numel(t));
-  }
+  for (int64_t t = 0; t < p.num_tiles(); ++t)
+    submit_update(cl, {{p.tiles[t], STARPU_RW}, {g.tiles[t], STARPU_R}}, p, copy, norm, t,
+                  SgdArgs{p.tile_numel(t), lr, max_norm, {2, copy != nullptr, norm != nullptr}}, 2.0 * p.tile_numel(t));
 }
 JNNTILE_OP(sgd, sgd_submit);
 
