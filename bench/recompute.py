@@ -1,6 +1,7 @@
 """Activation recomputation and the bytes a step moves, measured against the planner's predictions.
 
     .venv/bin/python bench/recompute.py [--quick] [--json] [--limit-mb 1216] [--swap-dir DIR] [--only a,b,c]
+                                        [--ram-limit-mb 16384]
 
 Each run is `python -m jnntile.train` in its own process (bench/beyond_ram.py's worker: each step timed
 after all its tasks, its swap bytes from jnntile.runtime.stats(), the process's peak RSS):
@@ -41,13 +42,15 @@ def _batch(batch: int, seq: int) -> list[str]:
     return ["--batch-size", str(batch), "--seq-len", str(seq)]
 
 
-def _measure(name, shape, *, steps, limit_mb, root, remat, vocab, timeout) -> dict:
-    """One training run; its last step, peak RSS and the planner's peak and swap traffic for it."""
+def _measure(name, shape, *, steps, limit_mb, root, remat, vocab, timeout,
+             ram_limit_mb=beyond_ram.NO_LIMIT_MB) -> dict:
+    """One training run; its last step, peak RSS and the planner's peak and swap traffic for it. Without
+    `limit_mb` the run is in RAM, under `ram_limit_mb` and no swap."""
     argv_shape = [*shape, "--remat", remat]
-    plan = beyond_ram._plan(argv_shape, limit_mb or beyond_ram.NO_LIMIT_MB, vocab)
+    plan = beyond_ram._plan(argv_shape, limit_mb or ram_limit_mb, vocab)
     swap_mb = plan.swap_needed_mb(limit_mb) + 1024 if limit_mb else 0
     run_dir = root / name.replace(" ", "-")
-    argv = beyond_ram._train_argv(argv_shape, run_dir / "out", steps, limit_mb or beyond_ram.NO_LIMIT_MB,
+    argv = beyond_ram._train_argv(argv_shape, run_dir / "out", steps, limit_mb or ram_limit_mb,
                                   run_dir / "swap" if limit_mb else None, swap_mb)
     result = beyond_ram.run(name, dict(kind="train", save=False, argv=argv), timeout)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -93,7 +96,10 @@ def main():
     parser.add_argument("--json", action="store_true", help="one JSON object per run on stdout")
     parser.add_argument("--limit-mb", type=int, default=1216, help="--memory-limit-mb of the limited runs")
     parser.add_argument("--swap-dir", default=tempfile.gettempdir())
-    parser.add_argument("--only", default="a,b,c", help="which measurements (a, b, c; d is in every row)")
+    parser.add_argument("--only", default="a,b,c",
+                        help="which measurements (a, b, c; d is in every row; b-ram: b's run in RAM alone)")
+    parser.add_argument("--ram-limit-mb", type=int, default=beyond_ram.NO_LIMIT_MB,
+                        help="--memory-limit-mb of the runs in RAM (no swap: the step's tiles must fit)")
     parser.add_argument("--timeout-s", type=float, default=3600, help="per process")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -108,7 +114,10 @@ def main():
                  ("a XL 4x1024", [*(QUICK if q else XL), *_batch(4, 128 if q else 1024)], 1, limit, "auto")]
     if "b" in only:
         shape = [*(QUICK if q else LARGE), *_batch(4, 128 if q else 1024)]
-        runs += [("b large limited", shape, 2, limit, "block"), ("b large in RAM", shape, 2, None, "block")]
+        runs += [("b large limited", shape, 2, limit, "block")]
+    if only & {"b", "b-ram"}:
+        shape = [*(QUICK if q else LARGE), *_batch(4, 128 if q else 1024)]
+        runs += [("b large in RAM", shape, 2, None, "block")]
     if "c" in only:
         shape = [*(QUICK if q else GPT2_124M), *_batch(4, 128 if q else 1024)]
         runs += [("c 124M", shape, 3, None, "none"), ("c 124M remat", shape, 3, None, "block")]
@@ -117,7 +126,7 @@ def main():
     try:
         for name, shape, steps, limit_mb, remat in runs:
             rows.append(_measure(name, shape, steps=steps, limit_mb=limit_mb, root=root, remat=remat, vocab=vocab,
-                                 timeout=args.timeout_s))
+                                 timeout=args.timeout_s, ram_limit_mb=args.ram_limit_mb))
             if args.json:
                 print(json.dumps(rows[-1]), flush=True)
     finally:

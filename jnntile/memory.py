@@ -75,6 +75,7 @@ class _T:
     itemsize: int
     kind: str
     floating: bool = True  # float32 or bfloat16: differentiated (token ids and positions are not)
+    master: str = ""  # of a compute copy: its parameter's name (the copy's gradient is the parameter's)
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +87,7 @@ class _T:
 
     @property
     def has_grad(self) -> bool:
-        return self.kind in ("param", "act", "copy") and self.floating
+        return self.kind in ("param", "act") and self.floating
 
 
 @dataclasses.dataclass
@@ -109,6 +110,10 @@ class _RecordedStep:
     params: list  # _T
     inputs: list  # _T
     copies: dict = dataclasses.field(default_factory=dict)  # parameter name -> its compute copy (_T)
+
+    def gradient_owner(self, t: _T) -> _T:
+        """The tensor whose gradient t's gradient is: a compute copy's is its parameter's."""
+        return next(p for p in self.params if p.name == t.master) if t.kind == "copy" else t
 
 
 def record_step(build_model, loss) -> _RecordedStep:
@@ -139,8 +144,12 @@ def record_step(build_model, loss) -> _RecordedStep:
         for t in op.inputs:
             if t.handle not in described:  # data written from the host (token ids, positions), not by an op
                 inputs.append(describe(t, "input", f"{name} input"))
-        outputs = [describe(t, "act", f"{name} output") if t.handle.master is None else
-                   describe(t, "copy", f"{described[t.handle.master].name} compute copy") for t in op.outputs]
+        outputs = [describe(t, "act", f"{name} output") for t in op.outputs if t.handle.master is None]
+        for t in op.outputs:
+            if t.handle.master is not None:
+                master = described[t.handle.master].name
+                described[t.handle] = dataclasses.replace(describe(t, "copy", f"{master} compute copy"), master=master)
+                outputs.append(described[t.handle])
         residuals = [describe(t, "scratch", f"{name} scratch") for t in op.residuals]
         ops.append(_Op(name, [described[t.handle] for t in op.inputs], outputs, residuals,
                        [(op.task_bytes, op.task)]))
@@ -150,7 +159,7 @@ def record_step(build_model, loss) -> _RecordedStep:
         last = next(i for i in range(len(ops) - 1, start - 1, -1)
                     if any(t.handle == region.output.handle for t in recorded[i].outputs))
         ops[last].region_start, ops[last].region_output = start, described[region.output.handle]
-    copies = {described[h.master].name: t for h, t in described.items() if t.kind == "copy"}
+    copies = {t.master: t for t in described.values() if t.kind == "copy"}
     return _RecordedStep(ops, params, inputs, copies)
 
 
@@ -429,7 +438,7 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
                 if end not in recomputed:
                     recomputed.add(end)
                     live += made_again[end] + step.ops[end].region_output.nbytes  # its output made again
-        for t in op.inputs + op.outputs:
+        for t in map(step.gradient_owner, op.inputs + op.outputs):
             if t.has_grad and t.name not in grads:
                 grads.add(t.name)
                 live += t.nbytes
@@ -473,8 +482,8 @@ def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_s
     runs as soon as the gradient is final (after the backward of the parameter's first reader) and the
     gradient dies there; with clipping the global norm reads every gradient first and the updates follow the
     backward. A model in bfloat16 converts each weight into its compute copy once (the update writes the
-    copy with the parameter): the convert reads and writes nothing in a step, its backward adds the copy's
-    gradient into the parameter's."""
+    copy with the parameter): the convert reads and writes nothing in a step, and the products that read
+    the copy add into the parameter's gradient."""
     accesses = []
     state = {p.name: [dataclasses.replace(p, name=f"{p.name} {kind}", kind="state")
                       for kind in ("moment 1", "moment 2")[:OPTIMIZER_STATES[optimizer]]] for p in step.params}
@@ -534,14 +543,15 @@ def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_s
             op = step.ops[index]
             if op.region_output is not None:
                 forward(step.ops[op.region_start:index + 1])
-            for t in [] if makes_copy(op) else op.inputs + op.residuals:
-                use(t)
-            for t in op.outputs:
-                if t.has_grad:
-                    use(grad_of(t))
-            for t in op.inputs:
-                if t.has_grad:
-                    use(grad_of(t), writes=True)
+            if not makes_copy(op):  # (whose backward submits nothing: the products added into the master's)
+                for t in op.inputs + op.residuals:
+                    use(t)
+                for t in op.outputs:
+                    if t.has_grad:
+                        use(grad_of(t))
+                for t in map(step.gradient_owner, op.inputs):
+                    if t.has_grad:
+                        use(grad_of(t), writes=True)
             for t in op.outputs + op.residuals:
                 if t.kind != "copy":
                     free(t)
@@ -655,18 +665,22 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
 
 def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, optimizer: str = "adamw",
                  workers: int | None = None):
-    """`config` with remat="auto" resolved. "none" when the step fits the memory limit without recomputation
-    (or recomputing would not lower its planned peak); else "block" with the fewest blocks recomputed
-    (`remat_blocks`) that make it fit, or all of them when even that does not (the least left to swap).
-    Returns (config, note); the note says what was chosen and why ("" when the config chose itself)."""
+    """`config` with remat="auto" resolved. "none" when the step fits the memory limit without recomputation;
+    else "block" with the fewest blocks recomputed (`remat_blocks`) that make it fit; when even all of them do
+    not, all blocks or none, whichever the planner predicts to move fewer bytes to and from swap
+    (`MemoryPlan.swap_traffic`). Returns (config, note); the note says what was chosen and why ("" when the
+    config chose itself)."""
     if config.remat != "auto":
         return config, ""
     limit = memory_limit_mb * 2**20
 
     @functools.cache  # each plan records the whole model
-    def peak_with(blocks: int) -> int:
+    def plan_with(blocks: int) -> MemoryPlan:
         chosen = dataclasses.replace(config, remat="block" if blocks else "none", remat_blocks=blocks or None)
-        return plan(chosen, batch_size, seq_len, optimizer, workers).peak
+        return plan(chosen, batch_size, seq_len, optimizer, workers)
+
+    def peak_with(blocks: int) -> int:
+        return plan_with(blocks).peak
 
     plain_peak = peak_with(0)
     plain = dataclasses.replace(config, remat="none", remat_blocks=None)
@@ -675,23 +689,27 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
                        f"{memory_limit_mb:.0f} MB limit)")
     n_blocks = config.n_blocks
     all_peak = peak_with(n_blocks)
-    if all_peak >= plain_peak:
-        return plain, (f"--remat auto: none (recomputation would not lower the planned peak of "
-                       f"{plain_peak / 2**20:.0f} MB)")
-    blocks, peak = n_blocks, all_peak
-    if all_peak <= limit:  # the fewest blocks that fit: the peak falls as blocks are added
-        low, high = 1, n_blocks
-        while low < high:
-            middle = (low + high) // 2
-            if peak_with(middle) <= limit:
-                high = middle
-            else:
-                low = middle + 1
-        blocks, peak = low, peak_with(low)
-    chosen = dataclasses.replace(config, remat="block", remat_blocks=blocks)
-    return chosen, (f"--remat auto: block, the first {blocks} of {n_blocks} blocks recomputed in the backward "
-                    f"(planned peak {peak / 2**20:.0f} MB instead of {plain_peak / 2**20:.0f} MB under the "
-                    f"{memory_limit_mb:.0f} MB limit)")
+    if all_peak > limit:  # swap either way: the fewer bytes moved
+        moved = {blocks: sum(plan_with(blocks).swap_traffic(memory_limit_mb)) for blocks in (0, n_blocks)}
+        if moved[0] <= moved[n_blocks]:
+            return plain, (f"--remat auto: none (the step swaps either way, and recomputation would not lower "
+                           f"the predicted swap traffic of {moved[0] / 2**30:.1f} GB per step)")
+        chosen = dataclasses.replace(config, remat="block", remat_blocks=n_blocks)
+        return chosen, (f"--remat auto: block, all {n_blocks} blocks recomputed in the backward (the step swaps "
+                        f"either way: {moved[n_blocks] / 2**30:.1f} GB per step predicted instead of "
+                        f"{moved[0] / 2**30:.1f} GB; planned peak {all_peak / 2**20:.0f} MB instead of "
+                        f"{plain_peak / 2**20:.0f} MB under the {memory_limit_mb:.0f} MB limit)")
+    low, high = 1, n_blocks  # the fewest blocks that fit: the peak falls as blocks are added
+    while low < high:
+        middle = (low + high) // 2
+        if peak_with(middle) <= limit:
+            high = middle
+        else:
+            low = middle + 1
+    chosen = dataclasses.replace(config, remat="block", remat_blocks=low)
+    return chosen, (f"--remat auto: block, the first {low} of {n_blocks} blocks recomputed in the backward "
+                    f"(planned peak {peak_with(low) / 2**20:.0f} MB instead of {plain_peak / 2**20:.0f} MB under "
+                    f"the {memory_limit_mb:.0f} MB limit)")
 
 
 def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,

@@ -352,8 +352,9 @@ def new_handle(shape, dtype, tile_shape) -> _Handle:
 
 def compute_copy_handle(handle: _Handle, dtype: str) -> _Handle:
     """The compute copy of a tensor in `dtype` (a bfloat16 copy of a float32 weight): same layout, freed
-    with it, never invalidated. What it holds is kept fresh natively: a convert into it skips the tiles
-    already equal to the master's current values, and optimizer updates write it with the master."""
+    with it, never invalidated, its gradient companion the master's (`grad_handle`). What it holds is kept
+    fresh natively: a convert into it skips the tiles already equal to the master's current values, and
+    optimizer updates write it with the master."""
     handle.check_alive()
     if handle.copy is None:
         copy_id = _xla_ffi.tensor_compute_copy(handle.id, DTYPES[dtype]) if handle.native else next(_recorded_ids)
@@ -365,7 +366,10 @@ def compute_copy_handle(handle: _Handle, dtype: str) -> _Handle:
 
 
 def grad_handle(handle: _Handle) -> _Handle:
-    """The gradient companion of a tensor: same layout, freed with it."""
+    """The gradient companion of a tensor: same layout, freed with it. A compute copy's is its master's:
+    the backward's products accumulate a bfloat16 weight's gradient straight into the float32 master's."""
+    if handle.master is not None:
+        return grad_handle(handle.master)
     handle.check_alive()
     if handle.grad is None:
         grad_id = _xla_ffi.tensor_grad(handle.id) if handle.native else next(_recorded_ids)

@@ -390,7 +390,7 @@ def test_memory_cli_says_which_tiles_it_chose(capsys):
     assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
                         "--memory-limit-mb", "8", "--swap-size-mb", "64", "--workers", "2"]) == 0
     out = capsys.readouterr().out
-    assert "--remat auto: block, the first 2 of 2 blocks recomputed" in out and "needs 24 MB of swap" in out
+    assert "--remat auto: block, all 2 blocks recomputed" in out and "needs 24 MB of swap" in out
     assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
                         "--memory-limit-mb", "8", "--swap-size-mb", "64", "--swap-backend", "unistd", "--remat",
                         "none"]) == 0

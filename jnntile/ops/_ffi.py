@@ -252,8 +252,9 @@ def join(*tokens):
 
 
 def grad_target(t: Tensor) -> _Handle | None:
-    """Where a backward op accumulates the gradient of `t`, or None if nobody zeroed it."""
-    if t.dtype not in tensor_mod.FLOAT_DTYPES or not t.handle.grad_zeroed:
+    """Where a backward op accumulates the gradient of `t`, or None if nobody zeroed it (a compute copy's
+    gradient is its master's)."""
+    if t.dtype not in tensor_mod.FLOAT_DTYPES or not (t.handle.master or t.handle).grad_zeroed:
         return None
     return tensor_mod.grad_handle(t.handle)
 

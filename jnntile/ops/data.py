@@ -14,7 +14,7 @@ from jnntile import _xla_ffi
 from jnntile import tensor as tensor_mod
 from jnntile.ledger import LEDGER
 from jnntile.ops import _ffi
-from jnntile.ops._ffi import after, call, differentiable, grad_target, release
+from jnntile.ops._ffi import after, call, differentiable, grad_target, join, release
 from jnntile.tensor import Tensor
 
 
@@ -240,15 +240,14 @@ def convert(x: Tensor, dtype) -> Tensor:
 def _compute_copy_forward(x, dtype, zero_grad):
     copy = tensor_mod.compute_copy_handle(x.handle, dtype)
     # Native: only the tiles that are not fresh are converted (none after an update that wrote the copy).
-    token = call("convert", [x.handle, copy], [x.token], zero_grads=[copy] if zero_grad else [])
-    return Tensor(token, copy), (x, Tensor(token, copy))
+    # No zero_grads: the copy's gradient is x's, which its consumers' backward ops add into in float32.
+    token = call("convert", [x.handle, copy], [x.token])
+    return Tensor(token, copy), (x,)
 
 
 def _compute_copy_backward(dtype, residuals, g):
-    x, copy = residuals  # the copy's gradient adds into x's; the copy itself lives on with x
-    grad = tensor_mod.grad_handle(copy.handle)
-    token = call("accumulate", [grad, grad_target(x)], [copy.token, g.token, x.token], alphas=[1.0])
-    return (x.with_token(release(token, grad)),)
+    (x,) = residuals  # g's token follows every accumulation into the copy's gradient, that is x's
+    return (x.with_token(join(g.token, x.token)),)
 
 
 _compute_copy = differentiable(_compute_copy_forward, _compute_copy_backward, nondiff_argnums=(1,),
@@ -259,7 +258,9 @@ def compute_copy(x: Tensor, dtype) -> Tensor:
     """`convert(x, dtype)` into x's persistent compute copy (`tensor.compute_copy_handle`): the weight of a
     model in bfloat16. Converted only where x changed since the copy was last written, and an optimizer
     update of x writes the copy in the same task, so a training step reads 2 bytes per weight, not 4 + 2.
-    Differentiable as `convert`."""
+    Differentiable: the copy's gradient companion is x's, so the products of the backward sum the weight's
+    gradient in float32 straight into x's (more exact than rounding it to bfloat16 first, and no pass adds
+    one into the other)."""
     name = dtype_name(dtype)
     if x.dtype != "float32" or name != "bfloat16":
         raise TypeError(f"compute_copy: makes bfloat16 copies of float32 tensors, got {x!r} to {name}")
