@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import causal_attention_reference, rel_err
+from conftest import BFLOAT16_TOL, causal_attention_reference, rel_err
 from flax import nnx
 
 import jnntile
@@ -214,8 +214,11 @@ def test_greedy_decoding_matches_reference(weights, prompts, expected_greedy, ti
 
 
 @pytest.mark.usefixtures("placement")
-def test_cache_path_logits_equal_full_forward(weights):
-    decoder = _decoder(weights, TILINGS["uneven tiles"], prefill_chunk=3)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cache_path_logits_equal_full_forward(weights, dtype):
+    """Decoding with the key/value cache gives the logits of the full forward: to float32 rounding, and with
+    dtype="bfloat16" (bfloat16 activations and weight copies, a float32 cache) to bfloat16 rounding."""
+    decoder = _decoder(weights, dict(TILINGS["uneven tiles"], dtype=dtype), prefill_chunk=3)
     tokens = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (3, MAX_LEN)).astype(np.int32)
     state, caches = nnx.state(decoder.model), decoder.cache.layers
     caches = decoder._prefill(state, caches, tokens[:, :3], np.int32(0))
@@ -224,7 +227,8 @@ def test_cache_path_logits_equal_full_forward(weights):
         caches, step_logits = decoder._step(state, caches, tokens[:, pos:pos + 1], np.int32(pos))
         logits.append(np.asarray(step_logits))
     full, _ = decoder.model(decoder.model.token_tensor(tokens))
-    assert rel_err(np.stack(logits, axis=1), full.numpy()[:, 3:]) < 1e-5
+    assert full.dtype == dtype
+    assert rel_err(np.stack(logits, axis=1), full.numpy()[:, 3:]) < (1e-5 if dtype == "float32" else BFLOAT16_TOL)
 
 
 @pytest.mark.usefixtures("placement")
