@@ -8,6 +8,8 @@ Sections, each measured in a process of its own so that it has the whole GPU:
   train     GPT-2 124M, batch 8 x 1024: training tokens/s of jnntile vs plain JAX (jit, parameters and
             optimizer state donated, both at JAX's default precision on the GPU, TF32); the share of tasks
             and busy time on the CPU workers beside the GPU
+  train_bf16  the same in bfloat16: jnntile with --dtype bfloat16 (float32 masters, bfloat16 activations and
+            weight copies) vs plain JAX casting its float32 parameters to bfloat16 in the loss
   limited   the same jnntile run with the GPU memory limited to a quarter of parameters + gradients +
             AdamW state + activations: tokens/s and bytes moved per step between GPU and RAM
   capacity  GPT-2 with n_embd 2048 (16 heads), batch 1 x 1024, AdamW in float32, n_layer from
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 
 MB = 2**20
-SECTIONS = ("gemm", "train", "limited", "capacity")
+SECTIONS = ("gemm", "train", "train_bf16", "limited", "capacity")
 # Measured on an H100 80GB HBM3 (plain GPT-2 with optax.adamw, jit, donated, n_embd 2048, batch 1 x 1024,
 # XLA_PYTHON_CLIENT_MEM_FRACTION=0.95): 96 layers ran, 112 ran out of memory.
 PLAIN_JAX_MAX_PARAMS_H100 = 4.94e9
@@ -282,13 +284,16 @@ def main(argv=None) -> int:
         if "gemm" in args.only:
             report["gemm"] = run_child("gemm", s["gemm"], timeout_s, log)
             print_gemm(report["gemm"])
-        if "train" in args.only:
-            jn = run_child("train_jnntile", s["train"], timeout_s, log)
-            xla = run_child("train_xla", s["train"], timeout_s, log)
-            report["train"] = {"jnntile": jn, "xla": xla}
+        for section, dtype in (("train", "float32"), ("train_bf16", "bfloat16")):
+            if section not in args.only:
+                continue
+            params = {**s["train"], "model": {**s["train"]["model"], "dtype": dtype}}
+            jn = run_child("train_jnntile", params, timeout_s, log)
+            xla = run_child("train_xla", params, timeout_s, log)
+            report[section] = {"jnntile": jn, "xla": xla}
             if "tokens_per_s" in jn and "tokens_per_s" in xla:
-                report["train"]["ratio"] = jn["tokens_per_s"] / xla["tokens_per_s"]
-            print_train(report["train"])
+                report[section]["ratio"] = jn["tokens_per_s"] / xla["tokens_per_s"]
+            print_train(report[section])
         if "limited" in args.only:
             report["limited"] = run_child("limited", s["train"], timeout_s, log)
             print_limited(report["limited"])

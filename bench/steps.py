@@ -13,6 +13,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -60,17 +61,23 @@ def jnntile_step(config, batch_size: int, seq_len: int):
 
 
 def xla_step(config, batch_size: int, seq_len: int):
-    """One step of the pure-JAX reference per call, parameters and optimizer state donated."""
+    """One step of the pure-JAX reference per call, parameters and optimizer state donated. A config with
+    dtype="bfloat16" computes as plain JAX's usual mixed precision does: float32 parameters and AdamW state,
+    every parameter cast to bfloat16 at the start of the loss, so activations and products are bfloat16."""
     reference = reference_of(config)
     idx, targets = random_batch(config, batch_size, seq_len)
     params = reference.init_params(config, 0)
     tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LEARNING_RATE))
     state = {"params": params, "opt": tx.init(params)}
+    compute_dtype = jnp.dtype(config.dtype)
+
+    def loss(params, idx, targets):
+        return reference.loss(jax.tree.map(lambda p: p.astype(compute_dtype), params), config, idx, targets)
 
     def train_step(params, opt_state, idx, targets):
-        loss, grads = jax.value_and_grad(lambda p: reference.loss(p, config, idx, targets))(params)
+        loss_value, grads = jax.value_and_grad(loss)(params, idx, targets)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, loss_value
 
     train_step = jax.jit(train_step, donate_argnums=(0, 1))
 

@@ -33,7 +33,8 @@ CONFIGS = {
     "tiny": ("tiny", dict(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=256), 8, 128),
     "small": ("tiny", dict(n_layer=6, n_head=6, n_embd=384, vocab_size=4096, n_positions=256), 8, 256),
     "124M-4x256": ("gpt2", {}, 4, 256),
-    # Mixed precision: bfloat16 activations and weight copies, float32 masters (the XLA baseline stays float32).
+    # Mixed precision: bfloat16 activations and weight copies, float32 masters (plain JAX casts its parameters
+    # to bfloat16 in the loss).
     "124M-4x256-bf16": ("gpt2", dict(dtype="bfloat16"), 4, 256),
     "124M-1x1024": ("gpt2", {}, 1, 1024),
     # The cost of activation recomputation in RAM: the same step with every block recomputed.

@@ -133,6 +133,7 @@ def test_gpu_benchmark_runs_every_section_in_smoke_mode(tmp_path):
     report = json.loads(out.read_text())
     assert all(r["jnntile_gflops"] > 0 for r in report["gemm"]["rows"])
     assert report["train"]["ratio"] > 0 and report["train"]["jnntile"]["workers"]["CPU"]["tasks"] > 0
+    assert report["train_bf16"]["ratio"] > 0 and report["train_bf16"]["jnntile"]["config"]["dtype"] == "bfloat16"
     assert report["limited"]["tokens_per_s"] > 0
     capacity = report["capacity"]
     assert capacity["verdict"].startswith("needs") and capacity["bytes_per_step"]["RAM->DISK"] > 0
