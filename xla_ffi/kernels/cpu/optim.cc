@@ -6,17 +6,19 @@ template <>
 void adamw<Device::Cpu>(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m,
                         float* v, bfloat16* copy) {
   const float factor = clip.factor();
-  for (int64_t i = 0; i < n; ++i) step.apply(p[i], g[i] * factor, m[i], v[i]);
-  if (copy != nullptr)
-    for (int64_t i = 0; i < n; ++i) copy[i] = from_float<bfloat16>(p[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    step.apply(p[i], g[i] * factor, m[i], v[i]);
+    if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
+  }
 }
 
 template <>
 void sgd<Device::Cpu>(int64_t n, float lr, GradClip clip, float* p, const float* g, bfloat16* copy) {
   const float factor = clip.factor();
-  for (int64_t i = 0; i < n; ++i) p[i] -= lr * (g[i] * factor);
-  if (copy != nullptr)
-    for (int64_t i = 0; i < n; ++i) copy[i] = from_float<bfloat16>(p[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] -= lr * (g[i] * factor);
+    if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
+  }
 }
 
 template <>
