@@ -17,21 +17,32 @@ module's `dtype` ("bfloat16") is the dtype it computes and outputs in: its
 weight enters the products as its persistent bfloat16 compute copy
 (`compute_copy`: converted only where the master changed, and an optimizer
 update writes it with the master), whose gradient adds into the master's.
+
+Fine-tuning: `LoRA` wraps a `Linear` with a low-rank adapter whose two factors
+are `nnx.LoRAParam`s (a kind of `nnx.Param`); `trainable(...)` is the NNX
+filter of the parameters a step differentiates, and `value_and_grad(...,
+wrt=filter)` differentiates those alone: the others are frozen (no gradient, no
+optimizer state, and the backward skips their weight-gradient products).
+Inside `base_dtype("bfloat16")` the weights of `Linear`s are stored in
+bfloat16 (a frozen base that is never updated needs no float32 master).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import zlib
 from typing import Callable
 
 import jax
+import numpy as np
 from flax import nnx
 
 import jnntile
 from jnntile.ops import bias as bias_ops
 from jnntile.ops import data as data_ops
 from jnntile.ops import dropout as dropout_ops
+from jnntile.ops import elementwise as elementwise_ops
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import gemm
 from jnntile.ops import layernorm as layernorm_ops
@@ -39,6 +50,7 @@ from jnntile.tensor import Tensor
 
 
 _initialize = True
+_linear_weight_dtype = "float32"
 
 
 @contextlib.contextmanager
@@ -57,9 +69,33 @@ def uninitialized():
         _initialize = saved
 
 
-def _param(initial: Callable[[], Tensor], shape, tile_shape) -> nnx.Param:
-    """A parameter with `initial()`'s values, or an empty one inside `uninitialized()`."""
-    return nnx.Param(initial() if _initialize else jnntile.empty(shape, tile_shape=tile_shape))
+@contextlib.contextmanager
+def base_dtype(dtype: str):
+    """`Linear` weights built inside are stored in `dtype` ("bfloat16" or "float32"): for a frozen base
+    (`trainable`), which no optimizer updates, so it needs no float32 master. Initial values are drawn in
+    float32 and rounded, one weight at a time; a loader writes the file's values rounded."""
+    global _linear_weight_dtype
+    if dtype not in jnntile.tensor.FLOAT_DTYPES:
+        raise ValueError(f"base_dtype: {dtype!r} is not one of {jnntile.tensor.FLOAT_DTYPES}")
+    saved, _linear_weight_dtype = _linear_weight_dtype, dtype
+    try:
+        yield
+    finally:
+        _linear_weight_dtype = saved
+
+
+def _param(initial: Callable[[], Tensor], shape, tile_shape, dtype: str = "float32",
+           kind: type = nnx.Param) -> nnx.Param:
+    """A `kind` parameter of `dtype` with `initial()`'s values (rounded from float32), or an empty one inside
+    `uninitialized()`."""
+    if not _initialize or (dtype != "float32" and jnntile.tensor.active_recording() is not None):
+        return kind(jnntile.empty(shape, dtype, tile_shape=tile_shape))  # (the planner records no conversion)
+    value = initial()
+    if value.dtype != dtype:
+        rounded = data_ops.convert(value, dtype)
+        value.free()  # one float32 weight at a time, not the whole model's
+        value = rounded
+    return kind(value)
 
 
 def compute_copy(weight: Tensor, dtype: str) -> Tensor:
@@ -92,7 +128,7 @@ class Linear(nnx.Module):
         weight_tiles = tuple(out_tiles) + tuple(in_tiles) if weight_out_first else tuple(in_tiles) + tuple(out_tiles)
         self.weight = _param(lambda: jnntile.random_normal(shape, param_seed(seed, name + ".weight"), std=std,
                                                            tile_shape=weight_tiles),
-                             shape, weight_tiles)
+                             shape, weight_tiles, _linear_weight_dtype)
         self.bias = _param(lambda: jnntile.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
                            tuple(out_tiles)) if use_bias else None
 
@@ -102,6 +138,95 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = bias_ops.add_bias(y, self.bias.get_value())
         return y
+
+
+class LoRA(nnx.Module):
+    """A frozen `Linear` plus a trainable low-rank update (LoRA): y = base(x) + (alpha / rank) x A B.
+
+    As PEFT initialises them, A is uniform in +-1/sqrt(fan_in) (Kaiming-uniform with a = sqrt(5)) and B is
+    zero, so the wrapped layer starts as the base. A and B are `nnx.LoRAParam`s stored as the base's weight
+    is: with `weight_out_first` A is (rank, *in_shape) and B (*out_shape, rank), PEFT's lora_A / lora_B
+    layout; else A is (*in_shape, rank) and B (rank, *out_shape). A's tiles follow the base's input tiles,
+    B's its output tiles, and the rank is one tile. Both factors are float32 parameters; in bfloat16 they
+    enter the products as compute copies, as every weight does.
+    """
+
+    def __init__(self, base: Linear, *, rank: int, alpha: float, seed: int, name: str):
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be at least 1, got {rank}")
+        self.base = base
+        self.rank, self.alpha = int(rank), float(alpha)
+        weight = base.weight.get_value()
+        n_in = base.in_ndim
+        if base.weight_out_first:
+            out_shape, in_shape = weight.shape[:-n_in], weight.shape[-n_in:]
+            out_tiles, in_tiles = weight.tile_shape[:-n_in], weight.tile_shape[-n_in:]
+            a_shape, a_tiles = (rank, *in_shape), (rank, *in_tiles)
+            b_shape, b_tiles = (*out_shape, rank), (*out_tiles, rank)
+        else:
+            in_shape, out_shape = weight.shape[:n_in], weight.shape[n_in:]
+            in_tiles, out_tiles = weight.tile_shape[:n_in], weight.tile_shape[n_in:]
+            a_shape, a_tiles = (*in_shape, rank), (*in_tiles, rank)
+            b_shape, b_tiles = (rank, *out_shape), (rank, *out_tiles)
+        bound = 1.0 / float(np.sqrt(np.prod(in_shape)))
+        self.lora_a = _param(lambda: jnntile.random_uniform(a_shape, param_seed(seed, name + ".lora_A"), -bound,
+                                                            bound, tile_shape=a_tiles),
+                             a_shape, a_tiles, kind=nnx.LoRAParam)
+        self.lora_b = _param(lambda: jnntile.zeros(b_shape, tile_shape=b_tiles), b_shape, b_tiles,
+                             kind=nnx.LoRAParam)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self, x: Tensor) -> Tensor:
+        """(alpha / rank) x A B: x (..., *in_shape) -> (..., rank) -> (..., *out_shape)."""
+        dtype, out_first = self.base.dtype, self.base.weight_out_first
+        low = gemm.matmul(x, compute_copy(self.lora_a.get_value(), dtype), ndim=self.base.in_ndim, trans_b=out_first)
+        return gemm.matmul(low, compute_copy(self.lora_b.get_value(), dtype), trans_b=out_first, alpha=self.scale)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return elementwise_ops.add(self.base(x), self.delta(x))
+
+    def merged_weight(self) -> Tensor:
+        """The base weight plus (alpha / rank) of the update, as one new float32 tensor tiled as the base's:
+        what PEFT's merge writes."""
+        a, b = self.lora_a.get_value(), self.lora_b.get_value()
+        product = (gemm.matmul(b, a, alpha=self.scale) if self.base.weight_out_first
+                   else gemm.matmul(a, b, alpha=self.scale))
+        weight = self.base.weight.get_value()
+        if weight.dtype != "float32":
+            weight = data_ops.convert(weight, "float32")
+        return elementwise_ops.add(weight, product)
+
+
+def trainable(freeze: str | None = None, train_only: str | None = None, adapters_only: bool = False):
+    """The NNX filter of the parameters a fine-tuning step trains, by their path ("layers.3.mlp.down_proj.weight",
+    as `LanguageModel.named_params` names them): with `adapters_only`, the `nnx.LoRAParam`s alone; else every
+    parameter whose path matches `train_only` (a regular expression, searched; every one when None) and not
+    `freeze`."""
+    if adapters_only:
+        if freeze or train_only:
+            raise ValueError("with LoRA adapters the base is frozen and the adapters train: --freeze and "
+                             "--train-only do not apply")
+        return nnx.LoRAParam
+    patterns = {}
+    for flag, pattern in (("--freeze", freeze), ("--train-only", train_only)):
+        if pattern:
+            try:
+                patterns[flag] = re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"{flag} {pattern!r} is not a regular expression: {error}") from None
+
+    def selected(path, variable) -> bool:
+        if not isinstance(variable, nnx.Param):
+            return False
+        name = ".".join(str(p) for p in path)
+        if "--train-only" in patterns and not patterns["--train-only"].search(name):
+            return False
+        return not ("--freeze" in patterns and patterns["--freeze"].search(name))
+
+    return selected
 
 
 class LayerNorm(nnx.Module):
@@ -160,10 +285,11 @@ class Dropout(nnx.Module):
 
 
 def value_and_grad(loss_fn: Callable, has_aux: bool = False, *, keep_activations: bool = False, accumulate=None,
-                   scale=1.0):
+                   scale=1.0, wrt=nnx.Param):
     """`loss_fn(model, *args)` -> (loss, grads): grads is an nnx.State of Tensors like the params.
 
-    The model's graph is split off, its parameters differentiated with
+    The model's graph is split off, its `wrt` parameters (an NNX filter: every `nnx.Param` by default,
+    `trainable(...)` to fine-tune) differentiated with
     `jnntile.value_and_grad`, and merged back for the call. Activations are
     invalidated after their last use in the backward pass unless
     `keep_activations=True`; `accumulate` (the grads of an earlier call) and
@@ -171,9 +297,9 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False, *, keep_activations
     """
 
     def wrapped(model: nnx.Module, *args, **kwargs):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model, wrt, ...)
 
-        def pure(params, *args, **kwargs):
+        def pure(params, *args, **kwargs):  # the rest (frozen parameters) gets no gradient companion at all
             return loss_fn(nnx.merge(graphdef, params, rest), *args, **kwargs)
 
         return jnntile.value_and_grad(pure, has_aux=has_aux, keep_activations=keep_activations,

@@ -119,3 +119,23 @@ def _same_values(a: FileTensor, b: FileTensor) -> bool:
         if not np.array_equal(block(a).astype(np.float32), block(b).astype(np.float32)):
             return False
     return True
+
+
+# ---- LoRA adapters in PEFT's names and layouts ------------------------------------------------------
+
+# PEFT target name -> the Linear modules of `model.GPT2` it adapts (the last part of their path). GPT-2's
+# projections are one tensor each in Hugging Face's files too, so an adapter here is PEFT's exactly.
+LORA_TARGETS = {"c_attn": "c_attn", "c_proj": "c_proj", "c_fc": "c_fc"}
+
+
+def lora_to_peft(config: GPT2Config, path: str, a: np.ndarray, b: np.ndarray) -> dict:
+    """{Hugging Face module: (lora_A (rank, in), lora_B (out, rank))} of the adapter of Linear `path`
+    ("h.0.attn.c_attn"), whose factors are stored input-first: a (*in, rank), b (rank, *out)."""
+    rank = a.shape[-1]
+    return {_PREFIX + path: (a.reshape(-1, rank).T, b.reshape(rank, -1).T)}
+
+
+def lora_from_peft(config: GPT2Config, path: str, peft: dict, a_shape, b_shape) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `lora_to_peft`: (a, b) in this model's layout from PEFT's {module: (lora_A, lora_B)}."""
+    lora_a, lora_b = peft[_PREFIX + path]
+    return np.asarray(lora_a).T.reshape(a_shape), np.asarray(lora_b).T.reshape(b_shape)
