@@ -68,14 +68,6 @@ def _progress(*parts) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
-def _swap_bytes() -> tuple[int, int]:
-    """Bytes written to and read from swap since the runtime started."""
-    import jnntile
-
-    moved = jnntile.runtime.stats()["bytes_moved"]
-    return moved.get("RAM->DISK", 0), moved.get("DISK->RAM", 0)
-
-
 # ---- inside the measured process ------------------------------------------------------------
 
 def worker_train(spec: dict) -> dict:
@@ -93,15 +85,15 @@ def worker_train(spec: dict) -> dict:
         def step(*step_args):
             if not steps:  # the model's initialisation may still be running (and swapping)
                 jnntile.runtime.wait_all()
-                written, read = _swap_bytes()
+                written, read = jnntile.runtime.swap_bytes()
                 init.update(seconds=time.perf_counter() - started, written_mb=written / MB, read_mb=read / MB)
-            before = _swap_bytes()
+            before = jnntile.runtime.swap_bytes()
             t0 = time.perf_counter()
             out = train_step(*step_args)
             loss = float(out[2])
             jnntile.runtime.wait_all()  # the optimizer's tasks finish after the loss is read
             seconds = time.perf_counter() - t0
-            after = _swap_bytes()
+            after = jnntile.runtime.swap_bytes()
             steps.append(dict(seconds=seconds, loss=loss, written_mb=(after[0] - before[0]) / MB,
                               read_mb=(after[1] - before[1]) / MB, peak_rss_mb=vmhwm_mb()))
             _progress(f"    step {len(steps)}: {seconds:.1f} s, {steps[-1]['written_mb']:.0f} MB to and "
@@ -131,10 +123,10 @@ def worker_generate(spec: dict) -> dict:
     from_hf, decode = families.from_hf, decoding.Decoder.generate
 
     def timed_from_hf(*args, **kwargs):
-        before, t0 = _swap_bytes(), time.perf_counter()
+        before, t0 = jnntile.runtime.swap_bytes(), time.perf_counter()
         model = from_hf(*args, **kwargs)
         jnntile.runtime.wait_all()
-        after = _swap_bytes()
+        after = jnntile.runtime.swap_bytes()
         load.update(seconds=time.perf_counter() - t0, written_mb=(after[0] - before[0]) / MB,
                     read_mb=(after[1] - before[1]) / MB)
         return model
@@ -143,7 +135,7 @@ def worker_generate(spec: dict) -> dict:
         marks = {}
 
         def mark(done):  # after each prefill chunk and each one-token step (each reads its logits: a sync point)
-            marks[done] = (time.perf_counter(), _swap_bytes())
+            marks[done] = (time.perf_counter(), jnntile.runtime.swap_bytes())
             if progress:
                 progress(done)
 

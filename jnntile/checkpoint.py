@@ -6,6 +6,12 @@ A checkpoint is a directory `ckpt-<step>` inside the output directory:
     optimizer.safetensors            every optimizer-state leaf, in tree order
     state.json                       step, data position, RNG seed, model config and run settings
 
+A run that trains LoRA adapters writes them as a PEFT directory (adapter_config.json,
+adapter_model.safetensors; jnntile.lora) in place of config.json and model.safetensors: its frozen base
+is where it came from (a Hugging Face directory, or the preset and seed), and resuming builds it again
+from there. Parameters frozen otherwise (--freeze, --train-only) stay in model.safetensors, once, without
+optimizer state.
+
 It is written under a temporary name and renamed into place, then the file
 `latest` (itself replaced atomically) points at it, so an interrupted save never
 leaves a checkpoint that looks complete. Older checkpoints beyond `keep` are removed.
@@ -31,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jnntile import tensorfile
+from jnntile import lora, tensorfile
 from jnntile.models import families
 from jnntile.tensor import Tensor
 
@@ -54,15 +60,30 @@ def _optimizer_values(opt_state) -> dict:
     return {_leaf_name(i): (leaf if _is_tensor(leaf) else np.asarray(leaf)) for i, leaf in enumerate(leaves)}
 
 
-def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict, keep: int = 2) -> Path:
-    """Writes checkpoint `ckpt-<step>` atomically and returns its path."""
+def _finetune_record(finetune) -> dict:
+    if finetune is None:
+        return {"freeze": None, "train_only": None, "lora": None}
+    settings = finetune.lora
+    return {"freeze": finetune.freeze, "train_only": finetune.train_only,
+            "lora": None if settings is None else {"rank": settings.rank, "alpha": settings.alpha,
+                                                   "targets": list(settings.targets or [])}}
+
+
+def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict, keep: int = 2,
+         finetune=None) -> Path:
+    """Writes checkpoint `ckpt-<step>` atomically and returns its path. `finetune` (jnntile.lora.FineTune)
+    says what trains: with LoRA adapters only they are written, not the base."""
     out_dir = Path(out_dir)
     final = out_dir / f"ckpt-{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=out_dir))
     try:
-        families.save_hf(model, tmp)
+        record = {"step": step, "config": dataclasses.asdict(model.config), "finetune": _finetune_record(finetune),
+                  **state}
+        if finetune is not None and finetune.lora is not None:
+            lora.save_peft(model, lora.applied_settings(model), tmp)
+        else:
+            families.save_hf(model, tmp)
         tensorfile.write_file(tmp / OPTIMIZER_FILE, _optimizer_values(opt_state))
-        record = {"step": step, "config": dataclasses.asdict(model.config), **state}
         (tmp / STATE_FILE).write_text(json.dumps(record, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -139,8 +160,11 @@ def read_state(path: str | os.PathLike) -> dict:
     return record
 
 
-def restore(path: str | os.PathLike, *, model, opt_state):
+def restore(path: str | os.PathLike, *, model, opt_state, finetune=None):
     """Loads weights into `model` and returns (opt_state with the saved values, state dict).
+
+    `finetune` (jnntile.lora.FineTune) must be what the checkpoint was trained with; under LoRA the model's
+    base is built already and only the adapters are loaded.
 
     `opt_state` is a freshly initialised state of the same optimizer; a checkpoint
     of another model or optimizer, or a damaged one, raises ValueError naming
@@ -154,7 +178,14 @@ def restore(path: str | os.PathLike, *, model, opt_state):
     differing = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v and k not in execution}
     if differing:
         raise ValueError(f"checkpoint {path} is of another model: (saved, requested) differ in {differing}")
-    _, params = families.open_hf(path)
+    saved_finetune = record.get("finetune", _finetune_record(None))
+    if saved_finetune != _finetune_record(finetune):
+        raise ValueError(f"checkpoint {path} trained {saved_finetune}, this run asks for {_finetune_record(finetune)} "
+                         "(--freeze, --train-only, --lora-*): give the same, or start afresh in another --out")
+    adapters_only = finetune is not None and finetune.lora is not None
+    params = {}
+    if not adapters_only:
+        _, params = families.open_hf(path)
     for name, value in params.items():
         if value.code != "F32":  # anything else would not resume bit-identically
             raise ValueError(f"{value.path}: tensor {name!r} is {value.code}, a training checkpoint holds F32")
@@ -174,7 +205,10 @@ def restore(path: str | os.PathLike, *, model, opt_state):
             raise ValueError(f"{file}: optimizer value {name!r} is {value.code} {value.shape}, expected "
                              f"{tensorfile.dtype_code(dtype)} {tuple(leaf.shape)}")
 
-    model.load_hf_params(params)
+    if adapters_only:
+        lora.load_peft(model, path)
+    else:
+        model.load_hf_params(params)
     restored = [tensorfile.load_into(leaf, saved_leaves[_leaf_name(i)]) if _is_tensor(leaf) else
                 jnp.asarray(saved_leaves[_leaf_name(i)].read(), leaf.dtype) for i, leaf in enumerate(leaves)]
     return jax.tree.unflatten(treedef, restored), record

@@ -66,6 +66,44 @@ def add_execution_flags(parser: argparse.ArgumentParser, training: bool = True) 
                              "auto with --memory-limit-mb, else none)")
 
 
+def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
+    """What a run trains: every parameter, a selection, or LoRA adapters (`jnntile.lora.FineTune`)."""
+    parser.add_argument("--freeze", metavar="REGEX", help="freeze the parameters whose path matches (e.g. "
+                        "'wte|wpe|h\\.[0-5]\\.'): no gradient, no optimizer state")
+    parser.add_argument("--train-only", metavar="REGEX", help="train only the parameters whose path matches")
+    parser.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank on a frozen base (with "
+                        "--dtype bfloat16 the base is stored in bfloat16)")
+    parser.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: updates are scaled by alpha / rank "
+                        "(default: twice the rank)")
+    parser.add_argument("--lora-targets", help="comma-separated projections to adapt, PEFT's names (default: every "
+                        "projection: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj for Llama, "
+                        "c_attn,c_proj,c_fc for GPT-2)")
+    parser.add_argument("--init-lora", metavar="DIR", help="start the adapters from a PEFT directory (its rank, alpha "
+                        "and targets)")
+
+
+def finetune_settings(args):
+    """The `jnntile.lora.FineTune` the flags ask for."""
+    from jnntile import lora
+
+    settings = None
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
+    if getattr(args, "init_lora", None):
+        settings = lora.read_settings(args.init_lora)
+        for flag, given, saved in (("--lora-rank", args.lora_rank, settings.rank),
+                                   ("--lora-alpha", args.lora_alpha, settings.alpha)):
+            if given is not None and given != saved:
+                raise ValueError(f"{flag} {given:g} differs from {saved:g} in {args.init_lora}; leave it out")
+        if targets is not None:
+            raise ValueError(f"--lora-targets: the targets of --init-lora {args.init_lora} are its own; leave it out")
+    elif args.lora_rank is not None:
+        alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+        settings = lora.LoRASettings(args.lora_rank, alpha, targets)
+    elif args.lora_alpha is not None or targets is not None:
+        raise ValueError("--lora-alpha and --lora-targets need --lora-rank (or --init-lora)")
+    return lora.FineTune(freeze=args.freeze, train_only=args.train_only, lora=settings)
+
+
 def execution_settings(args) -> dict:
     """The model config's tile_* fields, dtype and remat the flags set (only those given)."""
     settings = {f"tile_{axis}": getattr(args, f"tile_{axis}") for axis in TILE_AXES

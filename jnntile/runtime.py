@@ -389,6 +389,12 @@ def stats() -> dict:
     return stats
 
 
+def swap_bytes() -> tuple[int, int]:
+    """(bytes written to disk swap, bytes read from it) since start, from `stats()["bytes_moved"]`."""
+    moved = stats()["bytes_moved"]
+    return moved.get("RAM->DISK", 0), moved.get("DISK->RAM", 0)
+
+
 def reset_peaks() -> None:
     """Starts the peak memory use of every node (stats()["nodes"][i]["peak_used_bytes"]) over."""
     if is_running():

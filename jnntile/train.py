@@ -36,7 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, decoding, distributed, flags, memory, nn, optim
+from jnntile import checkpoint, decoding, distributed, flags, lora, memory, nn, optim
 from jnntile import data as data_mod
 from jnntile.models import families
 
@@ -83,6 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the --export-hf weights (bfloat16: rounded to nearest even from the float32 "
                         "parameters; checkpoints stay float32)")
+    flags.add_finetune_flags(p)
+    p.add_argument("--export-lora", metavar="DIR", help="write the trained LoRA adapters as a PEFT directory "
+                   "(adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--merge-lora", action="store_true", help="with --export-hf and LoRA adapters: write the base "
+                   "with the adapters merged into its weights")
     flags.add_runtime_flags(p)
     p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="text samples printed at the end")
     p.add_argument("--sample-tokens", type=int, default=DEFAULTS["sample_tokens"])
@@ -110,6 +115,15 @@ def _check_args(args) -> None:
             raise ValueError(f"{flag(name)} must not be negative")
     if args.lr <= 0:
         raise ValueError(f"{flag('lr')} must be positive")
+    adapters = args.lora_rank is not None or args.init_lora
+    if (args.export_lora or args.merge_lora) and not adapters:
+        raise ValueError(f"{'--export-lora' if args.export_lora else '--merge-lora'} needs LoRA adapters: give "
+                         "--lora-rank (or --init-lora)")
+    if args.merge_lora and not args.export_hf:
+        raise ValueError("--merge-lora writes merged weights with --export-hf DIR; give it")
+    if adapters and args.export_hf and not args.merge_lora:
+        raise ValueError("--export-hf with LoRA adapters: add --merge-lora to write the merged weights, or write the "
+                         "adapters alone with --export-lora DIR")
 
 
 LOCK_FILE = ".lock"
@@ -188,11 +202,12 @@ def _make_optimizer(args) -> optax.GradientTransformation:
 # ---- the step --------------------------------------------------------------------
 
 def make_steps(graphdef, tx, grad_accum_steps: int = 1):
-    """The training and evaluation steps over (params, opt_state).
+    """The training and evaluation steps over (params, opt_state), the trained parameters' state.
 
-    `train_step(params, opt_state, idx, targets, dropout_seeds)` takes the
-    token ids of a whole step, shaped (grad_accum_steps, B, T), and one dropout
-    seed per micro-batch. Each micro-batch adds its gradients, scaled by
+    `train_step(params, opt_state, idx, targets, dropout_seeds, frozen)` takes the
+    token ids of a whole step, shaped (grad_accum_steps, B, T), one dropout
+    seed per micro-batch, and the frozen parameters' state (None when
+    everything trains): those are read, never differentiated. Each micro-batch adds its gradients, scaled by
     1/grad_accum_steps, into the tiled gradients (the first starts them at
     zero); the last one also applies `tx`, so clipping and the update see the
     mean gradient of the whole batch. Returns the new (params, opt_state) and
@@ -214,8 +229,8 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1):
                         dropout_seed=dropout_seed)
         return loss
 
-    def gradients(params, grads, idx, targets, dropout_seed):
-        return jnntile.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), idx, targets, dropout_seed),
+    def gradients(params, grads, idx, targets, dropout_seed, frozen):
+        return jnntile.value_and_grad(lambda p: loss_fn(_merged(graphdef, p, frozen), idx, targets, dropout_seed),
                                       accumulate=grads, scale=scale)(params)
 
     # The micro-batches before the last: compiled twice, without earlier gradients and with them.
@@ -224,26 +239,37 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1):
     # The last micro-batch and the update in one program: a step without accumulation stays the one
     # program it was, and the update's tasks are submitted right after the last backward's.
     @jax.jit
-    def last_and_update(params, opt_state, grads, idx, targets, dropout_seed):
-        loss, grads = gradients(params, grads, idx, targets, dropout_seed)
+    def last_and_update(params, opt_state, grads, idx, targets, dropout_seed, frozen):
+        loss, grads = gradients(params, grads, idx, targets, dropout_seed, frozen)
         grads, _ = summed.update(grads, summed.init(params), params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    def train_step(params, opt_state, idx, targets, dropout_seeds):
+    def train_step(params, opt_state, idx, targets, dropout_seeds, frozen=None):
         grads, losses = None, []
         for k in range(grad_accum_steps - 1):
-            loss, grads = add_gradients(params, grads, idx[k], targets[k], dropout_seeds[k])
+            loss, grads = add_gradients(params, grads, idx[k], targets[k], dropout_seeds[k], frozen)
             losses.append(loss)
-        params, opt_state, loss = last_and_update(params, opt_state, grads, idx[-1], targets[-1], dropout_seeds[-1])
+        params, opt_state, loss = last_and_update(params, opt_state, grads, idx[-1], targets[-1], dropout_seeds[-1],
+                                                  frozen)
         losses.append(loss)
         return params, opt_state, losses[0] if grad_accum_steps == 1 else jnp.mean(jnp.stack(losses))
 
     @jax.jit
-    def eval_step(params, idx, targets):
-        return jnntile.to_array(loss_fn(nnx.merge(graphdef, params), idx, targets, None))
+    def eval_step(params, idx, targets, frozen=None):
+        return jnntile.to_array(loss_fn(_merged(graphdef, params, frozen), idx, targets, None))
 
     return train_step, eval_step
+
+
+def _split(model, finetune):
+    """(graphdef, trained parameters, frozen parameters or None when everything trains)."""
+    graphdef, params, frozen = nnx.split(model, finetune.filter(), nnx.Param)
+    return graphdef, params, None if finetune.trains_everything else frozen
+
+
+def _merged(graphdef, params, frozen):
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
 
 def step_batch(dataset, step: int, args):
@@ -273,15 +299,15 @@ def _memory_in_use_mb() -> float:
     return ram[0]["used_bytes"] / 2**20 if ram else 0.0
 
 
-def _evaluate(eval_step, params, dataset, args) -> float:
+def _evaluate(eval_step, params, frozen, dataset, args) -> float:
     losses = [float(eval_step(params, *(distributed.local_rows(a) for a in dataset.batch(
-        i, args.batch_size, args.seq_len, "random", seed=args.seed + 1)))) for i in range(args.eval_batches)]
+        i, args.batch_size, args.seq_len, "random", seed=args.seed + 1)), frozen)) for i in range(args.eval_batches)]
     return distributed.mean_and_any(float(np.mean(losses)), False, "the validation loss")[0]
 
 
 # Flags that may differ between the ranks of a distributed run: where things are on each machine, what
 # each machine can hold, what rank 0 alone does. The rest must be the same on every rank.
-PER_RANK_FLAGS = {"data", "out", "quiet", "init_from_hf", "export_hf", "export_dtype", "workers", "memory_limit_mb", "swap_dir",
+PER_RANK_FLAGS = {"data", "out", "quiet", "init_from_hf", "export_hf", "export_dtype", "init_lora", "export_lora", "workers", "memory_limit_mb", "swap_dir",
                   "swap_size_mb", "swap_backend", "gpu_memory_limit_mb", "cuda_workers"}
 
 
@@ -375,18 +401,19 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                 distributed.wait_for_every_rank("the preparation of the built-in corpus")
         train_data, val_data = _load_data(args)
         config = _config(args, train_data.vocab_size)
+        finetune = flags.finetune_settings(args)
 
         runtime_settings = flags.runtime_settings(args)
         runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
         runtime_config.validate()
         gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
         config, remat_note = memory.choose_remat(config, batch_size, args.seq_len, runtime_config.memory_limit_mb,
-                                                 args.optimizer, runtime_config.workers)
+                                                 args.optimizer, runtime_config.workers, finetune)
         config, tiles_note = memory.fit_tiles(config, batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
-                                              args.optimizer, runtime_config.workers)
+                                              args.optimizer, runtime_config.workers, finetune)
         tiles_note = "\n".join(note for note in (remat_note, tiles_note) if note)
         plan = memory.plan(config, batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
-                           grad_accum_steps=args.grad_accum_steps)
+                           grad_accum_steps=args.grad_accum_steps, finetune=finetune)
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
         verdict = plan.check(runtime_config.memory_limit_mb,
                              runtime_config.swap_size_mb if runtime_config.swap_dir else 0, gpu_mb)
@@ -405,20 +432,27 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         jnntile.runtime.configure(**runtime_settings)
     jnntile.runtime.start()
 
-    if args.init_from_hf and not resume_from:
-        model = families.from_hf(args.init_from_hf, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
-                             **{k: getattr(config, k) for k in config.execution_field_names()})
-    else:  # a checkpoint to resume from overwrites every parameter: no initial values needed
-        with nn.uninitialized() if resume_from else contextlib.nullcontext():
-            model = families.build(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)
+    # A checkpoint holds every parameter, except under LoRA: the frozen base comes from where it came from.
+    restores_all = resume_from is not None and finetune.lora is None
+
+    def make_model():
+        if args.init_from_hf and not restores_all:
+            return families.from_hf(args.init_from_hf, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
+                                    **{k: getattr(config, k) for k in config.execution_field_names()})
+        with nn.uninitialized() if restores_all else contextlib.nullcontext():  # no initial values to overwrite
+            return families.build(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)
+
+    model, lora_settings = finetune.build(make_model, config.dtype, args.seed)
+    if args.init_lora and resume_from is None:
+        lora.load_peft(model, args.init_lora)
     tx, schedule = _make_optimizer(args)
-    graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params, frozen = _split(model, finetune)
     opt_state = tx.init(params)
     start_step = 0
     metrics_path = out / "metrics.jsonl"
     if resume_from is not None:
-        opt_state, record = checkpoint.restore(resume_from, model=model, opt_state=opt_state)
-        graphdef, params = nnx.split(model, nnx.Param)
+        opt_state, record = checkpoint.restore(resume_from, model=model, opt_state=opt_state, finetune=finetune)
+        graphdef, params, frozen = _split(model, finetune)
         start_step = record["step"]
         if lead:
             _truncate_metrics(metrics_path, start_step)
@@ -445,11 +479,12 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                  "rng": {"seed": args.seed,
                          "dropout_seed_of_next_step": int(_dropout_seed(args.seed, step * args.grad_accum_steps))},
                  "args": {k: v for k, v in vars(args).items() if k != "quiet"}}
-        model_now = nnx.merge(graphdef, params)
-        return checkpoint.save(out, model=model_now, opt_state=opt_state, step=step, state=state)
+        return checkpoint.save(out, model=_merged(graphdef, params, frozen), opt_state=opt_state, step=step,
+                               state=state, finetune=finetune)
 
     losses = []
     step = start_step
+    swapping = bool(jnntile.runtime.config().swap_dir)
     bar = tqdm(total=args.steps, initial=start_step, disable=args.quiet or not lead, unit="step", dynamic_ncols=True)
     # Ctrl-C only asks to stop: the step in flight updates tiles in place, so it
     # must finish (and be recorded) before the checkpoint is written.
@@ -467,9 +502,10 @@ def _train(args, held: contextlib.ExitStack) -> dict:
             stopping = False
             while step < args.steps and not stopping:
                 idx, targets = (distributed.local_rows(a, axis=1) for a in step_batch(train_data, step, args))
+                swapped_before = jnntile.runtime.swap_bytes() if swapping else None
                 started = time.perf_counter()
                 params, opt_state, loss = train_step(params, opt_state, idx, targets,
-                                                     _dropout_seeds(args.seed, step, args.grad_accum_steps))
+                                                     _dropout_seeds(args.seed, step, args.grad_accum_steps), frozen)
                 # The one blocking read of the step; with several ranks, the mean of theirs (and whether
                 # any rank was asked to stop, so that all stop after the same step).
                 loss, stopping = distributed.mean_and_any(float(loss), bool(stop_requested), "the loss")
@@ -478,9 +514,12 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                     raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or enable --grad-clip")
                 row = {"step": step, "loss": loss, "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / seconds,
                        "seconds": seconds}
+                if swapping:  # what moved while the step ran (an update still running counts in the next step)
+                    written, read = (now - before for now, before in zip(jnntile.runtime.swap_bytes(), swapped_before))
+                    row.update(swap_written_mb=written / 2**20, swap_read_mb=read / 2**20)
                 if args.eval_interval and val_data is not None and ((step + 1) % args.eval_interval == 0
                                                                     or step + 1 == args.steps):
-                    row["val_loss"] = _evaluate(eval_step, params, val_data, args)
+                    row["val_loss"] = _evaluate(eval_step, params, frozen, val_data, args)
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
                 losses.append(loss)
@@ -510,10 +549,16 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                 "losses": losses}
     path = save(step)
     plot_losses(metrics_path, out / "loss.png")
-    final_model = nnx.merge(graphdef, params)
+    final_model = _merged(graphdef, params, frozen)
+    if args.export_lora:
+        lora.save_peft(final_model, lora_settings, args.export_lora, base_model=args.init_from_hf or args.model)
+        print(f"exported LoRA adapters (PEFT) to {args.export_lora}")
     if args.export_hf:
+        if lora_settings is not None:
+            lora.merge(final_model)
         families.save_hf(final_model, args.export_hf, args.export_dtype)
-        print(f"exported Hugging Face checkpoint ({args.export_dtype}) to {args.export_hf}")
+        print(f"exported Hugging Face checkpoint ({args.export_dtype}{', adapters merged' if lora_settings else ''}) "
+              f"to {args.export_hf}")
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     summary = {"step": step, "losses": losses, "checkpoint": str(path), "first_loss": rows[0]["loss"] if rows else None,
                "last_loss": rows[-1]["loss"] if rows else None,
