@@ -2,12 +2,16 @@
 
     python -m jnntile.generate --checkpoint out --prompt "def main(" --max-new-tokens 100
     python -m jnntile.generate --hf gpt2_dir --prompt "Hello" --prompt "Tiles are" --temperature 0
+    python -m jnntile.generate --hf llama_dir --lora adapter_dir --prompt "Hello"
 
 Weights come from a checkpoint of `python -m jnntile.train` (a ckpt-* directory,
 or a training --out directory for its latest checkpoint) or from a Hugging Face
 checkpoint directory of a supported family (GPT-2; Llama, Mistral, Qwen2: its
 config.json's model_type tells), and stay StarPU tiles under the memory limit and swap given
-here, as in training: the model may be larger than RAM. The prompts are decoded
+here, as in training: the model may be larger than RAM. With --dtype bfloat16 the
+projection weights are stored in bfloat16 alone (nothing updates them, so no
+float32 copy is kept). --lora applies PEFT LoRA adapters (of `train --export-lora`,
+a LoRA run's checkpoint, or PEFT's save_pretrained) unmerged. The prompts are decoded
 together with a key/value cache (jnntile.decoding). The texts
 (prompt and continuation) go to stdout; progress and speed go to stderr.
 
@@ -28,7 +32,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, decoding, flags
+from jnntile import checkpoint, decoding, flags, lora, nn
 from jnntile import data as data_mod
 from jnntile.models import families
 
@@ -43,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a checkpoint of python -m jnntile.train (ckpt-* directory, or its --out directory)")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory (config.json and "
                         "safetensors weights) of GPT-2 or the Llama family")
+    p.add_argument("--lora", metavar="DIR", help="apply the LoRA adapters of a PEFT directory (adapter_config.json, "
+                   "adapter_model.safetensors) to the model, unmerged")
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                    help="text to continue; repeat for several prompts, decoded as one batch")
     p.add_argument("--tokenizer", metavar="PATH",
@@ -69,6 +75,12 @@ def _weights_dir(args) -> Path:
     path = Path(args.checkpoint)
     if not path.is_dir():
         raise FileNotFoundError(f"--checkpoint {path}: no such directory")
+    if not (path / "state.json").is_file():
+        path = checkpoint.latest(path) or path
+    if (path / lora.ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+        base = checkpoint.read_state(path).get("args", {}).get("init_from_hf") or "BASE"
+        raise ValueError(f"--checkpoint {path} holds LoRA adapters, not a model: give the base and the adapters, "
+                         f"--hf {base} --lora {path}")
     if (path / "state.json").is_file():
         return path
     latest = checkpoint.latest(path)
@@ -155,6 +167,8 @@ def _check_memory(config, batch: int, length: int, limit_mb: int, swap_mb: int) 
 def generate(args) -> list[str]:
     """Runs generation as configured by `args`; returns the texts. Raises ValueError on bad input."""
     _check_args(args)
+    if args.lora:
+        lora.read_settings(args.lora)  # checked before anything is loaded
     weights = _weights_dir(args)
     config = _read_config(weights, args)
     tokenizer = load_tokenizer(args, weights)
@@ -174,7 +188,11 @@ def generate(args) -> list[str]:
     started = time.perf_counter()
     tiles = {k: getattr(config, k) for k in config.execution_field_names()}
     tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (the models' kv_cache)
-    model = families.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
+    with nn.base_dtype(config.dtype):  # nothing updates a weight here: a bfloat16 one needs no float32 master
+        model = families.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
+    if args.lora:
+        lora.apply(model, lora.read_settings(args.lora))
+        lora.load_peft(model, args.lora)
     decoder = decoding.Decoder(model, batch_size=len(prompts), max_len=length)
     log = sys.stderr
     print(f"{config.describe()} from {weights}, loaded in "

@@ -66,8 +66,8 @@ class MemoryPlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class _T:
-    """A tensor of the step: bytes, tile bytes, kind ("param", "act", "scratch", "input", "copy": a
-    parameter's persistent compute copy, written by the optimizer update)."""
+    """A tensor of the step: bytes, tile bytes, kind ("param", "frozen": a parameter nobody trains, "act",
+    "scratch", "input", "copy": a parameter's persistent compute copy, written by the optimizer update)."""
 
     name: str
     shape: tuple
@@ -107,21 +107,24 @@ class _RecordedStep:
     """The ops of one training step: parameters, token ids and the ops in forward order."""
 
     ops: list  # _Op
-    params: list  # _T
+    params: list  # _T: the trained parameters
     inputs: list  # _T
     copies: dict = dataclasses.field(default_factory=dict)  # parameter name -> its compute copy (_T)
+    frozen: list = dataclasses.field(default_factory=list)  # _T: parameters read, never differentiated
 
     def gradient_owner(self, t: _T) -> _T:
-        """The tensor whose gradient t's gradient is: a compute copy's is its parameter's."""
-        return next(p for p in self.params if p.name == t.master) if t.kind == "copy" else t
+        """The tensor whose gradient t's gradient is: a compute copy's is its parameter's (none for a frozen
+        parameter's)."""
+        return next(p for p in self.params + self.frozen if p.name == t.master) if t.kind == "copy" else t
 
 
-def record_step(build_model, loss) -> _RecordedStep:
+def record_step(build_model, loss, trainable=nnx.Param) -> _RecordedStep:
     """The ops of one training step of any model built from jnntile's modules and ops, recorded with the
     op layer submitting nothing and allocating nothing (jnntile.tensor.recording): `build_model()` makes
     the model, `loss(model)` runs its forward to the loss, as the training step does. Each differentiable
     op reports the tensors it reads, creates and keeps for its backward, and its largest task; the
-    backward and the optimizer update follow from those (`_simulate`, `_largest_of`)."""
+    backward and the optimizer update follow from those (`_simulate`, `_largest_of`). Parameters outside the
+    NNX filter `trainable` are frozen: read, without gradient or optimizer state."""
     recorded = []
     with tensor_mod.recording(recorded):
         model = build_model()
@@ -134,8 +137,13 @@ def record_step(build_model, loss) -> _RecordedStep:
                                      t.dtype in tensor_mod.FLOAT_DTYPES)
         return described[t.handle]
 
-    params = [describe(variable.get_value(), "param", ".".join(str(p) for p in path))
-              for path, variable in nnx.iter_graph(model) if isinstance(variable, nnx.Param)]
+    trained = nnx.filterlib.to_predicate(trainable)
+    variables = [(path, variable) for path, variable in nnx.iter_graph(model) if isinstance(variable, nnx.Param)]
+    params, frozen = [], []
+    for path, variable in variables:
+        kind = "param" if trained(path, variable) else "frozen"
+        (params if kind == "param" else frozen).append(describe(variable.get_value(), kind,
+                                                                ".".join(str(p) for p in path)))
     ops, inputs = [], []
     regions = [r for r in recorded if isinstance(r, _ffi.RecordedRecomputation)]
     recorded = [r for r in recorded if not isinstance(r, _ffi.RecordedRecomputation)]
@@ -160,11 +168,12 @@ def record_step(build_model, loss) -> _RecordedStep:
                     if any(t.handle == region.output.handle for t in recorded[i].outputs))
         ops[last].region_start, ops[last].region_output = start, described[region.output.handle]
     copies = {t.master: t for t in described.values() if t.kind == "copy"}
-    return _RecordedStep(ops, params, inputs, copies)
+    return _RecordedStep(ops, params, inputs, copies, frozen)
 
 
-def _trace_step(config, batch_size: int, seq_len: int, tiles) -> _RecordedStep:
-    """The recorded step of `config`'s model with `tiles` on (batch_size, seq_len) tokens."""
+def _trace_step(config, batch_size: int, seq_len: int, tiles, finetune=None) -> _RecordedStep:
+    """The recorded step of `config`'s model with `tiles` on (batch_size, seq_len) tokens; `finetune`
+    (jnntile.lora.FineTune) says what trains."""
     config = dataclasses.replace(config, **{f"tile_{axis}": getattr(tiles, axis) for axis in TILE_AXES})
     ids = np.zeros((batch_size, seq_len), np.int32)
     dropout_seed = np.int32(0) if config.dropout > 0 else None  # training passes one; no dropout without
@@ -172,7 +181,12 @@ def _trace_step(config, batch_size: int, seq_len: int, tiles) -> _RecordedStep:
     def loss(model):
         return model(model.token_tensor(ids), model.token_tensor(ids), dropout_seed=dropout_seed)
 
-    return record_step(lambda: families.build(config, batch_size=batch_size, seq_len=seq_len), loss)
+    def build():
+        return families.build(config, batch_size=batch_size, seq_len=seq_len)
+
+    if finetune is None:
+        return record_step(build, loss)
+    return record_step(lambda: finetune.build(build, config.dtype)[0], loss, finetune.filter())
 
 
 @dataclasses.dataclass
@@ -198,13 +212,15 @@ class MemoryPlan:
     tiles: object = None  # jnntile.models.Tiles
     grad_accum_steps: int = 1  # micro-batches of (batch_size, seq_len) per step
     compute_copies: int = 0  # the parameters' bfloat16 copies of a model in bfloat16, kept between steps
+    frozen_parameters: int = 0  # bytes of the parameters nobody trains (no gradient, no optimizer state)
+    finetune: object = None  # jnntile.lora.FineTune: what trains (None: everything)
     tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
     step: _RecordedStep = dataclasses.field(default=None, repr=False)  # what the numbers come from
 
     @property
     def state(self) -> int:
-        """Parameters + gradients + optimizer state + compute copies."""
-        return self.parameters + self.gradients + self.optimizer_state + self.compute_copies
+        """Parameters (trained and frozen) + gradients + optimizer state + compute copies."""
+        return self.parameters + self.frozen_parameters + self.gradients + self.optimizer_state + self.compute_copies
 
     @property
     def concurrent_tasks(self) -> int:
@@ -325,7 +341,7 @@ class MemoryPlan:
         target = self.task_bytes_target(memory_limit_mb, gpu_mb)
         tiles = dataclasses.asdict(self.tiles)
         while True:
-            size = _largest_task(self.config, self.batch_size, self.seq_len, tiles, self.optimizer)[0]
+            size = _largest_task(self.config, self.batch_size, self.seq_len, tiles, self.optimizer, self.finetune)[0]
             if size <= target:
                 return tiles
             best = None
@@ -333,7 +349,8 @@ class MemoryPlan:
                 if tiles[axis] // 2 < _MIN_TILE[axis]:
                     continue
                 trial = dict(tiles, **{axis: tiles[axis] // 2})
-                trial_size = _largest_task(self.config, self.batch_size, self.seq_len, trial, self.optimizer)[0]
+                trial_size = _largest_task(self.config, self.batch_size, self.seq_len, trial, self.optimizer,
+                                           self.finetune)[0]
                 if trial_size < size and (best is None or trial_size < best[1]):
                     best = (axis, trial_size)
             if best is None:
@@ -351,7 +368,10 @@ class MemoryPlan:
     def rows(self) -> list[tuple[str, float, str]]:
         """(what, MB, note) rows of the table."""
         return [
-            ("parameters", self.parameters / MB, f"{self.n_params:,} float32"),
+            ("parameters", self.parameters / MB, f"{self.n_params:,} float32" + (
+                ", trained" if self.frozen_parameters else "")),
+            *([("frozen parameters", self.frozen_parameters / MB, "no gradient, no optimizer state")]
+              if self.frozen_parameters else []),
             ("gradients", self.gradients / MB, "freed by the optimizer update" + (
                 ", kept between micro-batches" if self.grad_accum_steps > 1 else "")),
             ("optimizer state", self.optimizer_state / MB, self.optimizer),
@@ -377,13 +397,13 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _largest_task(config, batch_size, seq_len, tiles: dict, optimizer: str):
-    return _largest_task_of_tiles(config, batch_size, seq_len, tuple(sorted(tiles.items())), optimizer)
+def _largest_task(config, batch_size, seq_len, tiles: dict, optimizer: str, finetune=None):
+    return _largest_task_of_tiles(config, batch_size, seq_len, tuple(sorted(tiles.items())), optimizer, finetune)
 
 
 @functools.lru_cache(maxsize=256)  # the search of smaller_tiles tries the same tiles again
-def _largest_task_of_tiles(config, batch_size, seq_len, tiles: tuple, optimizer: str):
-    return _largest_of(_trace_step(config, batch_size, seq_len, Tiles(**dict(tiles))), optimizer)
+def _largest_task_of_tiles(config, batch_size, seq_len, tiles: tuple, optimizer: str, finetune=None):
+    return _largest_of(_trace_step(config, batch_size, seq_len, Tiles(**dict(tiles)), finetune), optimizer)
 
 
 def _largest_of(step: _RecordedStep, optimizer: str):
@@ -409,7 +429,7 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
     n_state = OPTIMIZER_STATES[optimizer]
     params = sum(p.nbytes for p in step.params)
     base = (params * (1 + n_state + accumulating) + sum(t.nbytes for t in step.inputs)
-            + sum(t.nbytes for t in step.copies.values()))
+            + sum(t.nbytes for t in step.copies.values()) + sum(t.nbytes for t in step.frozen))
     live = 0  # activations, residuals, and gradients allocated so far
     peak, phase = base, "start"
 
@@ -618,14 +638,15 @@ def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, clip: bool
 
 
 def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None,
-         grad_accum_steps: int = 1) -> MemoryPlan:
+         grad_accum_steps: int = 1, finetune=None) -> MemoryPlan:
     """The memory plan of one training step of `config`'s model (its family's) on (batch_size, seq_len) tokens.
 
     Tile sizes are the config's (or the automatic ones), as `resolve_tiles`
     gives them; `workers` defaults to the runtime's. With `grad_accum_steps`
     > 1 a step is that many micro-batches of (batch_size, seq_len): the plan is
     the one of a micro-batch that adds to gradients already there (the state
-    is the same, activations are one micro-batch's).
+    is the same, activations are one micro-batch's). `finetune` (jnntile.lora.FineTune) says what trains:
+    frozen parameters count once, without gradient or optimizer state.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
@@ -634,8 +655,8 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
     if workers is None:
         workers = runtime.config().workers
     tiles = resolve_tiles(config, batch_size, seq_len)
-    return _plan_of(_trace_step(config, batch_size, seq_len, tiles), optimizer, workers, grad_accum_steps,
-                    batch_size=batch_size, seq_len=seq_len, tiles=tiles, config=config)
+    return _plan_of(_trace_step(config, batch_size, seq_len, tiles, finetune), optimizer, workers, grad_accum_steps,
+                    batch_size=batch_size, seq_len=seq_len, tiles=tiles, config=config, finetune=finetune)
 
 
 def plan_model(build_model, loss, optimizer: str = "adamw", workers: int | None = None,
@@ -657,14 +678,14 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
     return MemoryPlan(
         optimizer=optimizer, workers=workers, n_params=params // F32, parameters=params, gradients=params,
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
-        compute_copies=sum(t.nbytes for t in step.copies.values()),
+        compute_copies=sum(t.nbytes for t in step.copies.values()), frozen_parameters=sum(t.nbytes for t in step.frozen),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
         largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, step=step,
         **shape)
 
 
 def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, optimizer: str = "adamw",
-                 workers: int | None = None):
+                 workers: int | None = None, finetune=None):
     """`config` with remat="auto" resolved. "none" when the step fits the memory limit without recomputation;
     else "block" with the fewest blocks recomputed (`remat_blocks`) that make it fit; when even all of them do
     not, all blocks or none, whichever the planner predicts to move fewer bytes to and from swap
@@ -677,7 +698,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
     @functools.cache  # each plan records the whole model
     def plan_with(blocks: int) -> MemoryPlan:
         chosen = dataclasses.replace(config, remat="block" if blocks else "none", remat_blocks=blocks or None)
-        return plan(chosen, batch_size, seq_len, optimizer, workers)
+        return plan(chosen, batch_size, seq_len, optimizer, workers, finetune=finetune)
 
     def peak_with(blocks: int) -> int:
         return plan_with(blocks).peak
@@ -713,7 +734,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
 
 
 def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,
-              optimizer: str = "adamw", workers: int | None = None):
+              optimizer: str = "adamw", workers: int | None = None, finetune=None):
     """`config` with its automatic tile sizes shrunk where the largest tasks would not fit the limits.
 
     Returns (config, note). The note says which tiles were chosen and why, and
@@ -722,7 +743,7 @@ def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu
     task fit, the config comes back as it was and `plan(...).check` refuses it
     with a suggestion.
     """
-    memory_plan = plan(config, batch_size, seq_len, optimizer, workers)
+    memory_plan = plan(config, batch_size, seq_len, optimizer, workers, finetune=finetune)
     problem = memory_plan.task_fit_problem(memory_limit_mb, gpu_mb)
     if problem is None:
         return config, ""
@@ -751,6 +772,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum-steps", type=int, default=1,
                         help="micro-batches of --batch-size per step (gradient accumulation)")
     flags.add_execution_flags(parser)
+    flags.add_finetune_flags(parser)
     flags.add_runtime_flags(parser)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
 
@@ -772,9 +794,11 @@ def plan_from_args(args) -> MemoryPlan:
         config = dataclasses.replace(config, **families.size_overrides(args.model, max_positions=seq_len))
     optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
     limit, _, gpu = limits_from_args(args)
-    config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers)
-    config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers)
-    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, getattr(args, "grad_accum_steps", 1))
+    finetune = flags.finetune_settings(args) if hasattr(args, "lora_rank") else None
+    config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers, finetune)
+    config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers, finetune)
+    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, getattr(args, "grad_accum_steps", 1),
+                       finetune)
     memory_plan.tiles_note = "\n".join(n for n in (note, remat_note) if n)
     return memory_plan
 
