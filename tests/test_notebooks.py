@@ -26,6 +26,7 @@ SMOKE = {
     "03_beyond_ram.ipynb": {"LIMITS_MB": [12], "STEPS": 2},
     "04_finetune_hf.ipynb": {"STEPS": 3, "NEW_TOKENS": 8, "HF_DIR": str(ROOT / "tests" / "data" / "hf_tiny_gpt2")},
     "05_llama.ipynb": {"STEPS": 3, "NEW_TOKENS": 4, "HF_DIR": str(ROOT / "tests" / "data" / "hf_tiny_llama")},
+    "06_lora.ipynb": {"STEPS": 3, "NEW_TOKENS": 4, "HF_DIR": str(ROOT / "tests" / "data" / "hf_tiny_llama")},
 }
 
 

@@ -1,0 +1,278 @@
+"""Fine-tuning: frozen parameters and LoRA adapters.
+
+* `nn.LoRA` forward and gradients against pure JAX (base frozen, adapters trained), weights stored
+  output-first and input-first, one, many and uneven tiles, float32 and bfloat16; the frozen base gets
+  no gradient companion at all.
+* The training command: `--freeze` / `--train-only` leave the frozen weights bitwise unchanged and give
+  them no optimizer state; `--lora-rank` trains adapters on a Hugging Face Llama and a GPT-2 whose base
+  stays bitwise unchanged, resumes bit-identically from checkpoints that hold the adapters alone, exports
+  them in PEFT's layout (`--export-lora`) and merged (`--export-hf --merge-lora` equals base + scale B A
+  computed from the exported adapter), and `generate --lora` applies them unmerged.
+* PEFT's own files (tests/data/peft_tiny_*, written by tools/make_lora_fixtures.py with `peft`): loaded onto
+  the Hugging Face fixtures they give PEFT's logits, loss and adapter gradients.
+* The planner counts frozen parameters once, without gradients or optimizer state.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import BFLOAT16_TOL
+from flax import nnx
+
+import jnntile
+from jnntile import checkpoint, lora, memory, nn, tensorfile
+from jnntile import generate as generate_mod
+from jnntile import train as train_mod
+from jnntile.models import families
+
+DATA = Path(__file__).parent / "data"
+
+# (input tiles, output tiles) of a (2, 5, 8) -> (2, 5, 3, 4) projection
+TILINGS = {"one tile": ((2, 5, 8), (3, 4)), "many tiles": ((1, 2, 4), (1, 2)), "uneven tiles": ((1, 3, 3), (2, 3))}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("out_first", [True, False], ids=["output-first", "input-first"])
+@pytest.mark.parametrize("tiles", TILINGS.values(), ids=TILINGS.keys())
+def test_lora_values_and_gradients_match_jax(rng, tiles, out_first, dtype):
+    (x_tiles, out_tiles) = tiles
+    base = nn.Linear((8,), (3, 4), in_tiles=x_tiles[-1:], out_tiles=out_tiles, seed=1, name="proj",
+                     weight_out_first=out_first, dtype=dtype)
+    module = nn.LoRA(base, rank=2, alpha=3.0, seed=1, name="proj")
+    b = rng.standard_normal(module.lora_b.get_value().shape).astype(np.float32)  # B starts at zero: give it values
+    module.lora_b.set_value(jnntile.from_array(b, module.lora_b.get_value().tile_shape))
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    weights = rng.standard_normal((2, 5, 3, 4)).astype(np.float32)
+    read = lambda p: np.asarray(jnntile.to_array(p.get_value()))  # noqa: E731
+    w, a, bias = read(base.weight), read(module.lora_a), read(base.bias)
+    cast = (lambda v: jnp.asarray(v, jnp.bfloat16)) if dtype == "bfloat16" else jnp.asarray
+
+    def loss(model, xt):
+        y = model(xt)
+        return jnp.sum(jnntile.to_array(jnntile.convert(y, "float32") if dtype == "bfloat16" else y) * weights)
+
+    value, grads = nn.value_and_grad(loss, wrt=nnx.LoRAParam)(module, jnntile.from_array(cast(x), x_tiles))
+
+    def reference(a, b):  # in the same mixed precision: bfloat16 operands and results, float32 products and bias
+        def product(spec, p, q):
+            return jnp.einsum(spec, cast(p), cast(q), preferred_element_type=jnp.float32).astype(cast(x).dtype)
+        if out_first:
+            y, low = product("btc,jhc->btjh", x, w), product("btc,rc->btr", x, a)
+            delta = jnp.einsum("btr,jhr->btjh", low, cast(b), preferred_element_type=jnp.float32) * 1.5
+        else:
+            y, low = product("btc,cjh->btjh", x, w), product("btc,cr->btr", x, a)
+            delta = jnp.einsum("btr,rjh->btjh", low, cast(b), preferred_element_type=jnp.float32) * 1.5
+        y = (y.astype(jnp.float32) + bias).astype(y.dtype)
+        return jnp.sum((y + delta.astype(y.dtype)).astype(jnp.float32) * weights)
+
+    expected, (grad_a, grad_b) = jax.value_and_grad(reference, argnums=(0, 1))(a, b)
+    tol = BFLOAT16_TOL if dtype == "bfloat16" else 1e-5
+    scale = float(np.abs(expected)) + 1.0
+    assert abs(float(value) - float(expected)) <= tol * scale
+    got = dict(nnx.to_flat_state(grads))
+    assert set(got) == {("lora_a",), ("lora_b",)}
+    for key, want in ((("lora_a",), grad_a), (("lora_b",), grad_b)):
+        have = np.asarray(jnntile.to_array(jnntile.grad_of(got[key].get_value())))
+        np.testing.assert_allclose(have, want, atol=tol * (np.abs(want).max() + 1.0), rtol=tol)
+    assert base.weight.get_value().handle.grad is None  # frozen: not even a gradient companion
+
+
+def test_merged_weight_is_base_plus_scaled_product(rng):
+    base = nn.Linear((6,), (4,), in_tiles=(4,), out_tiles=(3,), seed=2, name="p", weight_out_first=True)
+    module = nn.LoRA(base, rank=3, alpha=6.0, seed=2, name="p")
+    b = rng.standard_normal((4, 3)).astype(np.float32)
+    module.lora_b.set_value(jnntile.from_array(b, (3, 3)))
+    read = lambda t: np.asarray(jnntile.to_array(t))  # noqa: E731
+    expected = read(base.weight.get_value()) + 2.0 * b @ read(module.lora_a.get_value())
+    np.testing.assert_allclose(read(module.merged_weight()), expected, rtol=1e-6, atol=1e-6)
+
+
+# ---- the training command ------------------------------------------------------------------------
+
+def _train(dataset, out, *extra, hf="hf_tiny_llama"):
+    args = ["--data", str(dataset), "--out", str(out), "--batch-size", "2", "--seq-len", "16", "--eval-interval", "0",
+            "--samples", "0", "--quiet", "--lr", "1e-2", "--warmup-steps", "0", *extra]
+    if hf:
+        args += ["--init-from-hf", str(DATA / hf)]
+    return train_mod.train(train_mod.parse_args(args))
+
+
+def _tensors(path) -> dict:
+    return {name: t.read() for name, t in tensorfile.SafetensorsFile(path).items()}
+
+
+@pytest.mark.parametrize("hf", ["hf_tiny_llama", "hf_tiny_gpt2"])
+def test_lora_trains_adapters_and_exports_them_and_the_merged_model(dataset, tmp_path, hf):
+    if hf == "hf_tiny_gpt2":  # a vocabulary of 96: token ids of a repeating pattern, without a tokenizer
+        dataset = tmp_path / "ids.bin"
+        np.tile(np.arange(90, dtype=np.uint16) % 24, 200).tofile(dataset)
+    summary = _train(dataset, tmp_path / "out", "--steps", "4", "--lora-rank", "4", "--export-lora",
+                     str(tmp_path / "adapter"), "--export-hf", str(tmp_path / "merged"), "--merge-lora", hf=hf)
+    assert summary["last_loss"] < summary["first_loss"]
+    config = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG).read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
+    adapter = _tensors(tmp_path / "adapter" / lora.ADAPTER_WEIGHTS)
+    base = _tensors(DATA / hf / "model.safetensors")
+    merged = _tensors(tmp_path / "merged" / "model.safetensors")
+    adapted = 0
+    for name, weight in base.items():
+        module = "base_model.model." + name.removesuffix(".weight")
+        expected = weight
+        if module + ".lora_A.weight" in adapter:
+            update = 2.0 * adapter[module + ".lora_B.weight"] @ adapter[module + ".lora_A.weight"]
+            assert np.abs(update).max() > 0  # trained
+            expected = weight + (update.T if config["fan_in_fan_out"] else update)
+            adapted += 1
+        np.testing.assert_allclose(merged[name], expected, rtol=1e-6, atol=1e-6, err_msg=name)
+    n_layers = 2
+    assert adapted == n_layers * (7 if hf == "hf_tiny_llama" else 4)  # every projection by default
+    # The checkpoint holds the adapters, not the base, and generation applies them unmerged.
+    ckpt = checkpoint.latest(tmp_path / "out")
+    assert (ckpt / lora.ADAPTER_WEIGHTS).is_file() and not (ckpt / "model.safetensors").exists()
+    if hf == "hf_tiny_gpt2":
+        return
+    prompt = ["--prompt", "alpha beta", "--tokenizer", str(dataset.parent), "--max-new-tokens", "6", "--temperature",
+              "0", "--quiet"]
+    unmerged = generate_mod.generate(generate_mod.parse_args(["--hf", str(DATA / hf), "--lora", str(ckpt), *prompt]))
+    merged_text = generate_mod.generate(generate_mod.parse_args(["--hf", str(tmp_path / "merged"), *prompt]))
+    base_text = generate_mod.generate(generate_mod.parse_args(["--hf", str(DATA / hf), *prompt]))
+    assert unmerged == merged_text and unmerged != base_text
+
+
+def test_lora_resumes_bit_identically_from_adapter_checkpoints(dataset, tmp_path):
+    flags = ["--steps", "4", "--lora-rank", "2", "--lora-targets", "q_proj,k_proj,v_proj", "--dtype", "bfloat16"]
+    straight = _train(dataset, tmp_path / "a", *flags, "--checkpoint-interval", "2")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # back to the checkpoint of step 2
+    shutil.rmtree(tmp_path / "b" / "ckpt-0000004")
+    (tmp_path / "b" / checkpoint.LATEST).write_text("ckpt-0000002")
+    resumed = _train(dataset, tmp_path / "b", *flags, "--resume")
+    assert resumed["losses"] == straight["losses"][2:]
+    assert _tensors(tmp_path / "a" / "ckpt-0000004" / lora.ADAPTER_WEIGHTS).items().__repr__() == \
+        _tensors(tmp_path / "b" / "ckpt-0000004" / lora.ADAPTER_WEIGHTS).items().__repr__()
+    with pytest.raises(ValueError, match="--lora"):  # a LoRA checkpoint resumed as a full fine-tune
+        _train(dataset, tmp_path / "b", "--steps", "5", "--resume")
+
+
+def test_lora_base_in_bfloat16_stays_bitwise_unchanged(dataset, tmp_path):
+    """The base of a bfloat16 run is stored in bfloat16, read by the products as it is, and never written."""
+    from jnntile.models.llama import hf as llama_hf
+
+    config, files = llama_hf.open_hf(DATA / "hf_tiny_llama")
+    model, _ = lora.FineTune(lora=lora.LoRASettings(2, 4.0)).build(
+        lambda: families.from_hf(DATA / "hf_tiny_llama", batch_size=2, seq_len=16, dtype="bfloat16"), "bfloat16")
+    linear = model.layers[0].mlp.down_proj
+    assert isinstance(linear, nn.LoRA) and linear.base.weight.get_value().dtype == "bfloat16"
+    before = np.asarray(jnntile.to_array(linear.base.weight.get_value()))
+    expected = np.asarray(files["model.layers.0.mlp.down_proj.weight"].read()).astype(jnp.bfloat16)
+    assert np.array_equal(before.view(np.uint16), expected.view(np.uint16))  # loaded rounded to nearest even
+    tx = jnntile.optim.adamw(1e-2)
+    finetune = lora.FineTune(lora=lora.LoRASettings(2, 4.0))
+    graphdef, params, frozen = nnx.split(model, finetune.filter(), nnx.Param)
+    step, _ = train_mod.make_steps(graphdef, tx)
+    opt_state = tx.init(params)
+    ids = np.random.default_rng(0).integers(0, 300, (1, 2, 16)).astype(np.int32)
+    for _ in range(2):
+        params, opt_state, loss = step(params, opt_state, ids, ids, [None], frozen)
+        assert np.isfinite(float(loss))
+    after = nnx.merge(graphdef, params, frozen).layers[0].mlp.down_proj.base.weight.get_value()
+    assert np.array_equal(np.asarray(jnntile.to_array(after)).view(np.uint16), before.view(np.uint16))
+    # Optimizer state exists for the adapters alone: two moments per adapter factor.
+    moments = [t for t in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, jnntile.Tensor))
+               if isinstance(t, jnntile.Tensor)]
+    assert len(moments) == 2 * len(jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, jnntile.Tensor)))
+
+
+def test_freeze_keeps_frozen_weights_bitwise_and_gives_them_no_state(dataset, tmp_path):
+    _train(dataset, tmp_path / "out", "--model", "tiny", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
+           "--steps", "3", "--freeze", r"wte|wpe|h\.0\.", hf=None)
+    ckpt = checkpoint.latest(tmp_path / "out")
+    saved = _tensors(ckpt / "model.safetensors")
+    config = families.read_config(ckpt)
+    initial = families.build(config, batch_size=2, seq_len=16, seed=0)
+    for name, parameter in initial.to_hf_params().items():
+        same = np.array_equal(saved["transformer." + name], np.asarray(parameter))
+        frozen = name.startswith(("wte", "wpe", "h.0."))
+        assert same == frozen, name
+    # Moments only for the trained parameters (and the step counts of the schedule and AdamW).
+    trained = [n for n in initial.named_params() if not n.startswith(("wte", "wpe", "h.0."))]
+    moments = [v for v in _tensors(ckpt / checkpoint.OPTIMIZER_FILE).values() if v.ndim > 0]
+    assert len(moments) == 2 * len(trained)
+
+
+def test_fine_tuning_flags_are_checked(dataset, tmp_path):
+    cases = [(["--lora-rank", "2", "--lora-targets", "q_proj,v_proj"], "k_proj"),
+             (["--lora-rank", "2", "--lora-targets", "c_attn"], "c_attn"),
+             (["--lora-rank", "0"], "at least 1"),
+             (["--lora-rank", "2", "--export-hf", str(tmp_path / "x")], "--merge-lora"),
+             (["--export-lora", str(tmp_path / "x")], "--lora-rank"),
+             (["--lora-alpha", "8"], "--lora-rank"),
+             (["--lora-rank", "2", "--freeze", "norm"], "--freeze"),
+             (["--train-only", "nothing-matches"], "no parameter to train"),
+             (["--freeze", "("], "regular expression")]
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _train(dataset, tmp_path / "out", "--steps", "1", *extra)
+
+
+# ---- PEFT's own files -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_peft_adapters_give_peft_logits_loss_and_gradients(name):
+    adapter = DATA / f"peft_tiny_{name}"
+    if not adapter.is_dir():
+        pytest.skip(f"{adapter} not generated (tools/make_lora_fixtures.py)")
+    expected = np.load(DATA / f"peft_tiny_{name}_expected.npz")
+    idx, targets = expected["idx"], expected["targets"]
+    model = families.from_hf(DATA / f"hf_tiny_{name}", batch_size=idx.shape[0], seq_len=idx.shape[1])
+    lora.apply(model, lora.read_settings(adapter))
+    lora.load_peft(model, adapter)
+
+    def loss_fn(m):
+        logits, loss = m(m.token_tensor(idx), m.token_tensor(targets, allow_ignore=True))
+        return loss, jnntile.to_array(logits)
+
+    (loss, logits), grads = nn.value_and_grad(loss_fn, has_aux=True, wrt=nnx.LoRAParam)(model)
+    np.testing.assert_allclose(np.asarray(logits), expected["logits"], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(float(loss), float(expected["loss"]), rtol=1e-5)
+    # Gradients in PEFT's layout. A fused projection's one A serves q, k and v (gate and up): its gradient
+    # is the sum of PEFT's per-part gradients, which the fixture's equal A's make one function.
+    flat = {".".join(str(k) for k in path): v.get_value() for path, v in nnx.to_flat_state(grads)}
+    read = lambda path: np.asarray(jnntile.to_array(jnntile.grad_of(flat[path])))  # noqa: E731
+    peft_grad = lambda module, kind: expected[f"grad:base_model.model.{module}.lora_{kind}.weight"]  # noqa: E731
+    hf = families.of_config(model.config).hf
+    checked = 0
+    for path in lora.adapters(model):
+        parts = hf.lora_to_peft(model.config, path, read(path + ".lora_a"), read(path + ".lora_b"))
+        want_a = sum(peft_grad(module, "A") for module in parts)
+        for module, (grad_a, grad_b) in parts.items():
+            np.testing.assert_allclose(grad_a, want_a, atol=2e-5, rtol=1e-4, err_msg=module)
+            np.testing.assert_allclose(grad_b, peft_grad(module, "B"), atol=2e-5, rtol=1e-4, err_msg=module)
+            checked += 2
+    assert checked == sum(1 for k in expected.files if k.startswith("grad:"))
+    lora.merge(model)
+    logits = jnntile.to_array(model(model.token_tensor(idx))[0])
+    np.testing.assert_allclose(np.asarray(logits), expected["merged_logits"], atol=1e-4, rtol=1e-4)
+
+
+# ---- the planner ------------------------------------------------------------------------------------
+
+def test_planner_counts_frozen_parameters_once():
+    config = families.preset("llama-tiny")
+    full = memory.plan(config, 2, 64)
+    adapters = memory.plan(config, 2, 64, finetune=lora.FineTune(lora=lora.LoRASettings(4, 8.0)))
+    model, _ = lora.FineTune(lora=lora.LoRASettings(4, 8.0)).build(
+        lambda: families.build(config, batch_size=2, seq_len=64), config.dtype)
+    n_adapter = sum(t.size for t in nn.tensors(nnx.state(model, nnx.LoRAParam)))
+    assert adapters.n_params == n_adapter > 0
+    assert adapters.frozen_parameters == full.parameters
+    assert adapters.optimizer_state == 2 * adapters.parameters and adapters.gradients == adapters.parameters
+    assert adapters.state < full.state / 3
+    assert "frozen parameters" in adapters.table()
+    frozen = memory.plan(config, 2, 64, finetune=lora.FineTune(freeze="embed_tokens|lm_head"))
+    assert frozen.frozen_parameters + frozen.parameters == full.parameters
+    assert frozen.peak < full.peak
