@@ -622,10 +622,11 @@ def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, clip: bool
                     continue  # stale: the tile was used again, or died, since
                 victim_bytes, victim_next = resident.pop(victim)
                 used -= victim_bytes
-                if victim in dirty and victim_next < never:
-                    dirty.discard(victim)
+                if victim_next < never:  # a clean tile (a frozen weight) has its copy on disk already
+                    if victim in dirty:
+                        dirty.discard(victim)
+                        written += victim_bytes if counted else 0
                     on_disk.add(victim)
-                    written += victim_bytes if counted else 0
             if reads and key in on_disk:
                 read += nbytes if counted else 0
             used += nbytes
