@@ -11,7 +11,7 @@ NATIVE_SOURCES := $(shell find xla_ffi -name '*.cc' -o -name '*.h' -o -name '*.c
 # What the package and its tests import; the GPU machines have them preinstalled.
 PYTHON_DEPS := jax flax optax numpy safetensors tokenizers tqdm matplotlib pytest nanobind scikit-build-core cmake ninja
 
-.PHONY: setup system-packages build train test bench bench-memory cuda cuda-python-deps test-gpu clean
+.PHONY: setup system-packages build train test bench bench-torch bench-memory cuda cuda-python-deps test-gpu clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,16 @@ bench: $(STAMP)
 	$(PY) bench/gemm.py
 	$(PY) bench/overhead.py
 	$(PY) bench/train_step.py
+
+# The training-step table with PyTorch's column: torch's CPU build and transformers in an environment of their
+# own (never a dependency of jnntile). TORCH names the wheel: torch==2.13.0 is the CPU build some machines hold;
+# elsewhere give a CPU wheel's index, e.g. TORCH="torch --index-url https://download.pytorch.org/whl/cpu".
+TORCH_VENV := .venv-torch
+TORCH ?= torch==2.13.0
+bench-torch: $(STAMP)
+	test -x $(TORCH_VENV)/bin/python || python3 -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install -q $(TORCH) transformers
+	$(PY) bench/train_step.py --torch-python $(TORCH_VENV)/bin/python
 
 # Training beyond RAM: memory limit, swap traffic, capacity (about 10 minutes on 2 cores).
 bench-memory: $(STAMP)

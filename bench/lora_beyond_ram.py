@@ -8,8 +8,9 @@ rank-16 adapters on every projection (`--lora-rank 16 --lora-alpha 32`), trained
 `python -m jnntile.train` run, in a process of its own under `--memory-limit-mb` with disk swap, trains 2
 steps at batch 1 x `--seq-len`, checkpoints the adapters, exports them (`--export-lora`) and generates a
 sample with them (the run's own sampling, through the key/value cache). Reported: each step's time and
-bytes moved to and from swap (from metrics.jsonl), the process's peak RSS (ru_maxrss), the most disk used
-under --swap-dir while it ran, and what `python -m jnntile.memory` plans for the same model fine-tuned
+bytes moved to and from swap and the most the swap held (from metrics.jsonl), the process's peak RSS
+(ru_maxrss), the most disk used under --swap-dir while it ran (StarPU allocates the whole --swap-size-mb
+up front), and what `python -m jnntile.memory` plans for the same model fine-tuned
 with adapters and in full (what a full fine-tune would need).
 
 Everything goes to a temporary directory under --swap-dir, removed at the end.
@@ -118,7 +119,9 @@ def main() -> None:
     for row in results["steps"]:
         print(f"  step {row['step']}: {row['seconds']:.0f} s, loss {row['loss']:.3f}, swap written "
               f"{row.get('swap_written_mb', 0) / 1024:.1f} GB, read {row.get('swap_read_mb', 0) / 1024:.1f} GB")
-    print(f"  peak RSS {results['peak_rss_mb']:.0f} MB; disk used at most {results['disk_peak_mb'] / 1024:.1f} GB; "
+    held = max(row.get("swap_peak_used_mb", 0) for row in results["steps"]) / 1024
+    print(f"  peak RSS {results['peak_rss_mb']:.0f} MB; swap held at most {held:.1f} GB (disk used at most "
+          f"{results['disk_peak_mb'] / 1024:.1f} GB with the swap file); "
           f"adapters {results['adapter_mb']:.0f} MB; checkpoint directory {results['checkpoint_mb']:.0f} MB; "
           f"whole run {results['seconds'] / 60:.1f} min")
     if args.json:

@@ -1,12 +1,16 @@
-"""Training-step throughput: jnntile's model vs the pure-JAX reference, same model, batch and machine, one run.
+"""Training-step throughput: jnntile's model vs the pure-JAX reference and PyTorch, same model, batch and
+machine, one run.
 
     .venv/bin/python bench/train_step.py [--configs tiny small 124M-4x256 124M-4x256-bf16 124M-1x1024
                                           124M-4x1024 124M-4x1024-remat llama-tiny smollm-135m] [--steps 10]
-                                         [--json]
+                                         [--json] [--torch-python .venv-torch/bin/python]
 
 Both train with AdamW + global-norm clipping under `jax.jit`; the reference
 donates its parameters and optimizer state (best-practice plain JAX). Each
-configuration runs in a process of its own, jnntile first, then XLA. Prints a
+configuration runs in a process of its own, jnntile first, then XLA, then
+(with --torch-python, which `make bench-torch` passes) PyTorch: Hugging Face's
+model of the same config.json in eager mode with torch's fused AdamW and
+clipping (bench/torch_step.py, in PyTorch's own environment). Prints a
 table, or with --json one object per configuration:
 {"config": "124M 4x256", "jnntile_tokens_per_s": ..., "xla_tokens_per_s": ..., "ratio": ...}, plus, for
 jnntile, tasks per step, the median task duration (of every task since the
@@ -81,6 +85,21 @@ def measure(name: str, which: str, steps: int) -> dict:
             "runtime": jnntile.runtime.describe(), "openblas_kernels": jnntile.runtime.blas_core()}
 
 
+def run_torch(python: str, name: str, steps: int) -> dict:
+    """PyTorch's tokens/s on a configuration, in `python`'s environment (bench/torch_step.py)."""
+    from jnntile.models import families
+
+    preset, fields, batch, seq = CONFIGS[name]
+    config = families.preset(preset, dropout=0.0, **fields)
+    command = [python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_step.py"), "--hf-config",
+               json.dumps(config.to_hf_dict()), "--batch", str(batch), "--seq", str(seq), "--steps", str(steps),
+               "--dtype", config.dtype]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"PyTorch on {name} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.splitlines()[-1])
+
+
 def run(name: str, which: str, steps: int) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child", name, which, "--steps", str(steps)]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -94,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=10, help="timed steps after two warm-up steps")
     parser.add_argument("--json", action="store_true", help="one JSON object per configuration")
+    parser.add_argument("--torch-python", help="the Python of an environment with torch and transformers (make "
+                        "bench-torch makes .venv-torch): adds PyTorch's column")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -101,8 +122,9 @@ def main(argv=None) -> int:
         return 0
     if not args.json:
         print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(chosen from the CPU flags)')}")
-        print(f"{'config':>12} {'jnntile tok/s':>14} {'XLA tok/s':>10} {'ratio':>6} {'tasks/step':>11} "
-              f"{'task ms':>8}  idle per worker")
+        print(f"{'config':>17} {'jnntile tok/s':>14} {'XLA tok/s':>10} {'ratio':>6} "
+              + (f"{'torch tok/s':>12} {'ratio':>6} " if args.torch_python else "")
+              + f"{'tasks/step':>11} {'task ms':>8}  idle per worker")
     for name in args.configs:
         jn = run(name, "jnntile", args.steps)
         xla = run(name, "xla", args.steps)
@@ -110,11 +132,18 @@ def main(argv=None) -> int:
                "xla_tokens_per_s": round(xla["tokens_per_s"], 1),
                "ratio": round(jn["tokens_per_s"] / xla["tokens_per_s"], 3),
                **{k: v for k, v in jn.items() if k != "tokens_per_s"}}
+        if args.torch_python:
+            torch_row = run_torch(args.torch_python, name, args.steps)
+            row.update(torch_tokens_per_s=round(torch_row["tokens_per_s"], 1),
+                       torch_ratio=round(jn["tokens_per_s"] / torch_row["tokens_per_s"], 3),
+                       torch=f"torch {torch_row['torch']}, {torch_row['optimizer']}, {torch_row['threads']} threads")
         if args.json:
             print(json.dumps(row), flush=True)
         else:
-            print(f"{row['config']:>12} {row['jnntile_tokens_per_s']:14.0f} {row['xla_tokens_per_s']:10.0f} "
-                  f"{row['ratio']:6.2f} {row['tasks_per_step']:11.0f} {row['median_task_ms']:8.2f}  "
+            torch_columns = (f"{row['torch_tokens_per_s']:12.0f} {row['torch_ratio']:6.2f} "
+                             if args.torch_python else "")
+            print(f"{row['config']:>17} {row['jnntile_tokens_per_s']:14.0f} {row['xla_tokens_per_s']:10.0f} "
+                  f"{row['ratio']:6.2f} {torch_columns}{row['tasks_per_step']:11.0f} {row['median_task_ms']:8.2f}  "
                   f"{row['worker_idle_fraction']}", flush=True)
     return 0
 

@@ -395,6 +395,11 @@ def swap_bytes() -> tuple[int, int]:
     return moved.get("RAM->DISK", 0), moved.get("DISK->RAM", 0)
 
 
+def swap_peak_used_bytes() -> int:
+    """The most bytes of tiles disk swap has held at once since start (0 without swap)."""
+    return sum(node["peak_used_bytes"] for node in stats()["nodes"] if node["kind"] == "DISK")
+
+
 def reset_peaks() -> None:
     """Starts the peak memory use of every node (stats()["nodes"][i]["peak_used_bytes"]) over."""
     if is_running():

@@ -516,7 +516,8 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                        "seconds": seconds}
                 if swapping:  # what moved while the step ran (an update still running counts in the next step)
                     written, read = (now - before for now, before in zip(jnntile.runtime.swap_bytes(), swapped_before))
-                    row.update(swap_written_mb=written / 2**20, swap_read_mb=read / 2**20)
+                    row.update(swap_written_mb=written / 2**20, swap_read_mb=read / 2**20,
+                               swap_peak_used_mb=jnntile.runtime.swap_peak_used_bytes() / 2**20)
                 if args.eval_interval and val_data is not None and ((step + 1) % args.eval_interval == 0
                                                                     or step + 1 == args.steps):
                     row["val_loss"] = _evaluate(eval_step, params, frozen, val_data, args)

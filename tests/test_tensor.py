@@ -64,6 +64,15 @@ def test_random_is_independent_of_tiling(normal):
         assert whole.min() >= 0 and whole.max() < 1 and abs(whole.mean() - 0.5) < 0.05
 
 
+@pytest.mark.parametrize("normal", [True, False])
+def test_random_bfloat16_is_the_float32_draw_rounded(normal):
+    make = jnntile.random_normal if normal else jnntile.random_uniform
+    rounded = jnntile.convert(make((33, 17), seed=7, tile_shape=(5, 4)), "bfloat16").numpy()
+    drawn = make((33, 17), seed=7, tile_shape=(8, 6), dtype="bfloat16")
+    assert drawn.dtype == "bfloat16"
+    np.testing.assert_array_equal(drawn.numpy().view(np.uint16), rounded.view(np.uint16))
+
+
 def test_random_is_independent_of_worker_count():
     values = jnntile.random_normal((40, 40), seed=3, tile_shape=8).numpy()
     jnntile.runtime.stop()

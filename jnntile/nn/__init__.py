@@ -72,8 +72,8 @@ def uninitialized():
 @contextlib.contextmanager
 def base_dtype(dtype: str):
     """`Linear` weights built inside are stored in `dtype` ("bfloat16" or "float32"): for a frozen base
-    (`trainable`), which no optimizer updates, so it needs no float32 master. Initial values are drawn in
-    float32 and rounded, one weight at a time; a loader writes the file's values rounded."""
+    (`trainable`), which no optimizer updates, so it needs no float32 master. Initial values are the float32
+    ones rounded (drawn tile by tile); a loader writes the file's values rounded."""
     global _linear_weight_dtype
     if dtype not in jnntile.tensor.FLOAT_DTYPES:
         raise ValueError(f"base_dtype: {dtype!r} is not one of {jnntile.tensor.FLOAT_DTYPES}")
@@ -86,16 +86,8 @@ def base_dtype(dtype: str):
 
 def _param(initial: Callable[[], Tensor], shape, tile_shape, dtype: str = "float32",
            kind: type = nnx.Param) -> nnx.Param:
-    """A `kind` parameter of `dtype` with `initial()`'s values (rounded from float32), or an empty one inside
-    `uninitialized()`."""
-    if not _initialize or (dtype != "float32" and jnntile.tensor.active_recording() is not None):
-        return kind(jnntile.empty(shape, dtype, tile_shape=tile_shape))  # (the planner records no conversion)
-    value = initial()
-    if value.dtype != dtype:
-        rounded = data_ops.convert(value, dtype)
-        value.free()  # one float32 weight at a time, not the whole model's
-        value = rounded
-    return kind(value)
+    """A `kind` parameter holding `initial()` (of `dtype`), or an empty one inside `uninitialized()`."""
+    return kind(initial() if _initialize else jnntile.empty(shape, dtype, tile_shape=tile_shape))
 
 
 def compute_copy(weight: Tensor, dtype: str) -> Tensor:
@@ -126,9 +118,10 @@ class Linear(nnx.Module):
         self.weight_out_first = weight_out_first
         shape = out_shape + in_shape if weight_out_first else in_shape + out_shape
         weight_tiles = tuple(out_tiles) + tuple(in_tiles) if weight_out_first else tuple(in_tiles) + tuple(out_tiles)
+        dtype_stored = _linear_weight_dtype
         self.weight = _param(lambda: jnntile.random_normal(shape, param_seed(seed, name + ".weight"), std=std,
-                                                           tile_shape=weight_tiles),
-                             shape, weight_tiles, _linear_weight_dtype)
+                                                           tile_shape=weight_tiles, dtype=dtype_stored),
+                             shape, weight_tiles, dtype_stored)
         self.bias = _param(lambda: jnntile.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
                            tuple(out_tiles)) if use_bias else None
 

@@ -44,8 +44,11 @@ def zeros(shape: Sequence[int], dtype="float32", tile_shape=None) -> Tensor:
     return full(shape, 0.0, dtype, tile_shape)
 
 
-def _random(shape, seed, normal, a, b, tile_shape) -> Tensor:
-    handle = tensor_mod.new_handle(tuple(shape), "float32", tile_shape)
+def _random(shape, seed, normal, a, b, tile_shape, dtype) -> Tensor:
+    name = dtype_name(dtype)
+    if name not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"random values are float32 or bfloat16, got {name}")
+    handle = tensor_mod.new_handle(tuple(shape), name, tile_shape)
     # The seed is data, not an attribute: one compiled call serves every seed. As an
     # attribute, each parameter of a model compiled its own program (1.6 MB of RSS each).
     seed = int(seed) % 2**64
@@ -54,13 +57,15 @@ def _random(shape, seed, normal, a, b, tile_shape) -> Tensor:
     return Tensor(token, handle)
 
 
-def random_normal(shape, seed: int, std=1.0, mean=0.0, tile_shape=None) -> Tensor:
-    """Normal values that depend only on (seed, element index): same for any tiling."""
-    return _random(shape, seed, True, mean, std, tile_shape)
+def random_normal(shape, seed: int, std=1.0, mean=0.0, tile_shape=None, dtype="float32") -> Tensor:
+    """Normal values that depend only on (seed, element index): same for any tiling. In bfloat16: the float32
+    values rounded to nearest even, drawn tile by tile (no float32 tensor is made)."""
+    return _random(shape, seed, True, mean, std, tile_shape, dtype)
 
 
-def random_uniform(shape, seed: int, low=0.0, high=1.0, tile_shape=None) -> Tensor:
-    return _random(shape, seed, False, low, high, tile_shape)
+def random_uniform(shape, seed: int, low=0.0, high=1.0, tile_shape=None, dtype="float32") -> Tensor:
+    """Uniform values in [low, high), as `random_normal` draws them."""
+    return _random(shape, seed, False, low, high, tile_shape, dtype)
 
 
 def from_array(array, tile_shape=None, dtype=None) -> Tensor:

@@ -119,27 +119,39 @@ JNNTILE_OP(fill, fill_submit);
 
 struct RandomArgs {
   TileGeometry geo;
+  int64_t n;
   uint64_t seed;
-  bool normal;
+  bool normal, bf16;
   float a, b;
 };
 
+// A bfloat16 tile is drawn in float32 into StarPU scratch and rounded: the same values as a float32 draw
+// rounded by `convert`, without a float32 tile that could be evicted to swap before its conversion.
 template <Device D>
 void random_kernel(void** buffers, const RandomArgs& r) {
-  fill_random<D>(r.geo, r.seed, r.normal, r.a, r.b, tile_ptr<float>(buffers[0]));
+  float* values = r.bf16 ? tile_ptr<float>(buffers[1]) : tile_ptr<float>(buffers[0]);
+  fill_random<D>(r.geo, r.seed, r.normal, r.a, r.b, values);
+  if (r.bf16) convert<D>(r.n, FloatType::F32, values, FloatType::BF16, tile_ptr<void>(buffers[0]));
 }
 
 void random_submit(const OpCall& call) {
   const ffi::Dictionary& attrs = call.attrs;
   TiledTensor& t = call.tensor(0);
-  if (t.dtype != DType::F32) throw std::invalid_argument("random init needs float32, got " + t.describe());
+  bool bf16 = t.dtype == DType::BF16;
+  if (t.dtype != DType::F32 && !bf16) throw std::invalid_argument("random init needs float32 or bfloat16, got " + t.describe());
   // The seed comes as two uint32 inputs (high, low): data, so one compiled call serves every seed.
   uint64_t seed = (uint64_t(call.input_scalar(0)) << 32) | uint64_t(call.input_scalar(1));
   bool normal = attr<int64_t>(attrs, "normal") != 0;
   float a = float(attr<double>(attrs, "a")), b = float(attr<double>(attrs, "b"));
   static starpu_codelet* cl = JNNTILE_CODELET(RandomArgs, random_kernel, "random");
-  for (int64_t tile = 0; tile < t.num_tiles(); ++tile)
-    submit_task(cl, {{t.tiles[tile], STARPU_W}}, RandomArgs{tile_geometry(t, tile), seed, normal, a, b});
+  for (int64_t tile = 0; tile < t.num_tiles(); ++tile) {
+    int64_t n = t.tile_numel(tile);
+    std::vector<Buffer> buffers{{t.tiles[tile], STARPU_W}};
+    starpu_data_handle_t scratch = bf16 ? temporary_vector(n, sizeof(float)) : nullptr;
+    if (bf16) buffers.push_back({scratch, STARPU_SCRATCH});
+    submit_task(cl, buffers, RandomArgs{tile_geometry(t, tile), n, seed, normal, bf16, a, b});
+    if (bf16) starpu_data_unregister_submit(scratch);
+  }
 }
 JNNTILE_OP(random, random_submit);
 
