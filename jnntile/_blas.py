@@ -1,4 +1,10 @@
-"""Pick OpenBLAS's kernels before the native module loads it.
+"""Pick the CPU's BLAS before the native module loads it.
+
+Where the `mkl` package is installed in this Python's environment (`make build` installs it on x86-64),
+matrix products use oneMKL (xla_ffi/kernels/cpu/gemm.cc loads the library JNNTILE_MKL names): its sgemm,
+and its bfloat16 product on AMX / AVX512-BF16, which needs no widening to float32. MKL runs sequential
+(each StarPU worker is one thread) and in its strict reproducible mode, so results are bitwise the same
+from run to run. Setting JNNTILE_MKL to an empty string keeps OpenBLAS.
 
 Debian 12's OpenBLAS 0.3.21 does not recognise newer CPUs under virtualisation
 and falls back to its Prescott (SSE3) kernels, 4-8x slower than what the CPU
@@ -8,6 +14,8 @@ set by the user or the machine is always kept (some machines set it on purpose).
 """
 
 import os
+import sys
+from pathlib import Path
 
 
 def _cpu_flags() -> set[str]:
@@ -37,3 +45,19 @@ def configure_openblas() -> None:
     core_type = choose_core_type(_cpu_flags())
     if core_type is not None:
         os.environ["OPENBLAS_CORETYPE"] = core_type
+
+
+def mkl_library() -> str | None:
+    """The oneMKL runtime library of this environment's `mkl` package, if it is installed."""
+    found = sorted(Path(sys.prefix, "lib").glob("libmkl_rt.so*"))
+    return str(found[-1]) if found else None
+
+
+def configure_mkl() -> None:
+    if "JNNTILE_MKL" not in os.environ:
+        library = mkl_library()
+        if library is None:
+            return
+        os.environ["JNNTILE_MKL"] = library
+    os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

@@ -24,6 +24,7 @@ import jax  # noqa: E402
 from jnntile import _blas
 
 _blas.configure_openblas()  # must run before the native module loads OpenBLAS
+_blas.configure_mkl()
 
 from jnntile import _xla_ffi  # noqa: E402
 
@@ -367,7 +368,7 @@ def describe() -> str:
 
 
 def blas_core() -> str:
-    """The OpenBLAS kernel family in use (see jnntile/_blas.py)."""
+    """The CPU BLAS in use: "oneMKL", or the OpenBLAS kernel family (see jnntile/_blas.py)."""
     return _xla_ffi.blas_core()
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 BATCH, SEQ, MICRO_BATCHES = 6, 8, 2
+LEARNING_RATE = 1e-2
 # Uneven tiles (vocabulary 97 in tiles of 40, width 24 in tiles of 16): an odd number of gradient tiles, so
 # reduction roots do not fall evenly on the ranks.
 CONFIG = dict(n_layer=2, n_head=2, n_embd=24, vocab_size=97, n_positions=SEQ, tile_embd=16, tile_vocab=40,
@@ -40,7 +41,7 @@ def train(steps: int, before_step=lambda step: None):
     ranks = jnntile.runtime.world_size()
     model = gpt2.GPT2(GPT2Config(**CONFIG), batch_size=BATCH // ranks, seq_len=SEQ, seed=3)
     graphdef, params = nnx.split(model, nnx.Param)
-    tx = optax.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-2))
+    tx = optax.chain(optim.clip_by_global_norm(0.5), optim.adamw(LEARNING_RATE))
     opt_state = tx.init(params)
     train_step, _ = make_steps(graphdef, tx, MICRO_BATCHES)
     rng = np.random.default_rng(0)  # the same batches on every rank, each takes its rows
@@ -65,7 +66,7 @@ def _misuse_errors() -> list[str]:
     w = jnntile.from_array(np.ones((4, 4), np.float32), (2, 2))
     _, grads = jnntile.value_and_grad(lambda w: jnntile.to_array(ew.gelu_tanh(w)).sum())(w)
     errors = []
-    adamw = optim.adamw(1e-2)
+    adamw = optim.adamw(LEARNING_RATE)
     try:
         adamw.update(grads, adamw.init(w), w)
     except ValueError as e:
