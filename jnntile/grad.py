@@ -233,8 +233,8 @@ def remat(fn: Callable) -> Callable:
                             is_leaf=_is_tensor)
         again, vjp = jax.vjp(fn, *args)
         # The recomputed output takes the gradient the output received; the output and its gradient are dead.
-        token = call("accumulate", [tensor_mod.grad_handle(y.handle), _ffi.grad_target(again)],
-                     [g.token, again.token], alphas=[1.0])
+        token = _ffi.accumulate(tensor_mod.grad_handle(y.handle), [_ffi.grad_target(again)], [g.token, again.token],
+                                [1.0])
         token = _ffi.release(token, y)
         return vjp(again.with_token(token))
 

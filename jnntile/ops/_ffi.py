@@ -14,6 +14,8 @@ It does three things for memory (DESIGN invariant 7):
   "zero pending"; the zero-fill is submitted right before the first backward
   call that touches it. Activation gradients then take no memory before the
   backward reaches them, and no tile of zeros is ever swapped out and back.
+  A first call that writes every tile of such a gradient (`fresh_targets`)
+  writes it instead of adding into zeros, and no fill is submitted at all.
 * Calls on a gradient companion are chained in trace order (each depends on
   the tokens of every earlier call on it in this step), so the accumulations
   of several consumers run in one fixed order: the first one finds the
@@ -249,6 +251,25 @@ def join(*tokens):
     for t in tokens[1:]:
         out = out + t
     return out
+
+
+def fresh_targets(*targets: _Handle | None) -> list[bool]:
+    """Which of a backward call's gradient targets hold nothing yet (their zero-fill is pending), each handle
+    counted at its first place: the call writes those instead of adding into them (pass the flags as an
+    attribute and the fresh handles as `writes`), which saves the fill's pass over their tiles."""
+    seen, flags = set(), []
+    for target in targets:
+        flags.append(target is not None and id(target) not in seen and LEDGER.zero_pending(target))
+        if target is not None:
+            seen.add(id(target))
+    return flags
+
+
+def accumulate(source: _Handle, targets: Sequence[_Handle | None], tokens: Sequence, alphas: Sequence[float]):
+    """targets[i] += alphas[i] * source (None skipped); a target still at zero is written instead."""
+    fresh = fresh_targets(*targets)
+    return call("accumulate", [source, *targets], tokens, alphas=[float(a) for a in alphas],
+                fresh=[int(f) for f in fresh], writes=[t for t, f in zip(targets, fresh) if f])
 
 
 def grad_target(t: Tensor) -> _Handle | None:

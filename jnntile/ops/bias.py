@@ -10,7 +10,7 @@ axes, so a fused projection `w: (C, 3, H, D)` gives `(..., 3, H, D)`.
 from __future__ import annotations
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release
+from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release
 from jnntile.ops.gemm import matmul
 from jnntile.tensor import Tensor
 
@@ -35,8 +35,10 @@ def _forward(x, b, zero_grad):
 
 def _backward(residuals, g):
     x, b, out = residuals
-    token = call("add_bias_backward", [tensor_mod.grad_handle(out.handle), grad_target(x), grad_target(b)],
-                 [out.token, g.token, x.token, b.token])
+    grad_x = grad_target(x)
+    (fresh_x,) = fresh_targets(grad_x)  # dx = dy where dx holds nothing yet
+    token = call("add_bias_backward", [tensor_mod.grad_handle(out.handle), grad_x, grad_target(b)],
+                 [out.token, g.token, x.token, b.token], writes=[grad_x] if fresh_x else [], fresh_dx=fresh_x)
     token = release(token, out)
     return x.with_token(token), b.with_token(token)
 

@@ -224,8 +224,8 @@ def _convert_forward(x, dtype, zero_grad):
 
 def _convert_backward(dtype, residuals, g):
     x, out = residuals  # the copy's gradient adds into x's, in x's dtype
-    token = call("accumulate", [tensor_mod.grad_handle(out.handle), grad_target(x)], [out.token, g.token, x.token],
-                 alphas=[1.0])
+    token = _ffi.accumulate(tensor_mod.grad_handle(out.handle), [grad_target(x)], [out.token, g.token, x.token],
+                            [1.0])
     return (x.with_token(release(token, out)),)
 
 

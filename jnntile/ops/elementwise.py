@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release, tile_bytes
+from jnntile.ops._ffi import accumulate, call, differentiable, grad_target, release, tile_bytes
 from jnntile.tensor import Tensor
 
 # name: (code in xla_ffi/kernels/cpu/elementwise.h, jnp reference)
@@ -99,8 +99,8 @@ def _linear_forward(inputs, coeffs, zero_grad):
 
 def _linear_backward(coeffs, residuals, g):
     inputs, out = residuals
-    token = call("accumulate", [tensor_mod.grad_handle(out.handle)] + [grad_target(t) for t in inputs],
-                 [out.token, g.token] + [t.token for t in inputs], alphas=list(coeffs))
+    token = accumulate(tensor_mod.grad_handle(out.handle), [grad_target(t) for t in inputs],
+                       [out.token, g.token] + [t.token for t in inputs], coeffs)
     token = release(token, out)
     return (tuple(t.with_token(token) for t in inputs),)
 

@@ -94,10 +94,11 @@ struct Axpby {
     out[i] = from_float<T>(y == nullptr ? a * to_float(x[i]) : a * to_float(x[i]) + b * to_float(y[i]));
   }
 };
+// With `overwrite`, out = a * x: out holds nothing yet (a gradient whose zero-fill this replaces).
 struct Accumulate {
   template <class S, class T>
-  static JNNTILE_HD void apply(int64_t i, float a, const S* x, T* out) {
-    out[i] = from_float<T>(to_float(out[i]) + a * to_float(x[i]));
+  static JNNTILE_HD void apply(int64_t i, float a, bool overwrite, const S* x, T* out) {
+    out[i] = from_float<T>((overwrite ? 0.0f : to_float(out[i])) + a * to_float(x[i]));
   }
 };
 
@@ -107,7 +108,8 @@ template <Device D> void unary_forward(Unary op, FloatType type, int64_t n, cons
 template <Device D> void unary_backward(Unary op, FloatType type, int64_t n, const void* x, const void* dy, void* dx);
 // out = a * x + b * y   (y may be null: out = a * x)
 template <Device D> void axpby(FloatType type, int64_t n, float a, const void* x, float b, const void* y, void* out);
-// out += a * x, x of x_type, out of out_type
-template <Device D> void accumulate(FloatType x_type, FloatType out_type, int64_t n, float a, const void* x, void* out);
+// out += a * x (out = a * x with `overwrite`), x of x_type, out of out_type
+template <Device D>
+void accumulate(FloatType x_type, FloatType out_type, int64_t n, float a, bool overwrite, const void* x, void* out);
 
 }  // namespace jnntile

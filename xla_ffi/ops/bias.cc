@@ -18,6 +18,7 @@ struct BiasArgs {
   FloatType type;  // of x, out, dy and dx; b and db are float32
   int64_t rows;    // product of the leading extents of the x tile
   int64_t n;       // elements of the b tile
+  bool overwrite;  // dx holds nothing yet: dx = dy
 };
 
 template <Device D>
@@ -27,7 +28,7 @@ void forward_kernel(void** buffers, const BiasArgs& a) {
 
 template <Device D>
 void dx_kernel(void** buffers, const BiasArgs& a) {
-  accumulate<D>(a.type, a.type, a.rows * a.n, 1.0f, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
+  accumulate<D>(a.type, a.type, a.rows * a.n, 1.0f, a.overwrite, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
 }
 
 template <Device D>
@@ -69,7 +70,8 @@ void bias_submit(const OpCall& call) {
 }
 JNNTILE_OP(add_bias, bias_submit);
 
-// ids [dy, dx or -1, db or -1]: dx += dy; db += sum of dy over the leading axes.
+// ids [dy, dx or -1, db or -1]: dx += dy (dx = dy with attr fresh_dx: its zero-fill was pending); db += sum of
+// dy over the leading axes.
 void bias_backward_submit(const OpCall& call) {
   const TiledTensor& dy = call.tensor(0);
   FloatType type = float_type(dy, "add_bias backward");
@@ -80,9 +82,10 @@ void bias_backward_submit(const OpCall& call) {
     check_same_tiling(dy, dx, "add_bias backward");
     if (float_type(dx, "add_bias backward") != type)
       throw std::invalid_argument("add_bias backward: dx must have dy's dtype: " + dx.describe());
+    bool fresh = attr<int64_t>(call.attrs, "fresh_dx") != 0;
     for (int64_t t = 0; t < dy.num_tiles(); ++t)
-      submit_task(dx_cl, {{dy.tiles[t], STARPU_R}, {dx.tiles[t], STARPU_RW}}, BiasArgs{type, dy.tile_numel(t), 1},
-                  double(dy.tile_numel(t)));
+      submit_task(dx_cl, {{dy.tiles[t], STARPU_R}, {dx.tiles[t], fresh ? STARPU_W : STARPU_RW}},
+                  BiasArgs{type, dy.tile_numel(t), 1, fresh}, double(dy.tile_numel(t)));
   }
   if (call.ids[2] >= 0) {
     const TiledTensor& db = call.tensor(2);
@@ -90,7 +93,7 @@ void bias_backward_submit(const OpCall& call) {
     // Tiles of dy in row-major order: the chain on each db tile follows the leading axes.
     for (int64_t t = 0; t < dy.num_tiles(); ++t) {
       int64_t bt = bias_tile(dy, db, t), n = db.tile_numel(bt);
-      submit_task(db_cl, {{dy.tiles[t], STARPU_R}, {db.tiles[bt], STARPU_RW}}, BiasArgs{type, dy.tile_numel(t) / n, n},
+      submit_task(db_cl, {{dy.tiles[t], STARPU_R}, {db.tiles[bt], STARPU_RW}}, BiasArgs{type, dy.tile_numel(t) / n, n, false},
                   double(dy.tile_numel(t)));
     }
   }

@@ -94,29 +94,35 @@ struct AccumulateArgs {
   FloatType src_type, dst_type;
   int64_t n;
   float a;
+  bool overwrite;
 };
 
 template <Device D>
 void accumulate_kernel(void** buffers, const AccumulateArgs& a) {
-  accumulate<D>(a.src_type, a.dst_type, a.n, a.a, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
+  accumulate<D>(a.src_type, a.dst_type, a.n, a.a, a.overwrite, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
 }
 
-// ids [src, dst_0, dst_1, ...], attr alphas: dst_i += alphas[i] * src (ids < 0 skipped).
-// The backward of every linear elementwise op; src and dst may differ in float type.
+// ids [src, dst_0, dst_1, ...], attr alphas: dst_i += alphas[i] * src (ids < 0 skipped), or dst_i = alphas[i] *
+// src where attr fresh[i] is 1 (a gradient whose zero-fill was pending). The backward of every linear
+// elementwise op; src and dst may differ in float type.
 void accumulate_submit(const OpCall& call) {
   const TiledTensor& src = call.tensor(0);
   auto alphas = call.attrs.get<ffi::Span<const double>>("alphas");
   if (alphas.has_error() || alphas.value().size() != call.ids.size() - 1)
     throw std::invalid_argument("accumulate: needs one alpha per destination");
+  auto fresh = call.attrs.get<ffi::Span<const int64_t>>("fresh");
+  if (fresh.has_error() || fresh.value().size() != call.ids.size() - 1)
+    throw std::invalid_argument("accumulate: needs one fresh flag per destination");
   static starpu_codelet* cl = JNNTILE_CODELET(AccumulateArgs, accumulate_kernel, "accumulate");
   for (size_t d = 1; d < call.ids.size(); ++d) {
     if (call.ids[d] < 0) continue;
     const TiledTensor& dst = call.tensor(d);
     check_same_tiling(src, dst, "accumulate");
     FloatType src_type = float_type(src, "accumulate"), dst_type = float_type(dst, "accumulate");
+    bool overwrite = fresh.value()[d - 1] != 0;
     for (int64_t t = 0; t < src.num_tiles(); ++t)
-      submit_task(cl, {{src.tiles[t], STARPU_R}, {dst.tiles[t], STARPU_RW}},
-                  AccumulateArgs{src_type, dst_type, src.tile_numel(t), float(alphas.value()[d - 1])},
+      submit_task(cl, {{src.tiles[t], STARPU_R}, {dst.tiles[t], overwrite ? STARPU_W : STARPU_RW}},
+                  AccumulateArgs{src_type, dst_type, src.tile_numel(t), float(alphas.value()[d - 1]), overwrite},
                   2.0 * src.tile_numel(t));
   }
 }

@@ -150,23 +150,26 @@ void gemm_submit(const OpCall& call) {
 }
 JNNTILE_OP(gemm, gemm_submit);
 
-// Backward of C = alpha op(A) op(B): ids [A, B, gA or -1, gB or -1, gC];
-// accumulates into the gradients that are given.
+// Backward of C = alpha op(A) op(B): ids [A, B, gA or -1, gB or -1, gC]; accumulates into the gradients
+// that are given, or writes one whose attribute fresh_a / fresh_b says it holds nothing yet (its zero-fill
+// was pending: the product's first K tile then writes its tiles).
 void gemm_backward_submit(const OpCall& call) {
   const TiledTensor &A = call.tensor(0), &B = call.tensor(1), &gC = call.tensor(4);
   bool ta = attr<int64_t>(call.attrs, "trans_a") != 0, tb = attr<int64_t>(call.attrs, "trans_b") != 0;
+  float beta_a = attr<int64_t>(call.attrs, "fresh_a") != 0 ? 0.0f : 1.0f;
+  float beta_b = attr<int64_t>(call.attrs, "fresh_b") != 0 ? 0.0f : 1.0f;
   float alpha = float(attr<double>(call.attrs, "alpha"));
   int ndim = int(attr<int64_t>(call.attrs, "ndim")), batch_ndim = int(attr<int64_t>(call.attrs, "batch_ndim"));
   int m_ndim = A.ndim() - batch_ndim - ndim, n_ndim = B.ndim() - batch_ndim - ndim;
   if (call.ids[2] >= 0) {
     const TiledTensor& gA = call.tensor(2);
-    if (!ta) gemm_tiles(gC, B, gA, false, !tb, alpha, 1.0f, n_ndim, batch_ndim);  // dA = dC op(B)^T
-    else gemm_tiles(B, gC, gA, tb, true, alpha, 1.0f, n_ndim, batch_ndim);       // dA^T = op(B) dC^T
+    if (!ta) gemm_tiles(gC, B, gA, false, !tb, alpha, beta_a, n_ndim, batch_ndim);  // dA = dC op(B)^T
+    else gemm_tiles(B, gC, gA, tb, true, alpha, beta_a, n_ndim, batch_ndim);       // dA^T = op(B) dC^T
   }
   if (call.ids[3] >= 0) {
     const TiledTensor& gB = call.tensor(3);
-    if (!tb) gemm_tiles(A, gC, gB, !ta, false, alpha, 1.0f, m_ndim, batch_ndim);  // dB = op(A)^T dC
-    else gemm_tiles(gC, A, gB, true, ta, alpha, 1.0f, m_ndim, batch_ndim);        // dB^T = dC^T op(A)
+    if (!tb) gemm_tiles(A, gC, gB, !ta, false, alpha, beta_b, m_ndim, batch_ndim);  // dB = op(A)^T dC
+    else gemm_tiles(gC, A, gB, true, ta, alpha, beta_b, m_ndim, batch_ndim);        // dB^T = dC^T op(A)
   }
 }
 JNNTILE_OP(gemm_backward, gemm_backward_submit);

@@ -48,10 +48,11 @@ void axpby<Device::Cuda>(FloatType type, int64_t n, float a, const void* x, floa
 }
 
 template <>
-void accumulate<Device::Cuda>(FloatType x_type, FloatType out_type, int64_t n, float a, const void* x, void* out) {
+void accumulate<Device::Cuda>(FloatType x_type, FloatType out_type, int64_t n, float a, bool overwrite, const void* x,
+                               void* out) {
   visit_float(x_type, [&](auto xt) {
     visit_float(out_type, [&](auto ot) {
-      Launch<Accumulate>::run(n, a, static_cast<const decltype(xt)*>(x), static_cast<decltype(ot)*>(out));
+      Launch<Accumulate>::run(n, a, overwrite, static_cast<const decltype(xt)*>(x), static_cast<decltype(ot)*>(out));
     });
   });
 }
