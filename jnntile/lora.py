@@ -56,7 +56,8 @@ class LoRASettings:
             parts = [t for t, m in known.items() if m == module]
             named = [t for t in parts if t in targets]
             if named and len(named) != len(parts):
-                raise ValueError(f"--lora-targets names {', '.join(named)} but not {', '.join(sorted(set(parts) - set(named)))}"
+                missing = ", ".join(sorted(set(parts) - set(named)))
+                raise ValueError(f"--lora-targets names {', '.join(named)} but not {missing}"
                                  f": jnntile computes {', '.join(parts)} as one product ({module}), which takes one "
                                  "adapter; name all of them or none")
         return dataclasses.replace(self, targets=tuple(t for t in known if t in targets))
