@@ -679,7 +679,8 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
     return MemoryPlan(
         optimizer=optimizer, workers=workers, n_params=params // F32, parameters=params, gradients=params,
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
-        compute_copies=sum(t.nbytes for t in step.copies.values()), frozen_parameters=sum(t.nbytes for t in step.frozen),
+        compute_copies=sum(t.nbytes for t in step.copies.values()),
+        frozen_parameters=sum(t.nbytes for t in step.frozen),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
         largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, step=step,
         **shape)

@@ -307,8 +307,9 @@ def _evaluate(eval_step, params, frozen, dataset, args) -> float:
 
 # Flags that may differ between the ranks of a distributed run: where things are on each machine, what
 # each machine can hold, what rank 0 alone does. The rest must be the same on every rank.
-PER_RANK_FLAGS = {"data", "out", "quiet", "init_from_hf", "export_hf", "export_dtype", "init_lora", "export_lora", "workers", "memory_limit_mb", "swap_dir",
-                  "swap_size_mb", "swap_backend", "gpu_memory_limit_mb", "cuda_workers"}
+PER_RANK_FLAGS = {"data", "out", "quiet", "init_from_hf", "export_hf", "export_dtype", "init_lora", "export_lora",
+                  "workers", "memory_limit_mb", "swap_dir", "swap_size_mb", "swap_backend", "gpu_memory_limit_mb",
+                  "cuda_workers"}
 
 
 def _same_on_every_rank(args, config, dataset) -> dict:
