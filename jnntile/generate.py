@@ -76,19 +76,17 @@ def _weights_dir(args) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"--checkpoint {path}: no such directory")
     if not (path / "state.json").is_file():
-        path = checkpoint.latest(path) or path
+        latest = checkpoint.latest(path)
+        if latest is None:
+            raise ValueError(f"--checkpoint {path} is not a jnntile checkpoint: it has neither state.json (a ckpt-* "
+                             f"directory) nor a '{checkpoint.LATEST}' file (a training --out directory); pass one of "
+                             "those, or --hf DIR for a Hugging Face checkpoint directory")
+        path = latest
     if (path / lora.ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
         base = checkpoint.read_state(path).get("args", {}).get("init_from_hf") or "BASE"
         raise ValueError(f"--checkpoint {path} holds LoRA adapters, not a model: give the base and the adapters, "
                          f"--hf {base} --lora {path}")
-    if (path / "state.json").is_file():
-        return path
-    latest = checkpoint.latest(path)
-    if latest is None:
-        raise ValueError(f"--checkpoint {path} is not a jnntile checkpoint: it has neither state.json (a ckpt-* "
-                         f"directory) nor a '{checkpoint.LATEST}' file (a training --out directory); pass one of "
-                         "those, or --hf DIR for a Hugging Face checkpoint directory")
-    return latest
+    return path
 
 
 def _read_config(weights: Path, args):
@@ -167,8 +165,7 @@ def _check_memory(config, batch: int, length: int, limit_mb: int, swap_mb: int) 
 def generate(args) -> list[str]:
     """Runs generation as configured by `args`; returns the texts. Raises ValueError on bad input."""
     _check_args(args)
-    if args.lora:
-        lora.read_settings(args.lora)  # checked before anything is loaded
+    adapters = lora.read_settings(args.lora) if args.lora else None  # checked before anything is loaded
     weights = _weights_dir(args)
     config = _read_config(weights, args)
     tokenizer = load_tokenizer(args, weights)
@@ -190,8 +187,8 @@ def generate(args) -> list[str]:
     tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (the models' kv_cache)
     with nn.base_dtype(config.dtype):  # nothing updates a weight here: a bfloat16 one needs no float32 master
         model = families.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
-    if args.lora:
-        lora.apply(model, lora.read_settings(args.lora))
+    if adapters is not None:
+        lora.apply(model, adapters)
         lora.load_peft(model, args.lora)
     decoder = decoding.Decoder(model, batch_size=len(prompts), max_len=length)
     log = sys.stderr
