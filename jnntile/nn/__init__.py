@@ -118,10 +118,9 @@ class Linear(nnx.Module):
         self.weight_out_first = weight_out_first
         shape = out_shape + in_shape if weight_out_first else in_shape + out_shape
         weight_tiles = tuple(out_tiles) + tuple(in_tiles) if weight_out_first else tuple(in_tiles) + tuple(out_tiles)
-        dtype_stored = _linear_weight_dtype
         self.weight = _param(lambda: jnntile.random_normal(shape, param_seed(seed, name + ".weight"), std=std,
-                                                           tile_shape=weight_tiles, dtype=dtype_stored),
-                             shape, weight_tiles, dtype_stored)
+                                                           tile_shape=weight_tiles, dtype=_linear_weight_dtype),
+                             shape, weight_tiles, _linear_weight_dtype)
         self.bias = _param(lambda: jnntile.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
                            tuple(out_tiles)) if use_bias else None
 

@@ -253,23 +253,24 @@ def join(*tokens):
     return out
 
 
-def fresh_targets(*targets: _Handle | None) -> list[bool]:
+def fresh_targets(*targets: _Handle | None) -> tuple[list[int], list[_Handle]]:
     """Which of a backward call's gradient targets hold nothing yet (their zero-fill is pending), each handle
-    counted at its first place: the call writes those instead of adding into them (pass the flags as an
-    attribute and the fresh handles as `writes`), which saves the fill's pass over their tiles."""
+    counted at its first place: the call writes those instead of adding into them, which saves the fill's
+    pass over their tiles. Returns a 0/1 flag per target (the call's attribute) and the fresh handles (its
+    `writes`)."""
     seen, flags = set(), []
     for target in targets:
-        flags.append(target is not None and id(target) not in seen and LEDGER.zero_pending(target))
+        flags.append(int(target is not None and id(target) not in seen and LEDGER.zero_pending(target)))
         if target is not None:
             seen.add(id(target))
-    return flags
+    return flags, [t for t, fresh in zip(targets, flags) if fresh]
 
 
 def accumulate(source: _Handle, targets: Sequence[_Handle | None], tokens: Sequence, alphas: Sequence[float]):
     """targets[i] += alphas[i] * source (None skipped); a target still at zero is written instead."""
-    fresh = fresh_targets(*targets)
-    return call("accumulate", [source, *targets], tokens, alphas=[float(a) for a in alphas],
-                fresh=[int(f) for f in fresh], writes=[t for t, f in zip(targets, fresh) if f])
+    fresh, written = fresh_targets(*targets)
+    return call("accumulate", [source, *targets], tokens, alphas=[float(a) for a in alphas], fresh=fresh,
+                writes=written)
 
 
 def grad_target(t: Tensor) -> _Handle | None:

@@ -36,9 +36,9 @@ def _forward(x, b, zero_grad):
 def _backward(residuals, g):
     x, b, out = residuals
     grad_x = grad_target(x)
-    (fresh_x,) = fresh_targets(grad_x)  # dx = dy where dx holds nothing yet
+    (fresh_x,), written = fresh_targets(grad_x)  # dx = dy where dx holds nothing yet
     token = call("add_bias_backward", [tensor_mod.grad_handle(out.handle), grad_x, grad_target(b)],
-                 [out.token, g.token, x.token, b.token], writes=[grad_x] if fresh_x else [], fresh_dx=fresh_x)
+                 [out.token, g.token, x.token, b.token], writes=written, fresh_dx=fresh_x)
     token = release(token, out)
     return x.with_token(token), b.with_token(token)
 

@@ -62,11 +62,10 @@ def _backward(params, residuals, g):
     trans_a, trans_b, alpha, ndim, batch_ndim = params
     grad_a, grad_b = grad_target(a), grad_target(b)
     # A gradient still at zero is written by the product, not filled and added to (one pass over its tiles).
-    fresh_a, fresh_b = fresh_targets(grad_a, grad_b)
-    fresh = [h for h, is_fresh in ((grad_a, fresh_a), (grad_b, fresh_b)) if is_fresh]
+    (fresh_a, fresh_b), written = fresh_targets(grad_a, grad_b)
     # Invariant 1: the backward call consumes the forward token (out.token).
     token = call("gemm_backward", [a.handle, b.handle, grad_a, grad_b, tensor_mod.grad_handle(out.handle)],
-                 [out.token, g.token, a.token, b.token], writes=fresh, fresh_a=fresh_a, fresh_b=fresh_b,
+                 [out.token, g.token, a.token, b.token], writes=written, fresh_a=fresh_a, fresh_b=fresh_b,
                  trans_a=trans_a, trans_b=trans_b, alpha=alpha, ndim=ndim, batch_ndim=batch_ndim)
     token = release(token, out)  # this was the last use of out and its gradient
     return a.with_token(token), b.with_token(token)
