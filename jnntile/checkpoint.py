@@ -60,15 +60,6 @@ def _optimizer_values(opt_state) -> dict:
     return {_leaf_name(i): (leaf if _is_tensor(leaf) else np.asarray(leaf)) for i, leaf in enumerate(leaves)}
 
 
-def _finetune_record(finetune) -> dict:
-    if finetune is None:
-        return {"freeze": None, "train_only": None, "lora": None}
-    settings = finetune.lora
-    return {"freeze": finetune.freeze, "train_only": finetune.train_only,
-            "lora": None if settings is None else {"rank": settings.rank, "alpha": settings.alpha,
-                                                   "targets": list(settings.targets or [])}}
-
-
 def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict, keep: int = 2,
          finetune=None) -> Path:
     """Writes checkpoint `ckpt-<step>` atomically and returns its path. `finetune` (jnntile.lora.FineTune)
@@ -77,8 +68,8 @@ def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict
     final = out_dir / f"ckpt-{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=out_dir))
     try:
-        record = {"step": step, "config": dataclasses.asdict(model.config), "finetune": _finetune_record(finetune),
-                  **state}
+        record = {"step": step, "config": dataclasses.asdict(model.config),
+                  "finetune": (finetune or lora.FineTune()).record(), **state}
         if finetune is not None and finetune.lora is not None:
             lora.save_peft(model, lora.applied_settings(model), tmp)
         else:
@@ -178,9 +169,10 @@ def restore(path: str | os.PathLike, *, model, opt_state, finetune=None):
     differing = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v and k not in execution}
     if differing:
         raise ValueError(f"checkpoint {path} is of another model: (saved, requested) differ in {differing}")
-    saved_finetune = record.get("finetune", _finetune_record(None))
-    if saved_finetune != _finetune_record(finetune):
-        raise ValueError(f"checkpoint {path} trained {saved_finetune}, this run asks for {_finetune_record(finetune)} "
+    wanted = (finetune or lora.FineTune()).record()
+    saved_finetune = record.get("finetune", lora.FineTune().record())
+    if saved_finetune != wanted:
+        raise ValueError(f"checkpoint {path} trained {saved_finetune}, this run asks for {wanted} "
                          "(--freeze, --train-only, --lora-*): give the same, or start afresh in another --out")
     adapters_only = finetune is not None and finetune.lora is not None
     params = {}

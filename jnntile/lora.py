@@ -63,10 +63,6 @@ class LoRASettings:
         return dataclasses.replace(self, targets=tuple(t for t in known if t in targets))
 
 
-def _param_paths(model):
-    return (".".join(str(p) for p in path) for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
-
-
 def _hf_module(model):
     return families.of_config(model.config).hf
 
@@ -237,6 +233,12 @@ class FineTune:
     def trains_everything(self) -> bool:
         return self.lora is None and not self.freeze and not self.train_only
 
+    def record(self) -> dict:
+        """What a checkpoint's state.json says of it (a resumed run must ask for the same)."""
+        settings = None if self.lora is None else {"rank": self.lora.rank, "alpha": self.lora.alpha,
+                                                   "targets": list(self.lora.targets or [])}
+        return {"freeze": self.freeze, "train_only": self.train_only, "lora": settings}
+
     def filter(self):
         """The NNX filter of the trained parameters (`nn.trainable`)."""
         return nn.trainable(self.freeze, self.train_only, adapters_only=self.lora is not None)
@@ -253,5 +255,5 @@ class FineTune:
         settings = apply(model, self.lora, seed) if self.lora is not None else None
         if not self.trains_everything and not nnx.state(model, self.filter()):
             raise ValueError(f"--train-only {self.train_only!r} / --freeze {self.freeze!r} leave no parameter to "
-                             "train; parameter paths look like " + ", ".join(list(_param_paths(model))[:3]))
+                             "train; parameter paths look like " + ", ".join(list(model.named_params())[:3]))
         return model, settings
