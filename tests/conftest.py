@@ -185,6 +185,24 @@ def mlp_reference_loss(params, x):
     return jnp.sum((h @ params["w2"]) ** 2)
 
 
+TRAIN_STEPS_LR = 1e-2  # train_steps' AdamW learning rate
+
+
+def assert_trained_params_close(params: dict, reference: dict, steps: int, lr: float, tol: float) -> None:
+    """GPT-2 parameters after `steps` AdamW steps at `lr` against a reference run's, to `tol` (rel_err).
+
+    AdamW divides each gradient by its own magnitude, so a gradient that is zero in exact arithmetic moves its
+    parameter by up to lr per step in whichever direction its float32 rounding points, and another order of
+    summation (other devices, other ranks) changes that rounding: the key biases (part 1 of c_attn.bias,
+    which softmax ignores) are held to that bound instead."""
+    for name in reference:
+        mine, expected = params[name], reference[name]
+        if name.endswith("attn.c_attn.bias"):
+            assert np.abs(mine[1] - expected[1]).max() <= 2 * lr * steps, name
+            mine, expected = np.delete(mine, 1, axis=0), np.delete(expected, 1, axis=0)
+        assert rel_err(mine, expected) <= tol, name
+
+
 def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0):
     """Losses and final parameters of `steps` AdamW steps (jnntile.train.make_steps) of a GPT-2 on random tokens."""
     from flax import nnx
@@ -195,7 +213,7 @@ def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0
 
     model = gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
     graphdef, params = nnx.split(model, nnx.Param)
-    tx = optim.adamw(1e-2)
+    tx = optim.adamw(TRAIN_STEPS_LR)
     opt_state = tx.init(params)
     train_step, _ = make_steps(graphdef, tx)
     rng = np.random.default_rng(seed)

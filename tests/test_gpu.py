@@ -15,7 +15,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import SUITE_RUNTIME, cuda_skip_reason, rel_err, restart_runtime, train_steps
+from conftest import (SUITE_RUNTIME, TRAIN_STEPS_LR, assert_trained_params_close, cuda_skip_reason, rel_err,
+                      restart_runtime, train_steps)
 
 import jnntile
 from jnntile.models.gpt2.config import GPT2Config
@@ -57,8 +58,9 @@ def test_training_on_cuda_workers_matches_cpu_workers(restore_runtime):
     restart_runtime(placement="cuda", matmul_precision="highest")
     cuda_losses, cuda_params = train_steps(CONFIG, steps=3, batch_size=B, seq_len=T)
     assert rel_err(cuda_losses, cpu_losses) < 1e-5
-    for name in cpu_params:
-        assert rel_err(cuda_params[name], cpu_params[name]) < 1e-5, name
+    # Other kernels sum in another order: measured on an H100, every parameter within 1e-5 but the key biases
+    # (6e-3 relative on c_attn.bias), which AdamW moves by rounding noise (see assert_trained_params_close).
+    assert_trained_params_close(cuda_params, cpu_params, 3, TRAIN_STEPS_LR, 1e-5)
     assert sum(w["tasks"] for w in jnntile.runtime.stats()["workers"] if w["name"].startswith("CUDA")) > 0
 
 
