@@ -46,22 +46,23 @@ def sizes(smoke: bool) -> dict:
     if smoke:
         return {"gemm": {"sizes": [512], "tiles": [256], "repeats": 2},
                 "train": {"model": dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, n_positions=64),
-                          "batch": 2, "seq": 64, "steps": 2},
+                          "batch": 2, "seq": 64, "steps": 2, "calibration_steps": 2},
                 # 2.7M parameters (42 MB of state) under a 16 MB limit: every level is used.
                 "capacity": {"n_embd": 256, "n_head": 4, "vocab_size": 4096, "seq": 32, "batch": 2,
                              "tiles": dict(tile_batch=1, tile_seq=16, tile_embd=128, tile_heads=2, tile_hidden=256,
                                            tile_vocab=1024)}}
     return {"gemm": {"sizes": [8192, 16384], "tiles": [2048, 4096], "repeats": 3},
             "train": {"model": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024),
-                      "batch": 8, "seq": 1024, "steps": 10},
+                      "batch": 8, "seq": 1024, "steps": 10, "calibration_steps": 12},
             "capacity": {"n_embd": 2048, "n_head": 16, "vocab_size": 50257, "seq": 1024, "batch": 1}}
 
 
 # ---- measurements (each runs in a child process) ------------------------------------------------
 
-def measure_gemm(p: dict) -> dict:
-    import jax
-    import jax.numpy as jnp
+PRECISIONS = ("highest", "tf32")  # FP32, and JAX's default on these GPUs (TF32)
+
+
+def measure_gemm_jnntile(p: dict) -> dict:
     import numpy as np
 
     import jnntile
@@ -69,15 +70,12 @@ def measure_gemm(p: dict) -> dict:
     from steps import best_seconds
 
     rows = []
-    for precision, xla_precision in (("highest", jax.lax.Precision.HIGHEST), ("tf32", jax.lax.Precision.DEFAULT)):
+    for precision in PRECISIONS:
         jnntile.runtime.stop()
         jnntile.runtime.start(matmul_precision=precision)
-        dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=xla_precision))
         for n in p["sizes"]:
             rng = np.random.default_rng(0)
             a_np, b_np = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-            a_x, b_x = jnp.asarray(a_np), jnp.asarray(b_np)
-            xla_s = best_seconds(lambda: dot(a_x, b_x).block_until_ready(), p["repeats"])
             for tile in p["tiles"]:
                 a, b = jnntile.from_array(a_np, tile), jnntile.from_array(b_np, tile)
 
@@ -86,13 +84,42 @@ def measure_gemm(p: dict) -> dict:
                     jnntile.runtime.wait_all()
                     c.free()
 
-                tiled_s = best_seconds(run, p["repeats"])
-                flops = 2.0 * n**3
-                rows.append({"precision": precision, "n": n, "tile": tile, "jnntile_gflops": flops / tiled_s / 1e9,
-                             "xla_gflops": flops / xla_s / 1e9, "ratio": xla_s / tiled_s})
+                rows.append({"precision": precision, "n": n, "tile": tile,
+                             "jnntile_gflops": 2.0 * n**3 / best_seconds(run, p["repeats"]) / 1e9})
                 a.free()
                 b.free()
-    return {"rows": rows, "jax_device": str(jax.devices()[0])}
+    return {"rows": rows}
+
+
+def measure_gemm_xla(p: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from steps import best_seconds
+
+    gflops = {}
+    for precision, xla_precision in zip(PRECISIONS, (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT)):
+        dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=xla_precision))
+        for n in p["sizes"]:
+            rng = np.random.default_rng(0)
+            a, b = (jnp.asarray(rng.standard_normal((n, n), dtype=np.float32)) for _ in range(2))
+            gflops[f"{precision} {n}"] = 2.0 * n**3 / best_seconds(lambda: dot(a, b).block_until_ready(),
+                                                                     p["repeats"]) / 1e9
+    return {"gflops": gflops, "jax_device": str(jax.devices()[0])}
+
+
+def measure_gemm(p: dict, log, timeout_s: float, xla_env: dict) -> dict:
+    """Tile GEMM through StarPU and jnp.dot, each in a child of its own (XLA on the GPU beside StarPU's
+    CUDA worker crashes)."""
+    tiled = run_child("gemm_jnntile", p, timeout_s, log)
+    xla = run_child("gemm_xla", p, timeout_s, log, env=xla_env)
+    if "error" in tiled or "error" in xla:
+        return {"error": f"jnntile: {tiled.get('error', 'ok')}; XLA: {xla.get('error', 'ok')}"}
+    for row in tiled["rows"]:
+        row["xla_gflops"] = xla["gflops"][f"{row['precision']} {row['n']}"]
+        row["ratio"] = row["jnntile_gflops"] / row["xla_gflops"]
+    return {"rows": tiled["rows"], "jax_device": xla["jax_device"]}
 
 
 def _config(model: dict):
@@ -144,8 +171,10 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     jnntile.runtime.stop()
     jnntile.runtime.start(**settings)
     step = jnntile_step(config, B, T)
-    step()
-    step()  # compiled, tiles allocated, performance models fed
+    # dmdas runs each kernel STARPU_CALIBRATE_MINIMUM (10) times per tile shape on each kind of worker before
+    # it trusts its performance model, so the first steps put GEMMs on CPU workers on purpose (measured on an
+    # H200 with 2 warm-up steps: 0.84 s/step, CPU workers 94% of the busy time). Measured after calibration.
+    calibration_s = step_seconds(step, p["calibration_steps"], warmup=0)
     jnntile.runtime.wait_all()
     before = jnntile.runtime.stats()
     jnntile.runtime.reset_peaks()
@@ -154,7 +183,8 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     after = jnntile.runtime.stats()
     seconds = statistics.median(times)
     return {"config": p["model"], "batch": [B, T], "tiles": str(step.model.tiles),
-            "runtime": jnntile.runtime.describe(), "settings": settings, "step_s": seconds,
+            "runtime": jnntile.runtime.describe(), "settings": settings, "calibration_step_s": calibration_s,
+            "step_s": seconds,
             "tokens_per_s": B * T / seconds, "workers": _worker_shares(before, after),
             "bytes_per_step": _bytes_per_step(before, after, p["steps"]), "peak_bytes": _peaks(after)}
 
@@ -216,17 +246,19 @@ def measure_capacity(p: dict) -> dict:
             "vs_plain_jax_h100": n_params / PLAIN_JAX_MAX_PARAMS_H100}
 
 
-CHILDREN = {"gemm": measure_gemm, "train_jnntile": measure_jnntile_training, "train_xla": measure_xla_training,
+CHILDREN = {"gemm_jnntile": measure_gemm_jnntile, "gemm_xla": measure_gemm_xla, "train_jnntile": measure_jnntile_training, "train_xla": measure_xla_training,
             "limited": lambda p: measure_jnntile_training(p, gpu_memory_fraction=0.25), "capacity": measure_capacity}
 
 
 # ---- the parent: one child process per measurement ------------------------------------------------
 
-def run_child(name: str, params: dict, timeout_s: float, log) -> dict:
+def run_child(name: str, params: dict, timeout_s: float, log, env: dict | None = None) -> dict:
+    """One measurement in a child process; env: variables set for it (XLA's children get its GPU)."""
     command = [sys.executable, os.path.abspath(__file__), "--child", name, "--params", json.dumps(params)]
     started = time.perf_counter()
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                                env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     log.write(result.stderr)
@@ -281,15 +313,17 @@ def main(argv=None) -> int:
     timeout_s = 300 if not args.smoke else 120
     log_path = out_path.with_suffix(".log")
     with log_path.open("w") as log, tempfile.TemporaryDirectory(prefix="jnntile-bench-swap-") as tmp_swap:
+        # jnntile keeps JAX on the CPU with the CUDA build; the plain-JAX baselines ask for its GPU.
+        xla_env = {"JAX_PLATFORMS": "cuda"} if report["cuda_workers"] > 0 else {}
         if "gemm" in args.only:
-            report["gemm"] = run_child("gemm", s["gemm"], timeout_s, log)
+            report["gemm"] = measure_gemm(s["gemm"], log, timeout_s, xla_env)
             print_gemm(report["gemm"])
         for section, dtype in (("train", "float32"), ("train_bf16", "bfloat16")):
             if section not in args.only:
                 continue
             params = {**s["train"], "model": {**s["train"]["model"], "dtype": dtype}}
             jn = run_child("train_jnntile", params, timeout_s, log)
-            xla = run_child("train_xla", params, timeout_s, log)
+            xla = run_child("train_xla", params, timeout_s, log, env=xla_env)
             report[section] = {"jnntile": jn, "xla": xla}
             if "tokens_per_s" in jn and "tokens_per_s" in xla:
                 report[section]["ratio"] = jn["tokens_per_s"] / xla["tokens_per_s"]
@@ -333,6 +367,7 @@ def print_train(result: dict) -> None:
         return
     print(f"training {jn['config']} batch {jn['batch']}: jnntile {jn['tokens_per_s']:.0f} tokens/s, plain JAX "
           f"{xla['tokens_per_s']:.0f} tokens/s, ratio {result['ratio']:.2f}")
+    print("  steps while dmdas calibrates: " + ", ".join(f"{t:.2f}" for t in jn["calibration_step_s"]) + " s")
     for kind, share in jn["workers"].items():
         print(f"  {kind} workers: {share['task_share']:.0%} of tasks, {share['busy_share']:.0%} of busy time")
 

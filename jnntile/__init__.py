@@ -1,6 +1,9 @@
 """jnntile: train models larger than fast memory. JAX traces, StarPU executes."""
 
-from jnntile import distributed, runtime  # distributed: its check of the ranks at start
+# runtime first: it imports JAX and sets up the BLAS before the native module loads (with the CUDA build,
+# loading the native module before JAX crashed JAX's import on an H200, in ml_dtypes).
+from jnntile import runtime  # noqa: I001
+from jnntile import distributed  # its check of the ranks at start
 from jnntile.grad import grad, grad_of, remat, value_and_grad, zero_grads
 from jnntile.ops.data import convert, empty, from_array, full, random_normal, random_uniform, to_array, zeros
 from jnntile.tensor import Tensor, release_traced
