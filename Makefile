@@ -40,8 +40,13 @@ build: $(STAMP)
 train: $(STAMP)
 	$(PY) -m jnntile.train
 
+# When a test run dies (a crash in native code), its last lines are pytest's own frames: this prints the
+# crash's message and the frames of this project (the test that ran) at the end, where a CI log shows them.
+CRASH_SUMMARY = { if grep -q "Fatal Python error" $(1); then echo "--- the crash, this project's frames:"; \
+	grep -B8 -A80 -m1 "Fatal Python error" $(1) | grep -v "site-packages\|<frozen" | head -40; fi; exit 1; }
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	set -o pipefail; $(PY) -m pytest -q tests 2>&1 | tee $(VENV)/test.log || $(call CRASH_SUMMARY,$(VENV)/test.log)
 
 bench: $(STAMP)
 	$(PY) bench/gemm.py
@@ -98,7 +103,8 @@ $(CUDA_STAMP): $(CUDA_DIR)/starpu.stamp $(NATIVE_SOURCES) | cuda-python-deps
 # then bench/gpu.py: a log and one JSON report in $(GPU_OUT).
 test-gpu: cuda
 	mkdir -p $(GPU_OUT)
-	set -o pipefail; $(CUDA_PY) -m pytest -q -rs tests 2>&1 | tee $(GPU_OUT)/test-gpu.log
+	set -o pipefail; $(CUDA_PY) -m pytest -q -rs tests 2>&1 | tee $(GPU_OUT)/test-gpu.log \
+	  || $(call CRASH_SUMMARY,$(GPU_OUT)/test-gpu.log)
 	set -o pipefail; $(CUDA_PY) bench/gpu.py --out $(GPU_OUT)/report.json 2>&1 | tee -a $(GPU_OUT)/test-gpu.log
 
 clean:

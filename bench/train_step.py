@@ -16,10 +16,10 @@ table, or with --json one object per configuration:
 jnntile, tasks per step, the median task duration (of every task since the
 process started) and each worker's idle fraction over the timed steps.
 
-jnntile's matrix products run OpenBLAS's kernels, XLA's its own: the report
-names OpenBLAS's kernels (`OPENBLAS_CORETYPE`, kept when the environment sets
-it, else chosen from the CPU flags). On an AVX-512 CPU whose environment pins
-Haswell kernels, `OPENBLAS_CORETYPE=SkylakeX` measures what the CPU can do.
+jnntile's matrix products (and attention's) run oneMKL where the `mkl` package
+is installed (`make setup` installs it on x86-64), else OpenBLAS; XLA runs its
+own. The report names the BLAS (`blas`: "oneMKL", or OpenBLAS's kernels, from
+`OPENBLAS_CORETYPE` when the environment sets it, else from the CPU flags).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def measure(name: str, which: str, steps: int) -> dict:
     return {"tokens_per_s": batch * seq / statistics.median(times), "tiles": str(step.model.tiles),
             "tasks_per_step": tasks / steps, "median_task_ms": 1e3 * after["median_task_s"],
             "worker_idle_fraction": [round(1 - b / wall, 3) for b in busy],
-            "runtime": jnntile.runtime.describe(), "openblas_kernels": jnntile.runtime.blas_core()}
+            "runtime": jnntile.runtime.describe(), "blas": jnntile.runtime.blas_core()}
 
 
 def run_torch(python: str, name: str, steps: int) -> dict:

@@ -31,6 +31,14 @@ LONG_TILINGS = {
     "long_uneven": (2, 36, 1, 2, 40),  # T = 36 + 34, H = 2 + 1
 }
 
+# Query tiles longer than the CPU kernel's 128-row causal chunks (xla_ffi/kernels/cpu/attention.cc): the
+# diagonal pairs in several chunks, the last one short, beside a pair every row sees whole.
+CHUNKED_SHAPE = (1, 300, 2, 16)
+CHUNKED_TILINGS = {
+    "chunked_one_tile": (1, 300, 1, 2, 16),  # chunks of 128, 128, 44 rows
+    "chunked_uneven": (1, 160, 1, 1, 16),  # T = 160 + 140, H = 1 + 1
+}
+
 
 def make_data(seed=0, shape=(B, T, H, D), groups=1):
     """qkv (B, T, G + 2, H, D) and a weight shaped like the output."""
@@ -68,6 +76,11 @@ def test_values_and_gradients(tiling, jit):
 @pytest.mark.parametrize("tiling", LONG_TILINGS)
 def test_rows_longer_than_a_warp(tiling):
     check_values_and_gradients(*make_data(seed=3, shape=LONG_SHAPE), LONG_TILINGS[tiling], jit=True)
+
+
+@pytest.mark.parametrize("tiling", CHUNKED_TILINGS)
+def test_causal_attention_in_row_chunks(tiling):
+    check_values_and_gradients(*make_data(seed=5, shape=CHUNKED_SHAPE), CHUNKED_TILINGS[tiling], jit=True)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -13,6 +13,8 @@
 // (nq, nk) block per head: matrix products over all heads of the batch row
 // (BLAS / cuBLAS), then a pass over the nh * nq rows of the blocks (row `row`
 // is query r = row % nq of head h = row / nq) with the row bodies below. The
+// CPU cuts a pair the causal mask cuts into chunks of query rows, each a pair
+// of its own with the keys it sees (cpu/attention.cc). The
 // CPU runs a row body on one thread, the GPU on a warp; `Lanes` says which
 // share of the row a thread takes: columns lane, lane + count, ..., and
 // lanes.max / lanes.sum combine a value over the lanes of the row (every lane

@@ -19,6 +19,11 @@ template <Device D>
 void gemm(GemmTypes types, bool trans_a, bool trans_b, int64_t batch, int64_t m, int64_t n, int64_t k, float alpha,
           const void* a, const void* b, float beta, void* c, float* scratch);
 
+// One row-major float32 product on the CPU through the BLAS the tile products use (oneMKL where loaded,
+// else OpenBLAS), with explicit leading dimensions: C = alpha op(A) op(B) + beta C.
+void cpu_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
 // Makes the CPU BLAS single-threaded: StarPU workers provide the parallelism.
 void gemm_single_threaded();
 // The name of the kernel family the CPU BLAS picked, e.g. "SkylakeX".
