@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jnntile import lora, tensorfile
+from jnntile import jsonfile, lora, tensorfile
 from jnntile.models import families
 from jnntile.tensor import Tensor
 
@@ -135,15 +135,9 @@ def remove_stale_temporaries(out_dir: str | os.PathLike) -> list[Path]:
 def read_state(path: str | os.PathLike) -> dict:
     """The record of state.json in checkpoint `path`; ValueError naming the file when it is damaged."""
     file = Path(path) / STATE_FILE
-    try:
-        record = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{file} not found: {path} is not a complete checkpoint") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} does not parse as JSON ({e}): the checkpoint is damaged; remove it (and "
-                         f"point {LATEST} at an older one) or start afresh") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{file} is not a JSON object: the checkpoint is damaged")
+    record = jsonfile.read_object(file, missing=f"{path} is not a complete checkpoint",
+                                  damaged=f"the checkpoint is damaged; remove it (and point {LATEST} at an older "
+                                          "one) or start afresh")
     for key, kind in (("step", int), ("config", dict)):
         if not isinstance(record.get(key), kind):
             raise ValueError(f"{file} lacks {key!r} (or it is not a{'n integer' if kind is int else ' JSON object'}): "

@@ -47,6 +47,8 @@ import numpy as np
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
+from jnntile import jsonfile
+
 END_OF_TEXT = "<|endoftext|>"
 # Token ids are stored as uint16, as nanoGPT's files, where the vocabulary allows; a pretrained tokenizer of
 # more than 65536 tokens (Llama 3, Qwen2) gets uint32 files, which meta.json's "dtype" names.
@@ -446,15 +448,8 @@ def _read_tokenizer(tokenizer_path: Path) -> Tokenizer:
 
 
 def _read_meta(meta_path: Path) -> dict:
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{meta_path} is not valid JSON ({error}); prepare the dataset again with "
-                         "`python -m jnntile.data`, or remove the file") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{meta_path} holds {type(meta).__name__}, not a JSON object; prepare the dataset again "
-                         "with `python -m jnntile.data`, or remove the file")
-    return meta
+    return jsonfile.read_object(meta_path, missing="it describes the token file beside it",
+                                damaged="prepare the dataset again with `python -m jnntile.data`, or remove the file")
 
 
 class TokenDataset:

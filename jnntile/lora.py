@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jnntile import nn, tensorfile
+from jnntile import jsonfile, nn, tensorfile
 from jnntile.models import families
 from jnntile.ops import data as data_ops
 
@@ -150,12 +150,8 @@ def save_peft(model, settings: LoRASettings, directory, base_model: str | None =
 def read_settings(directory) -> LoRASettings:
     """The LoRASettings of a PEFT directory's adapter_config.json; raises naming the file and what it lacks."""
     file = Path(directory) / ADAPTER_CONFIG
-    try:
-        config = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{file} not found: {directory} is not a PEFT adapter directory") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} does not parse as JSON ({e})") from None
+    config = jsonfile.read_object(file, missing=f"{directory} is not a PEFT adapter directory",
+                                  damaged="write the adapters again (--export-lora) or fix the file")
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{file}: peft_type is {config.get('peft_type')!r}; jnntile reads LoRA adapters")
     for key, what in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA")):

@@ -296,7 +296,7 @@ def test_ids_beyond_the_vocabulary_are_refused_naming_the_first_position(prepare
         data.TokenDataset(copy)
 
 
-@pytest.mark.parametrize("content, problem", [("{not json", "is not valid JSON"), ("[1, 2]", "not a JSON object"),
+@pytest.mark.parametrize("content, problem", [("{not json", "does not parse as JSON"), ("[1, 2]", "not an object"),
                                                ('{"vocab_size": "many"}', "not a positive integer"),
                                                ('{"vocab_size": true}', "not a positive integer")])
 def test_corrupt_meta_json_is_named(prepared, tmp_path, content, problem):

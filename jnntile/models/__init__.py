@@ -4,7 +4,6 @@ Face files, and a pure-JAX reference that only tests and benchmarks use as an or
 from __future__ import annotations
 
 import dataclasses
-import json
 import numbers
 from pathlib import Path
 from typing import Optional
@@ -15,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 import jnntile
-from jnntile import runtime
+from jnntile import jsonfile, runtime
 from jnntile.decoding import KVCache
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import loss as loss_ops
@@ -82,17 +81,10 @@ HF_CONFIG_FILE = "config.json"
 
 def read_hf_config(directory) -> dict:
     """The JSON object of a Hugging Face checkpoint's config.json, or an error naming what is wrong with it."""
-    path = Path(directory) / HF_CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a Hugging Face checkpoint directory holds {HF_CONFIG_FILE} and "
-                                "its safetensors weights")
-    try:
-        hf = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} does not parse as JSON ({e}): the checkpoint is damaged") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path} is not a JSON object: the checkpoint is damaged")
-    return hf
+    return jsonfile.read_object(Path(directory) / HF_CONFIG_FILE,
+                                missing=f"a Hugging Face checkpoint directory holds {HF_CONFIG_FILE} and its "
+                                        "safetensors weights",
+                                damaged="the checkpoint is damaged")
 
 
 def config_from_hf(directory, config_class, **tiles):
