@@ -225,7 +225,7 @@ def _spoil_token_ids(directory: Path) -> str:
 
 def _spoil_meta(directory: Path) -> str:
     (directory / "meta.json").write_text('{"vocab_size": 4096,')
-    return re.escape(str(directory / "meta.json")) + " is not valid JSON"
+    return re.escape(str(directory / "meta.json")) + " does not parse as JSON"
 
 
 @pytest.mark.parametrize("spoil", [_spoil_token_ids, _spoil_meta])
