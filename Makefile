@@ -42,11 +42,13 @@ train: $(STAMP)
 
 # When a test run dies (a crash in native code), its last lines are pytest's own frames: this prints the
 # crash's message and the frames of this project (the test that ran) at the end, where a CI log shows them.
+# --capture=sys: pytest captures Python's output only, so what native code writes (an assertion, StarPU's
+# messages) reaches the log even when the process dies before pytest could show a captured file.
 CRASH_SUMMARY = { if grep -q "Fatal Python error" $(1); then echo "--- the crash, this project's frames:"; \
 	grep -B8 -A80 -m1 "Fatal Python error" $(1) | grep -v "site-packages\|<frozen" | head -40; fi; exit 1; }
 
 test: $(STAMP)
-	set -o pipefail; $(PY) -m pytest -q tests 2>&1 | tee $(VENV)/test.log || $(call CRASH_SUMMARY,$(VENV)/test.log)
+	set -o pipefail; $(PY) -m pytest -q --capture=sys tests 2>&1 | tee $(VENV)/test.log || $(call CRASH_SUMMARY,$(VENV)/test.log)
 
 bench: $(STAMP)
 	$(PY) bench/gemm.py
@@ -103,7 +105,7 @@ $(CUDA_STAMP): $(CUDA_DIR)/starpu.stamp $(NATIVE_SOURCES) | cuda-python-deps
 # then bench/gpu.py: a log and one JSON report in $(GPU_OUT).
 test-gpu: cuda
 	mkdir -p $(GPU_OUT)
-	set -o pipefail; $(CUDA_PY) -m pytest -q -rs tests 2>&1 | tee $(GPU_OUT)/test-gpu.log \
+	set -o pipefail; $(CUDA_PY) -m pytest -q -rs --capture=sys tests 2>&1 | tee $(GPU_OUT)/test-gpu.log \
 	  || $(call CRASH_SUMMARY,$(GPU_OUT)/test-gpu.log)
 	set -o pipefail; $(CUDA_PY) bench/gpu.py --out $(GPU_OUT)/report.json 2>&1 | tee -a $(GPU_OUT)/test-gpu.log
 
