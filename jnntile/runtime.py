@@ -30,9 +30,9 @@ from jnntile import _xla_ffi  # noqa: E402
 
 MAX_CPU_WORKERS = _xla_ffi.max_cpu_workers()  # the StarPU in use: 4 for Debian's, 64 for `make cuda`'s
 HAS_CUDA = _xla_ffi.has_cuda()  # built against a StarPU with CUDA, with the CUDA kernels
-# With the CUDA build, StarPU owns the GPU: jnntile's token graph runs on JAX's CPU device, and XLA's
-# own GPU backend in the same process crashed an XLA GPU op on an H100 while StarPU's CUDA worker ran.
-# So JAX stays on the CPU unless the user chose its platforms (JAX_PLATFORMS or jax.config).
+# With the CUDA build, StarPU owns the GPU and jnntile's token graph runs on JAX's CPU device: XLA's GPU
+# backend would only add a second GPU context and memory pool beside StarPU's (an earlier H100 run saw an
+# XLA GPU op crash there). So JAX stays on the CPU unless the user chose (JAX_PLATFORMS or jax.config).
 if HAS_CUDA and "JAX_PLATFORMS" not in os.environ and not jax.config.jax_platforms:
     jax.config.update("jax_platforms", "cpu")
 MIN_SWAP_MB = 16  # StarPU's disk nodes must be at least this large (it aborts otherwise)
