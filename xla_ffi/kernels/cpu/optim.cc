@@ -6,8 +6,11 @@ template <>
 void adamw<Device::Cpu>(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m,
                         float* v, bfloat16* copy) {
   const float factor = clip.factor();
+  // A local copy: the step's fields, read through a reference, could alias the float tiles written in the
+  // loop, and reloading them each element kept the loop scalar (4.6 ns per element, the whole AdamW task).
+  const AdamwStep local = step;
   for (int64_t i = 0; i < n; ++i) {
-    step.apply(p[i], g[i] * factor, m[i], v[i]);
+    local.apply(p[i], g[i] * factor, m[i], v[i]);
     if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
   }
 }
