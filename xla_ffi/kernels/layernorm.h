@@ -12,9 +12,9 @@
 // stats: (rows, 2) float, per row (mean, rstd) with rstd = 1 / sqrt(var + eps).
 // x, y, dy and dx are tiles of `type` (float32 or bfloat16), loaded into float; w, b, their gradients and
 // stats are float32.
-// Row sums take the elements begin, begin + stride, ... below n of a row: the
-// CPU takes a whole row (0, n, 1), a GPU lane every 32nd element, and the lanes'
-// results merge like those of C tiles.
+// Row sums take the elements begin, begin + stride, ... below n of a row: a GPU
+// lane every 32nd element, and the lanes' results merge like those of C tiles.
+// The CPU sums a whole row in running sums of its own (cpu/layernorm.cc, lanes.h).
 #pragma once
 #include <math.h>
 

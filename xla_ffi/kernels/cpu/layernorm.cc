@@ -2,7 +2,35 @@
 
 #include <vector>
 
+#include "kernels/cpu/lanes.h"
+
 namespace jnntile {
+namespace {
+
+// A whole row's moments and gradient sums (layernorm.h's strided_* for the row), each sum in lanes: one
+// running sum per row waited on every addition (layer norm's partials were 2 ns per element).
+template <class T>
+layernorm::Moments row_moments(const T* x, int64_t n, bool centered) {
+  layernorm::Moments m;
+  if (n == 0) return m;
+  m.count = double(n);
+  m.mean = centered ? lane_sum(n, [&](int64_t j) { return double(to_float(x[j])); }) / m.count : 0.0;
+  m.m2 = lane_sum(n, [&](int64_t j) {
+    double d = to_float(x[j]) - m.mean;
+    return d * d;
+  });
+  return m;
+}
+
+template <class T>
+layernorm::GradSums row_grad_sums(const T* x, const T* dy, const float* w, float mean, float rstd, int64_t n) {
+  auto g = [&](int64_t j) { return to_float(dy[j]) * w[j]; };
+  return layernorm::GradSums{
+      lane_sum(n, [&](int64_t j) { return double(g(j)); }),
+      lane_sum(n, [&](int64_t j) { return double(g(j)) * layernorm::xhat(to_float(x[j]), mean, rstd); })};
+}
+
+}  // namespace
 
 template <>
 void layernorm_partial<Device::Cpu>(FloatType type, int64_t rows, int64_t n, bool centered, const void* x,
@@ -10,7 +38,7 @@ void layernorm_partial<Device::Cpu>(FloatType type, int64_t rows, int64_t n, boo
   visit_float(type, [&](auto t) {
     const auto* xt = static_cast<const decltype(t)*>(x);
     for (int64_t r = 0; r < rows; ++r) {
-      layernorm::Moments m = layernorm::strided_moments(xt + r * n, 0, n, 1, centered);
+      layernorm::Moments m = row_moments(xt + r * n, n, centered);
       partial[2 * r] = m.mean;
       partial[2 * r + 1] = m.m2;
     }
@@ -45,8 +73,7 @@ void layernorm_backward_partial<Device::Cpu>(FloatType type, int64_t rows, int64
     using T = decltype(t);
     const T *xt = static_cast<const T*>(x), *dyt = static_cast<const T*>(dy);
     for (int64_t r = 0; r < rows; ++r) {
-      layernorm::GradSums s =
-          layernorm::strided_grad_sums(xt + r * n, dyt + r * n, w, stats[2 * r], stats[2 * r + 1], 0, n, 1);
+      layernorm::GradSums s = row_grad_sums(xt + r * n, dyt + r * n, w, stats[2 * r], stats[2 * r + 1], n);
       partial[2 * r] = s.g;
       partial[2 * r + 1] = s.gx;
     }
