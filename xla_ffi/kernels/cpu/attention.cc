@@ -57,9 +57,10 @@ void key_gemm(const AttentionPair& p, float alpha, const float* s, const float* 
 // 64-row chunks 1026 ms, the smaller products being slower).
 constexpr int64_t kCausalChunk = 128;
 
-// Calls fn(chunk, r0) over batch row b of p cut into chunks of query rows: `chunk` is a pair of one batch row
-// (so row_index and the offsets of its rows are relative to row r0 of batch row b) whose keys are the prefix
-// its last row sees. A chunk that sees no key is skipped: a step leaves such rows as they were.
+// Cuts the query rows of one batch row of p into chunks and calls fn(chunk, r0) for each: `chunk` is a pair
+// of one batch row whose queries start at row r0 (its row_index and offsets are relative to that row) and
+// whose keys are the prefix its last row sees. A chunk that sees no key is skipped: a step leaves such rows
+// as they were.
 template <class Fn>
 void for_visible_chunks(const AttentionPair& p, Fn fn) {
   const int64_t rows_per_chunk = visible_keys(p, 0) < p.nk ? kCausalChunk : p.nq;
