@@ -58,8 +58,6 @@ void openblas_sgemm(int order, int op_a, int op_b, int m, int n, int k, float al
               c, ldc);
 }
 
-SgemmFn sgemm_in_use() { return mkl().sgemm != nullptr ? mkl().sgemm : openblas_sgemm; }
-
 bool mkl_bf16(GemmTypes types) {
   return types.a == FloatType::BF16 && types.b == FloatType::BF16 && mkl().bf16_gemm != nullptr;
 }
@@ -90,24 +88,24 @@ void gemm<Device::Cpu>(GemmTypes types, bool trans_a, bool trans_b, int64_t batc
   const void* b_in = bf16 ? b : as_f32(types.b, b, batch * k * n);
   if (c32 == nullptr) c32 = scratch;
   if (types.c == FloatType::BF16 && beta != 0.0f) convert<Device::Cpu>(batch * m * n, types.c, c, FloatType::F32, c32);
-  int order = CblasRowMajor, op_a = trans_a ? CblasTrans : CblasNoTrans, op_b = trans_b ? CblasTrans : CblasNoTrans;
   int lda = trans_a ? m : k, ldb = trans_b ? k : n;
-  SgemmFn sgemm = sgemm_in_use();
   for (int64_t i = 0; i < batch; ++i) {
     if (bf16)
-      mkl().bf16_gemm(order, op_a, op_b, m, n, k, alpha, static_cast<const uint16_t*>(a_in) + i * m * k, lda,
+      mkl().bf16_gemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n,
+                      k, alpha, static_cast<const uint16_t*>(a_in) + i * m * k, lda,
                       static_cast<const uint16_t*>(b_in) + i * k * n, ldb, beta, c32 + i * m * n, n);
     else
-      sgemm(order, op_a, op_b, m, n, k, alpha, static_cast<const float*>(a_in) + i * m * k, lda,
-            static_cast<const float*>(b_in) + i * k * n, ldb, beta, c32 + i * m * n, n);
+      cpu_sgemm(trans_a, trans_b, m, n, k, alpha, static_cast<const float*>(a_in) + i * m * k, lda,
+                static_cast<const float*>(b_in) + i * k * n, ldb, beta, c32 + i * m * n, n);
   }
   if (types.c == FloatType::BF16) convert<Device::Cpu>(batch * m * n, FloatType::F32, c32, types.c, c);
 }
 
 void cpu_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
                const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  sgemm_in_use()(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(m),
-                 int(n), int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
+  SgemmFn sgemm = mkl().sgemm != nullptr ? mkl().sgemm : openblas_sgemm;
+  sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(m), int(n),
+        int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
 }
 
 void gemm_single_threaded() {
