@@ -110,8 +110,8 @@ def measure_gemm_xla(p: dict) -> dict:
 
 
 def measure_gemm(p: dict, log, timeout_s: float, xla_env: dict) -> dict:
-    """Tile GEMM through StarPU and jnp.dot, each in a child of its own (XLA on the GPU beside StarPU's
-    CUDA worker crashes)."""
+    """Tile GEMM through StarPU and jnp.dot, each in a child of its own: jnntile keeps JAX off the GPU
+    StarPU owns, so XLA's product runs where JAX may take the GPU."""
     tiled = run_child("gemm_jnntile", p, timeout_s, log)
     xla = run_child("gemm_xla", p, timeout_s, log, env=xla_env)
     if "error" in tiled or "error" in xla:
@@ -184,8 +184,7 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     seconds = statistics.median(times)
     return {"config": p["model"], "batch": [B, T], "tiles": str(step.model.tiles),
             "runtime": jnntile.runtime.describe(), "settings": settings, "calibration_step_s": calibration_s,
-            "step_s": seconds,
-            "tokens_per_s": B * T / seconds, "workers": _worker_shares(before, after),
+            "step_s": seconds, "tokens_per_s": B * T / seconds, "workers": _worker_shares(before, after),
             "bytes_per_step": _bytes_per_step(before, after, p["steps"]), "peak_bytes": _peaks(after)}
 
 
@@ -246,7 +245,8 @@ def measure_capacity(p: dict) -> dict:
             "vs_plain_jax_h100": n_params / PLAIN_JAX_MAX_PARAMS_H100}
 
 
-CHILDREN = {"gemm_jnntile": measure_gemm_jnntile, "gemm_xla": measure_gemm_xla, "train_jnntile": measure_jnntile_training, "train_xla": measure_xla_training,
+CHILDREN = {"gemm_jnntile": measure_gemm_jnntile, "gemm_xla": measure_gemm_xla,
+            "train_jnntile": measure_jnntile_training, "train_xla": measure_xla_training,
             "limited": lambda p: measure_jnntile_training(p, gpu_memory_fraction=0.25), "capacity": measure_capacity}
 
 

@@ -102,7 +102,8 @@ struct AddArgs {
 // buffers: received partial sum, local tile (+=)
 template <Device D>
 void add_kernel(void** buffers, const AddArgs& a) {
-  accumulate<D>(FloatType::F32, FloatType::F32, a.n, 1.0f, false, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]));
+  accumulate<D>(FloatType::F32, FloatType::F32, a.n, 1.0f, false, tile_ptr<float>(buffers[0]),
+                tile_ptr<float>(buffers[1]));
 }
 
 // ids: the gradient tensors (every rank the same, in the same order);

@@ -28,7 +28,8 @@ void forward_kernel(void** buffers, const BiasArgs& a) {
 
 template <Device D>
 void dx_kernel(void** buffers, const BiasArgs& a) {
-  accumulate<D>(a.type, a.type, a.rows * a.n, 1.0f, a.overwrite, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]));
+  accumulate<D>(a.type, a.type, a.rows * a.n, 1.0f, a.overwrite, tile_ptr<void>(buffers[0]),
+                tile_ptr<void>(buffers[1]));
 }
 
 template <Device D>
@@ -93,8 +94,8 @@ void bias_backward_submit(const OpCall& call) {
     // Tiles of dy in row-major order: the chain on each db tile follows the leading axes.
     for (int64_t t = 0; t < dy.num_tiles(); ++t) {
       int64_t bt = bias_tile(dy, db, t), n = db.tile_numel(bt);
-      submit_task(db_cl, {{dy.tiles[t], STARPU_R}, {db.tiles[bt], STARPU_RW}}, BiasArgs{type, dy.tile_numel(t) / n, n, false},
-                  double(dy.tile_numel(t)));
+      submit_task(db_cl, {{dy.tiles[t], STARPU_R}, {db.tiles[bt], STARPU_RW}},
+                  BiasArgs{type, dy.tile_numel(t) / n, n, false}, double(dy.tile_numel(t)));
     }
   }
 }
