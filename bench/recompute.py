@@ -7,13 +7,19 @@ Each run is `python -m jnntile.train` in its own process (bench/beyond_ram.py's 
 after all its tasks, its swap bytes from jnntile.runtime.stats(), the process's peak RSS):
 
 a. GPT-2 XL's shape (1.48B parameters) under --limit-mb (default 1216: at XL's shape the process adds
-   about 750 MB to the limit, its compiled step and JAX, so 2 GiB of peak RSS) with disk swap and `--remat auto`, at batch 1 x 64 and 4 x 1024: bytes written to
-   and read from swap per parameter per step, beside the planner's prediction (`MemoryPlan.swap_traffic`);
+   about 750 MB to the limit, its compiled step and JAX, so 2 GiB of peak RSS) with disk swap and
+   `--remat auto`, at batch 1 x 64 and 4 x 1024: bytes written to and read from swap per parameter per
+   step, beside the planner's prediction (`MemoryPlan.swap_traffic`). At 1 x 64 with the update after the
+   backward (`--fused-update off`) and fused into it (`on`: speculative under the default clip of 1.0,
+   which clips these steps), at 4 x 1024 fused;
 b. GPT-2 large's shape (774M) at batch 4 x 1024 with `--remat block`: tokens/s under the limit with swap
    against the same run with no limit (it fits in RAM with recomputation);
 c. GPT-2 124M at batch 4 x 1024 in RAM: tokens/s with `--remat none` and `--remat block`;
 d. every run's peak RSS beside the planner's peak of the tiles StarPU holds (the process adds its fixed
-   overhead: Python, JAX, the compiled step, about 330 MB here).
+   overhead: Python, JAX, the compiled step, about 330 MB here);
+e. what the speculative update costs when the norm clips and when it does not: XL's shape at 1 x 64 as in
+   (a), with `--grad-clip 1e-6` (clips every step) and `--grad-clip 1e9` (never clips), and the update fused
+   without a clip (`--grad-clip 0`: in place, nothing speculative).
 
 The last step of each run is the one reported (the first compiles); the 4 x 1024 XL run takes one step,
 whose time includes compiling. `--quick` runs the same on models of a few MB (a smoke test).
@@ -45,7 +51,8 @@ def _batch(batch: int, seq: int) -> list[str]:
 def _measure(name, shape, *, steps, limit_mb, root, remat, vocab, timeout,
              ram_limit_mb=beyond_ram.NO_LIMIT_MB) -> dict:
     """One training run; its last step, peak RSS and the planner's peak and swap traffic for it. Without
-    `limit_mb` the run is in RAM, under `ram_limit_mb` and no swap."""
+    `limit_mb` the run is in RAM, under `ram_limit_mb` and no swap. `shape` may name the --grad-clip and
+    --fused-update of the run (the planner reads them too)."""
     argv_shape = [*shape, "--remat", remat]
     plan = beyond_ram._plan(argv_shape, limit_mb or ram_limit_mb, vocab)
     swap_mb = plan.swap_needed_mb(limit_mb) + 1024 if limit_mb else 0
@@ -57,9 +64,11 @@ def _measure(name, shape, *, steps, limit_mb, root, remat, vocab, timeout,
     if "error" in result:
         return dict(run=name, error=result["error"])
     last = result["steps"][-1]
-    predicted = plan.swap_traffic(limit_mb, clip=True) if limit_mb else (0, 0)
+    clip = "--grad-clip" not in shape or float(shape[shape.index("--grad-clip") + 1]) > 0
+    predicted = plan.swap_traffic(limit_mb, clip) if limit_mb else (0, 0)
     batch, seq = int(shape[shape.index("--batch-size") + 1]), int(shape[shape.index("--seq-len") + 1])
-    return dict(run=name, params=plan.n_params, remat=remat, limit_mb=limit_mb, step_s=last["seconds"],
+    return dict(run=name, params=plan.n_params, remat=remat, update=plan.update, limit_mb=limit_mb,
+                step_s=last["seconds"],
                 tokens_per_s=batch * seq / last["seconds"], written_mb=last["written_mb"], read_mb=last["read_mb"],
                 predicted_written_mb=predicted[0] / MB, predicted_read_mb=predicted[1] / MB,
                 peak_rss_mb=result["process_peak_rss_mb"], planned_peak_mb=plan.peak / MB,
@@ -71,15 +80,16 @@ def _print(rows, out) -> None:
         print(text, file=out)
 
     p()
-    p("| run | remat | limit MB | s/step | tokens/s | swap written / read MB (predicted) | bytes/param | "
+    p("| run | remat | update | limit MB | s/step | tokens/s | swap written / read MB (predicted) | bytes/param | "
       "peak RSS MB (planned peak) |")
-    p("|---|---|---|---|---|---|---|---|")
+    p("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             p(f"| {r['run']} | failed: {r['error'][:120]} |")
             continue
         moved = (r["written_mb"] + r["read_mb"]) * MB / r["params"]
-        p(f"| {r['run']} | {r['remat']} | {r['limit_mb'] or 'none'} | {r['step_s']:.1f} | {r['tokens_per_s']:.0f} | "
+        p(f"| {r['run']} | {r['remat']} | {r['update']} | {r['limit_mb'] or 'none'} | {r['step_s']:.1f} | "
+          f"{r['tokens_per_s']:.0f} | "
           f"{r['written_mb']:.0f} / {r['read_mb']:.0f} ({r['predicted_written_mb']:.0f} / "
           f"{r['predicted_read_mb']:.0f}) | {moved:.1f} | {r['peak_rss_mb']:.0f} ({r['planned_peak_mb']:.0f}) |")
     by_run = {r["run"]: r for r in rows if "error" not in r}
@@ -96,8 +106,8 @@ def main():
     parser.add_argument("--json", action="store_true", help="one JSON object per run on stdout")
     parser.add_argument("--limit-mb", type=int, default=1216, help="--memory-limit-mb of the limited runs")
     parser.add_argument("--swap-dir", default=tempfile.gettempdir())
-    parser.add_argument("--only", default="a,b,c",
-                        help="which measurements (a, b, c; d is in every row; b-ram: b's run in RAM alone)")
+    parser.add_argument("--only", default="a,b,c,e",
+                        help="which measurements (a, b, c, e; d is in every row; b-ram: b's run in RAM alone)")
     parser.add_argument("--ram-limit-mb", type=int, default=beyond_ram.NO_LIMIT_MB,
                         help="--memory-limit-mb of the runs in RAM (no swap: the step's tiles must fit)")
     parser.add_argument("--timeout-s", type=float, default=3600, help="per process")
@@ -109,9 +119,12 @@ def main():
     vocab = data.TokenDataset(data.ensure_default_dataset() / "train.bin").vocab_size
     q = args.quick
     runs = []  # (name, shape, steps, limit, remat)
+    xl_1x64 = [*(QUICK if q else XL), *_batch(1, 64)]
     if "a" in only:
-        runs += [("a XL 1x64", [*(QUICK if q else XL), *_batch(1, 64)], 2, limit, "auto"),
-                 ("a XL 4x1024", [*(QUICK if q else XL), *_batch(4, 128 if q else 1024)], 1, limit, "auto")]
+        runs += [("a XL 1x64", [*xl_1x64, "--fused-update", "off"], 2, limit, "auto"),
+                 ("a XL 1x64 fused", [*xl_1x64, "--fused-update", "on"], 2, limit, "auto"),
+                 ("a XL 4x1024", [*(QUICK if q else XL), *_batch(4, 128 if q else 1024), "--fused-update", "on"], 1,
+                  limit, "auto")]
     if "b" in only:
         shape = [*(QUICK if q else LARGE), *_batch(4, 128 if q else 1024)]
         runs += [("b large limited", shape, 2, limit, "block")]
@@ -121,6 +134,9 @@ def main():
     if "c" in only:
         shape = [*(QUICK if q else GPT2_124M), *_batch(4, 128 if q else 1024)]
         runs += [("c 124M", shape, 3, None, "none"), ("c 124M remat", shape, 3, None, "block")]
+    if "e" in only:
+        runs += [(f"e XL 1x64 fused, clip {clip}", [*xl_1x64, "--fused-update", "on", "--grad-clip", clip], 2, limit,
+                  "auto") for clip in ("1e-6", "1e9", "0")]
     root = Path(tempfile.mkdtemp(prefix="jnntile-bench-recompute-", dir=args.swap_dir))
     started, rows = time.perf_counter(), []
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from jnntile import runtime
+from jnntile import optim, runtime
 from jnntile.models import COMPUTE_DTYPES, REMAT_CHOICES, TILE_AXES
 
 # Flag -> RuntimeConfig field, for the flags that set one directly. --swap-size-mb and --swap-backend
@@ -64,6 +64,21 @@ def add_execution_flags(parser: argparse.ArgumentParser, training: bool = True) 
                         help="activation recomputation: block keeps only each transformer block's input for the "
                              "backward and recomputes the block there; auto lets the memory planner choose (default: "
                              "auto with --memory-limit-mb, else none)")
+
+
+def add_update_flags(parser: argparse.ArgumentParser) -> None:
+    """Gradient clipping and how the optimizer update meets the backward (a command that trains or plans it)."""
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="global norm (default: 1.0); 0 disables")
+    parser.add_argument("--fused-update", choices=optim.FUSED_UPDATE_CHOICES, default="auto",
+                        help="update each parameter of a recomputed block inside the backward, as soon as its "
+                             "gradient is final, so gradients never reach swap; with --grad-clip the update is "
+                             "speculative and committed once the norm is known, the new state beside the old until "
+                             "then. auto: on without clipping, with clipping only with --swap-dir (default: auto)")
+
+
+def update_mode(args) -> str:
+    """The `jnntile.optim.update_mode` the flags ask for: "after", "fused" or "speculative"."""
+    return optim.update_mode(args.grad_clip > 0, args.fused_update, bool(getattr(args, "swap_dir", None)))
 
 
 def add_finetune_flags(parser: argparse.ArgumentParser) -> None:

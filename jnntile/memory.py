@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from jnntile import flags, runtime
+from jnntile.optim import UPDATE_MODES
 from jnntile import tensor as tensor_mod
 from jnntile.models import TILE_AXES
 from jnntile.models import families
@@ -215,6 +216,7 @@ class MemoryPlan:
     frozen_parameters: int = 0  # bytes of the parameters nobody trains (no gradient, no optimizer state)
     finetune: object = None  # jnntile.lora.FineTune: what trains (None: everything)
     tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
+    update: str = "after"  # how the update meets the backward (jnntile.optim.UPDATE_MODES)
     step: _RecordedStep = dataclasses.field(default=None, repr=False)  # what the numbers come from
 
     @property
@@ -247,11 +249,13 @@ class MemoryPlan:
 
         return max(runtime.MIN_SWAP_MB, math.ceil(1.1 * host / MB))
 
-    def swap_traffic(self, memory_limit_mb: float, clip: bool = True) -> tuple[int, int]:
+    def swap_traffic(self, memory_limit_mb: float, clip: bool = True, update: str | None = None) -> tuple[int, int]:
         """(bytes written to swap, bytes read from it) in one training step under `memory_limit_mb`, in
-        steady state (`_swap_traffic`). `clip`: global-norm clipping, which keeps every gradient until the
-        norm is known; without it each update runs as its gradient is final and gradients die in RAM."""
-        return _swap_traffic(self.step, self.optimizer, int(memory_limit_mb * MB), clip, self.grad_accum_steps)
+        steady state (`_swap_traffic`), with or without global-norm `clip`ping and the `update` mode
+        (default: the plan's; a speculative update clips, a fused one does not)."""
+        update = update or self.update
+        return _swap_traffic(self.step, self.optimizer, int(memory_limit_mb * MB), update,
+                             clip and update != "fused", self.grad_accum_steps)
 
     def _task_reason(self, memory_limit_mb: float) -> str | None:
         """Why the tasks running at once do not fit in RAM, or None when they do."""
@@ -341,7 +345,8 @@ class MemoryPlan:
         target = self.task_bytes_target(memory_limit_mb, gpu_mb)
         tiles = dataclasses.asdict(self.tiles)
         while True:
-            size = _largest_task(self.config, self.batch_size, self.seq_len, tiles, self.optimizer, self.finetune)[0]
+            size = _largest_task(self.config, self.batch_size, self.seq_len, tiles, self.optimizer, self.finetune,
+                                 self.update)[0]
             if size <= target:
                 return tiles
             best = None
@@ -350,7 +355,7 @@ class MemoryPlan:
                     continue
                 trial = dict(tiles, **{axis: tiles[axis] // 2})
                 trial_size = _largest_task(self.config, self.batch_size, self.seq_len, trial, self.optimizer,
-                                           self.finetune)[0]
+                                           self.finetune, self.update)[0]
                 if trial_size < size and (best is None or trial_size < best[1]):
                     best = (axis, trial_size)
             if best is None:
@@ -397,36 +402,70 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _largest_task(config, batch_size, seq_len, tiles: dict, optimizer: str, finetune=None):
-    return _largest_task_of_tiles(config, batch_size, seq_len, tuple(sorted(tiles.items())), optimizer, finetune)
+def _largest_task(config, batch_size, seq_len, tiles: dict, optimizer: str, finetune=None, update="after"):
+    return _largest_task_of_tiles(config, batch_size, seq_len, tuple(sorted(tiles.items())), optimizer, finetune,
+                                  update)
 
 
 @functools.lru_cache(maxsize=256)  # the search of smaller_tiles tries the same tiles again
-def _largest_task_of_tiles(config, batch_size, seq_len, tiles: tuple, optimizer: str, finetune=None):
-    return _largest_of(_trace_step(config, batch_size, seq_len, Tiles(**dict(tiles)), finetune), optimizer)
+def _largest_task_of_tiles(config, batch_size, seq_len, tiles: tuple, optimizer: str, finetune=None,
+                           update="after"):
+    return _largest_of(_trace_step(config, batch_size, seq_len, Tiles(**dict(tiles)), finetune), optimizer, update)
 
 
-def _largest_of(step: _RecordedStep, optimizer: str):
+def _largest_of(step: _RecordedStep, optimizer: str, update: str = "after"):
     tasks = [task for op in step.ops for task in op.tasks]
     n_state = OPTIMIZER_STATES[optimizer]
+    fused = _fused_at(step) if update == "speculative" else {}
+    apart = {p.name for params in fused.values() for p in params}
     for p in step.params:  # optimizer update: parameter, gradient, states and compute copy, one tile each
         copy = step.copies[p.name].tile_bytes if p.name in step.copies else 0
-        tasks.append(((2 + n_state) * p.tile_bytes + copy, f"{optimizer} update of a {p.name} tile {_tile_str(p)}"))
+        tiles = 2 + n_state + (1 + n_state if p.name in apart else 0)  # a speculative one writes p and states apart
+        tasks.append((tiles * p.tile_bytes + copy, f"{optimizer} update of a {p.name} tile {_tile_str(p)}"))
     return max(tasks, key=lambda t: t[0])
+
+
+def _fused_at(step: _RecordedStep) -> dict:
+    """The parameters a fused update updates inside the backward (jnntile.grad's `on_final`): backward op
+    index -> the parameters whose gradient is final once the backward reached it. A parameter qualifies when
+    only ops of recomputed regions read it (itself or its compute copy); its gradient is final when the
+    backward is done with the first region that reads it."""
+    region_of = {}
+    for end, op in enumerate(step.ops):
+        if op.region_output is not None:
+            for index in range(op.region_start, end + 1):
+                region_of[index] = op.region_start
+    first_region, outside = {}, set()
+    for index, op in enumerate(step.ops):
+        for t in map(step.gradient_owner, op.inputs):
+            if t.kind != "param":
+                continue
+            if index not in region_of:
+                outside.add(t.name)
+            else:
+                first_region.setdefault(t.name, region_of[index])
+    fused = collections.defaultdict(list)
+    for p in step.params:
+        if p.name in first_region and p.name not in outside:
+            fused[first_region[p.name]].append(p)
+    return fused
 
 
 def _tile_str(t: _T) -> str:
     return "(" + ", ".join(str(min(a, n)) for a, n in zip(t.tile, t.shape)) + ")"
 
 
-def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
+def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False, update: str = "after"):
     """Walks the step's timeline; returns (activations, activation-gradient peak, peak, phase).
 
     `accumulating`: a micro-batch after the first of a step, whose parameter
     gradients hold the earlier micro-batches' sum from the start (the first
-    starts them lazily, as a step without accumulation does).
+    starts them lazily, as a step without accumulation does). `update`: a fused
+    update frees the gradients of the parameters it updates in the backward; a
+    speculative one also holds their next values and states until the step ends.
     """
     n_state = OPTIMIZER_STATES[optimizer]
+    fused = _fused_at(step) if update != "after" else {}
     params = sum(p.nbytes for p in step.params)
     base = (params * (1 + n_state + accumulating) + sum(t.nbytes for t in step.inputs)
             + sum(t.nbytes for t in step.copies.values()) + sum(t.nbytes for t in step.frozen))
@@ -476,6 +515,10 @@ def _simulate(step: _RecordedStep, optimizer: str, accumulating: bool = False):
                 live -= t.nbytes
                 if t.kind == "act":
                     act_grad_live -= t.nbytes
+        for p in fused.get(index, []):  # updated here: the gradient dies, a speculative update's values wait
+            live -= p.nbytes
+            if update == "speculative":
+                live += p.nbytes * (1 + n_state) + (step.copies[p.name].nbytes if p.name in step.copies else 0)
     for p in step.params:  # parameters nobody differentiated still get a zero gradient
         if p.name not in grads:
             live += p.nbytes
@@ -492,18 +535,20 @@ def _chunks(t: _T) -> list:
     return [((t.name, i), t.nbytes // n) for i in range(n)]
 
 
-def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_steps: int) -> list:
+def _step_accesses(step: _RecordedStep, optimizer: str, mode: str, clip: bool, grad_accum_steps: int) -> list:
     """The tile accesses of one training step, in the order the runtime submits them: (tile, bytes, reads,
     writes) for a use, (tile, 0, False, False) when the tile dies. Forward: each op reads its inputs and
     writes its outputs and residuals; a recomputed region's intermediates die at its end. Backward, in
     reverse: a recomputed region runs its forward again first, then each op reads its inputs, residuals and
     its outputs' gradients, adds into its inputs' gradients, and its outputs, residuals and their gradients
-    die. The optimizer reads a parameter, its gradient and state and writes them back; without clipping it
-    runs as soon as the gradient is final (after the backward of the parameter's first reader) and the
-    gradient dies there; with clipping the global norm reads every gradient first and the updates follow the
-    backward. A model in bfloat16 converts each weight into its compute copy once (the update writes the
-    copy with the parameter): the convert reads and writes nothing in a step, and the products that read
-    the copy add into the parameter's gradient."""
+    die. The optimizer reads a parameter, its gradient and state and writes them back after the backward,
+    after the global norm read every gradient when it `clip`s. A fused update (`mode`, one of
+    jnntile.optim.UPDATE_MODES) updates the parameters of recomputed regions inside the backward, once their
+    gradient is final (`_fused_at`), and the gradient dies there; a speculative one reads the parameter and its states there
+    and writes the next ones apart, and after the backward (the norm not clipping) the old ones die and the
+    new ones take their place (`_RENAME`). A model in bfloat16 converts each weight into its compute copy
+    once (the update writes the copy with the parameter): the convert reads and writes nothing in a step,
+    and the products that read the copy add into the parameter's gradient."""
     accesses = []
     state = {p.name: [dataclasses.replace(p, name=f"{p.name} {kind}", kind="state")
                       for kind in ("moment 1", "moment 2")[:OPTIMIZER_STATES[optimizer]]] for p in step.params}
@@ -529,6 +574,24 @@ def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_s
             use(step.copies[p.name], reads=False, writes=True)
         free(grad.pop(p.name))
 
+    def kept(p: _T) -> list:  # what a speculative update writes apart: the parameter, its states and copy
+        return [p, *state[p.name], *([step.copies[p.name]] if p.name in step.copies else [])]
+
+    def update_apart(p: _T) -> None:
+        use(grad_of(p))
+        for t in kept(p):
+            if t.kind != "copy":
+                use(t)
+            use(dataclasses.replace(t, name=f"{t.name} next"), reads=False, writes=True)
+        free(grad.pop(p.name))
+
+    def commit(p: _T) -> None:
+        for t in kept(p):
+            free(t)
+            after = dataclasses.replace(t, name=f"{t.name} next")
+            accesses.extend((next_key, _RENAME, key, False) for (key, _), (next_key, _) in zip(_chunks(t),
+                                                                                               _chunks(after)))
+
     def makes_copy(op: _Op) -> bool:
         return any(t.kind == "copy" for t in op.outputs)
 
@@ -541,17 +604,10 @@ def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_s
             for t in op.outputs + op.residuals:
                 use(t, reads=False, writes=True)
 
-    first_reader = {}  # parameter name -> index of the first op that reads it
-    for index, op in enumerate(step.ops):
-        for t in op.inputs:
-            if t.kind == "param":
-                first_reader.setdefault(t.name, index)
-    final_after = collections.defaultdict(list)
-    for p in step.params:
-        final_after[first_reader.get(p.name, 0)].append(p)
-
+    fused_at = _fused_at(step) if mode != "after" else {}
+    in_backward = {p.name for params in fused_at.values() for p in params}
     for micro_batch in range(grad_accum_steps):
-        fused = not clip and micro_batch == grad_accum_steps - 1
+        last = micro_batch == grad_accum_steps - 1
         for index, op in enumerate(step.ops):
             forward([op])
             if op.region_output is not None:
@@ -577,39 +633,60 @@ def _step_accesses(step: _RecordedStep, optimizer: str, clip: bool, grad_accum_s
                     free(t)
                 if t.name in grad:
                     free(grad.pop(t.name))
-            if fused:
-                for p in final_after[index]:
-                    update(p)
-    if not fused:
-        if clip:
-            for p in step.params:
-                use(grad_of(p))
+            for p in fused_at.get(index, []) if last else []:
+                (update_apart if mode == "speculative" else update)(p)
+    after = [p for p in step.params if p.name not in in_backward]
+    if clip:
+        for p in after:
+            use(grad_of(p))
+    for p in after:
+        update(p)
+    if mode == "speculative":
         for p in step.params:
-            update(p)
+            if p.name in in_backward:
+                commit(p)
     return accesses
 
 
-def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, clip: bool,
+_RENAME = -1  # the bytes of an access that renames a tile: (old key, _RENAME, new key, False)
+
+
+def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, update: str, clip: bool,
                   grad_accum_steps: int = 1) -> tuple[int, int]:
     """(bytes written to swap, bytes read from it) by a training step in steady state with `capacity` bytes
     of RAM (the second of three, so that the first's cold start and the last's missing future do not count): the step's tile accesses (`_step_accesses`) replayed through RAM as a cache of the swap
     that evicts the tile used again the furthest in the future (Belady's choice; a dead tile first). A tile
     evicted while dirty and used again is written to swap; one read while not in RAM is read back; one
     written whole (a new output) needs no read. StarPU evicts the least recently used tile instead, which
-    this can only beat: the prediction is the traffic of the best order of evictions for that RAM.
+    this can only beat: the prediction is the traffic of the best order of evictions for that RAM. A tile
+    renamed (a speculative update's result becoming the parameter) keeps its place, state and future.
     """
-    one_step = _step_accesses(step, optimizer, clip, grad_accum_steps)
+    one_step = _step_accesses(step, optimizer, update, clip, grad_accum_steps)
     accesses = one_step * 3
     never = len(accesses)
     next_use, seen = [never] * len(accesses), {}
     for i in reversed(range(len(accesses))):
         key, nbytes = accesses[i][:2]
+        if nbytes == _RENAME:  # before it, the tile is called `key`; its future is the new name's
+            new_key = accesses[i][2]
+            seen[key], seen[new_key] = seen.get(new_key, never), never
+            continue
         next_use[i] = seen.get(key, never) if nbytes else never
         seen[key] = i if nbytes else never  # a dead tile's next life is a new tile
     resident, dirty, on_disk, heap = {}, set(), set(), []  # resident: tile -> (bytes, index of its next use)
     used = written = read = 0
     for i, (key, nbytes, reads, writes) in enumerate(accesses):
         counted = len(one_step) <= i < 2 * len(one_step)
+        if nbytes == _RENAME:
+            new_key = reads
+            for where in (dirty, on_disk):
+                if key in where:
+                    where.discard(key)
+                    where.add(new_key)
+            if key in resident:
+                resident[new_key] = resident.pop(key)
+                heapq.heappush(heap, (-resident[new_key][1], new_key))
+            continue
         if not nbytes:  # the tile dies: nothing to write or read
             used -= resident.pop(key, (0, 0))[0]
             dirty.discard(key)
@@ -639,7 +716,7 @@ def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, clip: bool
 
 
 def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None,
-         grad_accum_steps: int = 1, finetune=None) -> MemoryPlan:
+         grad_accum_steps: int = 1, finetune=None, update: str = "after") -> MemoryPlan:
     """The memory plan of one training step of `config`'s model (its family's) on (batch_size, seq_len) tokens.
 
     Tile sizes are the config's (or the automatic ones), as `resolve_tiles`
@@ -647,7 +724,8 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
     > 1 a step is that many micro-batches of (batch_size, seq_len): the plan is
     the one of a micro-batch that adds to gradients already there (the state
     is the same, activations are one micro-batch's). `finetune` (jnntile.lora.FineTune) says what trains:
-    frozen parameters count once, without gradient or optimizer state.
+    frozen parameters count once, without gradient or optimizer state. `update` is how the optimizer update
+    meets the backward (jnntile.optim.UPDATE_MODES).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
@@ -657,25 +735,28 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
         workers = runtime.config().workers
     tiles = resolve_tiles(config, batch_size, seq_len)
     return _plan_of(_trace_step(config, batch_size, seq_len, tiles, finetune), optimizer, workers, grad_accum_steps,
-                    batch_size=batch_size, seq_len=seq_len, tiles=tiles, config=config, finetune=finetune)
+                    update, batch_size=batch_size, seq_len=seq_len, tiles=tiles, config=config, finetune=finetune)
 
 
 def plan_model(build_model, loss, optimizer: str = "adamw", workers: int | None = None,
-               grad_accum_steps: int = 1) -> MemoryPlan:
+               grad_accum_steps: int = 1, update: str = "after") -> MemoryPlan:
     """The memory plan of one training step of any model built from jnntile's modules (see `record_step`):
     `build_model()` makes it, `loss(model)` runs its forward to the loss."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
     workers = runtime.config().workers if workers is None else workers
-    return _plan_of(record_step(build_model, loss), optimizer, workers, grad_accum_steps)
+    return _plan_of(record_step(build_model, loss), optimizer, workers, grad_accum_steps, update)
 
 
-def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps: int, **shape) -> MemoryPlan:
+def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps: int, update: str,
+             **shape) -> MemoryPlan:
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps={grad_accum_steps} must be at least 1")
+    if update not in UPDATE_MODES:
+        raise ValueError(f"update={update!r}: use one of {', '.join(UPDATE_MODES)}")
     params = sum(p.nbytes for p in step.params)
-    activations, act_grads, peak, phase = _simulate(step, optimizer, accumulating=grad_accum_steps > 1)
-    largest, largest_name = _largest_of(step, optimizer)
+    activations, act_grads, peak, phase = _simulate(step, optimizer, grad_accum_steps > 1, update)
+    largest, largest_name = _largest_of(step, optimizer, update)
     return MemoryPlan(
         optimizer=optimizer, workers=workers, n_params=params // F32, parameters=params, gradients=params,
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
@@ -683,11 +764,11 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
         frozen_parameters=sum(t.nbytes for t in step.frozen),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
         largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, step=step,
-        **shape)
+        update=update, **shape)
 
 
 def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, optimizer: str = "adamw",
-                 workers: int | None = None, finetune=None):
+                 workers: int | None = None, finetune=None, update: str = "after"):
     """`config` with remat="auto" resolved. "none" when the step fits the memory limit without recomputation;
     else "block" with the fewest blocks recomputed (`remat_blocks`) that make it fit; when even all of them do
     not, all blocks or none, whichever the planner predicts to move fewer bytes to and from swap
@@ -700,7 +781,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
     @functools.cache  # each plan records the whole model
     def plan_with(blocks: int) -> MemoryPlan:
         chosen = dataclasses.replace(config, remat="block" if blocks else "none", remat_blocks=blocks or None)
-        return plan(chosen, batch_size, seq_len, optimizer, workers, finetune=finetune)
+        return plan(chosen, batch_size, seq_len, optimizer, workers, finetune=finetune, update=update)
 
     def peak_with(blocks: int) -> int:
         return plan_with(blocks).peak
@@ -736,7 +817,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
 
 
 def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,
-              optimizer: str = "adamw", workers: int | None = None, finetune=None):
+              optimizer: str = "adamw", workers: int | None = None, finetune=None, update: str = "after"):
     """`config` with its automatic tile sizes shrunk where the largest tasks would not fit the limits.
 
     Returns (config, note). The note says which tiles were chosen and why, and
@@ -745,7 +826,7 @@ def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu
     task fit, the config comes back as it was and `plan(...).check` refuses it
     with a suggestion.
     """
-    memory_plan = plan(config, batch_size, seq_len, optimizer, workers, finetune=finetune)
+    memory_plan = plan(config, batch_size, seq_len, optimizer, workers, finetune=finetune, update=update)
     problem = memory_plan.task_fit_problem(memory_limit_mb, gpu_mb)
     if problem is None:
         return config, ""
@@ -777,6 +858,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_finetune_flags(parser)
     flags.add_runtime_flags(parser)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    flags.add_update_flags(parser)
 
 
 def config_from_args(args):
@@ -797,10 +879,11 @@ def plan_from_args(args) -> MemoryPlan:
     optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
     limit, _, gpu = limits_from_args(args)
     finetune = flags.finetune_settings(args) if hasattr(args, "lora_rank") else None
-    config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers, finetune)
-    config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers, finetune)
+    update = flags.update_mode(args) if hasattr(args, "fused_update") else "after"
+    config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers, finetune, update)
+    config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers, finetune, update)
     memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, getattr(args, "grad_accum_steps", 1),
-                       finetune)
+                       finetune, update)
     memory_plan.tiles_note = "\n".join(n for n in (note, remat_note) if n)
     return memory_plan
 
@@ -851,9 +934,12 @@ def main(argv=None) -> int:
     verdict = memory_plan.verdict(limit, swap_mb, gpu_mb)
     print(f"{gpu}memory limit {limit} MB{swap}: {verdict}")
     if verdict.startswith("needs"):
-        clipped, unclipped = (memory_plan.swap_traffic(limit, clip) for clip in (True, False))
-        print(f"swap traffic per step, predicted: {clipped[0] / MB:,.0f} MB written and {clipped[1] / MB:,.0f} MB "
-              f"read with gradient clipping, {unclipped[0] / MB:,.0f} and {unclipped[1] / MB:,.0f} MB without")
+        written, read = memory_plan.swap_traffic(limit, args.grad_clip > 0)
+        how = {"after": "the update after the backward", "fused": "the update fused into the backward",
+               "speculative": "the update fused into the backward, speculative until the norm is known "
+                              "(when it does not clip)"}[memory_plan.update]
+        print(f"swap traffic per step, predicted: {written / MB:,.0f} MB written and {read / MB:,.0f} MB read, "
+              f"with {how}")
     backend = args.swap_backend or runtime.config().swap_backend
     if verdict.startswith("needs") and backend == "unistd":
         print(f"swap backend unistd: the kernel's page cache may also hold up to "

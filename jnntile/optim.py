@@ -21,8 +21,10 @@ would otherwise update its copy of the parameters with its own gradients).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -131,28 +133,16 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
         return AdamWState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params, is_leaf=_is_tensor),
                           nu=jax.tree.map(zeros, params, is_leaf=_is_tensor))
 
+    rule = _AdamW(learning_rate, b1, b2, eps, weight_decay, mask)
+
     def update(grads, state, params=None):
         grad_leaves, param_leaves = _check(grads, params, "adamw")
         _require_summed(grad_leaves, "adamw")
-        decay = _leaves(mask(params)) if mask is not None else [True] * len(param_leaves)
-        lr = _learning_rate(learning_rate, state.count)
-        step = state.count + 1
-        tokens = []
-        for g, p, m, v, d in zip(grad_leaves, param_leaves, _leaves(state.mu), _leaves(state.nu), decay):
-            clip_handles, clip_tokens, max_norm = _clip_operands(g)
-            copy_handles, copy_attrs = _copy_operands(p)
-            token = call("adamw", [p.handle, _grad_values(g), m.handle, v.handle] + copy_handles + clip_handles,
-                         [g.token, p.token, m.token, v.token] + clip_tokens, inputs=[lr, step.astype(jnp.int32)],
-                         b1=b1, b2=b2, eps=eps, weight_decay=weight_decay if d else 0.0, max_norm=max_norm,
-                         **copy_attrs)
-            tokens.append(_consume(g, token))
-        tokens_iter = iter(tokens)
-        mu = jax.tree.map(lambda m: m.with_token(next(tokens_iter)), state.mu, is_leaf=_is_tensor)
-        tokens_iter = iter(tokens)
-        nu = jax.tree.map(lambda v: v.with_token(next(tokens_iter)), state.nu, is_leaf=_is_tensor)
-        return _updates_like(params, tokens), AdamWState(count=step, mu=mu, nu=nu)
+        step = rule.start(state, params)
+        tokens = [_consume(g, rule.update_leaf(step, i, g)) for i, g in enumerate(grad_leaves)]
+        return _updates_like(params, tokens), rule.state_after(step, state, tokens)
 
-    return optax.GradientTransformation(init, update)
+    return _declared(optax.GradientTransformation(init, update), rule)
 
 
 def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
@@ -161,20 +151,16 @@ def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
     def init(params):
         return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
 
+    rule = _Sgd(learning_rate)
+
     def update(grads, state, params=None):
         grad_leaves, param_leaves = _check(grads, params, "sgd")
         _require_summed(grad_leaves, "sgd")
-        lr = _learning_rate(learning_rate, state.count)
-        tokens = []
-        for g, p in zip(grad_leaves, param_leaves):
-            clip_handles, clip_tokens, max_norm = _clip_operands(g)
-            copy_handles, copy_attrs = _copy_operands(p)
-            tokens.append(_consume(g, call("sgd", [p.handle, _grad_values(g)] + copy_handles + clip_handles,
-                                           [g.token, p.token] + clip_tokens, inputs=[lr], max_norm=max_norm,
-                                           **copy_attrs)))
-        return _updates_like(params, tokens), optax.ScaleByScheduleState(count=state.count + 1)
+        step = rule.start(state, params)
+        tokens = [_consume(g, rule.update_leaf(step, i, g)) for i, g in enumerate(grad_leaves)]
+        return _updates_like(params, tokens), rule.state_after(step, state, tokens)
 
-    return optax.GradientTransformation(init, update)
+    return _declared(optax.GradientTransformation(init, update), rule)
 
 
 def global_norm(grads) -> Tensor:
@@ -208,7 +194,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
                                is_leaf=_is_tensor)
         return clipped, state
 
-    return optax.GradientTransformation(init, update)
+    return _declared(optax.GradientTransformation(init, update), _Clip(float(max_norm)))
 
 
 # Distinct per traced allreduce and the same on every rank, which traces the same program: the
@@ -250,4 +236,256 @@ def allreduce_sum(ownership: distributed.DataParallel = distributed.DEFAULT_OWNE
     return optax.GradientTransformation(init, update)
 
 
-__all__ = ["AdamWState", "Gradient", "adamw", "allreduce_sum", "clip_by_global_norm", "global_norm", "sgd"]
+# ---- the update fused into the backward ------------------------------------------------------------------
+#
+# jnntile.value_and_grad(on_final=...) hands each parameter over as soon as its gradient is final (the
+# last recomputed block that reads it was differentiated), while the backward of the earlier blocks goes
+# on. `FusedUpdate` updates it there, so the gradient is read while in RAM and dropped: it never reaches
+# swap. Without a clip that is the update itself, in place. With clip_by_global_norm the scale is unknown
+# until every gradient is done, so the update is speculative: written apart, unclipped, into shadow tensors
+# (the parameter and its moments stay as they were), with the gradient's partial norm beside it. Once the
+# norm is known, each shadow becomes its tensor's state by exchanging tiles (no data moves); when the norm
+# clips, the clipped step replaces the speculative one first, from the moments before and after it
+# (AdamwStep::rescale in xla_ffi/kernels/optim.h; exact up to rounding). Clipping then costs a read of the
+# old parameter and both moments' states and a write of the new ones; not clipping costs nothing more.
+
+_RULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # update function -> what it does
+
+
+def _declared(tx: optax.GradientTransformation, rule) -> optax.GradientTransformation:
+    _RULES[tx.update] = rule
+    return tx
+
+
+_shadows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _shadow(handle: tensor_mod._Handle) -> tensor_mod._Handle:
+    """The tensor a speculative update writes `handle`'s next value to (created once, with a compute copy
+    where `handle` has one); it holds nothing between steps."""
+    shadow = _shadows.get(handle)
+    if shadow is None:
+        shadow = _shadows[handle] = tensor_mod.new_handle(handle.shape, handle.dtype, handle.tile_shape)
+        if handle.copy is not None:
+            tensor_mod.compute_copy_handle(shadow, handle.copy.dtype)
+    return shadow
+
+
+def _with_copies(handles: list, *tensors) -> tuple[list, dict]:
+    """`handles` then the compute copies of `tensors` (all or none have one): operands of an apart update
+    or a commit."""
+    copies = [t.copy for t in tensors]
+    if copies[0] is None:
+        return handles, {}
+    return handles + copies, {"copy": True}
+
+
+@dataclasses.dataclass
+class _Step:
+    """What one step's update of the parameters needs, per leaf in `params`' order."""
+
+    params: list
+    lr: jax.Array
+    count: jax.Array  # 1-based
+    decay: list
+    moments: list  # per leaf: (m, v) Tensors, or () for SGD
+
+
+@dataclasses.dataclass(frozen=True)
+class _AdamW:
+    learning_rate: Any
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    mask: Any
+
+    def start(self, state: AdamWState, params) -> _Step:
+        param_leaves = _leaves(params)
+        decay = _leaves(self.mask(params)) if self.mask is not None else [True] * len(param_leaves)
+        count = (state.count + 1).astype(jnp.int32)
+        return _Step(param_leaves, _learning_rate(self.learning_rate, state.count), count, decay,
+                     list(zip(_leaves(state.mu), _leaves(state.nu))))
+
+    def _attrs(self, step: _Step, i: int) -> dict:
+        return dict(inputs=[step.lr, step.count], b1=self.b1, b2=self.b2, eps=self.eps,
+                    weight_decay=self.weight_decay if step.decay[i] else 0.0)
+
+    def update_leaf(self, step: _Step, i: int, g: Tensor):
+        """In place; `g` may carry a clip, applied as the update reads it."""
+        p, (m, v) = step.params[i], step.moments[i]
+        clip_handles, clip_tokens, max_norm = _clip_operands(g)
+        copy_handles, copy_attrs = _copy_operands(p)
+        return call("adamw", [p.handle, _grad_values(g), m.handle, v.handle] + copy_handles + clip_handles,
+                    [g.token, p.token, m.token, v.token] + clip_tokens, max_norm=max_norm, **copy_attrs,
+                    **self._attrs(step, i))
+
+    def update_apart(self, step: _Step, i: int, g: Tensor):
+        p, (m, v) = step.params[i], step.moments[i]
+        shadows = [_shadow(t.handle) for t in (p, m, v)]
+        handles, copy_attrs = _with_copies([p.handle, _grad_values(g), m.handle, v.handle] + shadows, shadows[0])
+        return call("adamw_apart", handles, [g.token, p.token, m.token, v.token], writes=handles[4:],
+                    **copy_attrs, **self._attrs(step, i))
+
+    def commit(self, step: _Step, i: int, clip: tensor_mod.Clip, token):
+        p, (m, v) = step.params[i], step.moments[i]
+        shadows = [_shadow(t.handle) for t in (p, m, v)]
+        handles, copy_attrs = _with_copies([clip.norm.handle, p.handle, m.handle, v.handle] + shadows, p.handle,
+                                           shadows[0])
+        token = call("adamw_commit", handles, [clip.norm.token, token], max_norm=clip.max_norm, **copy_attrs,
+                     **self._attrs(step, i))
+        for shadow in shadows:
+            LEDGER.dropped(shadow)
+        return token
+
+    def state_after(self, step: _Step, state: AdamWState, tokens) -> AdamWState:
+        return AdamWState(count=step.count, mu=_with_tokens(state.mu, tokens), nu=_with_tokens(state.nu, tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sgd:
+    learning_rate: Any
+
+    def start(self, state, params) -> _Step:
+        param_leaves = _leaves(params)
+        return _Step(param_leaves, _learning_rate(self.learning_rate, state.count), state.count + 1,
+                     [False] * len(param_leaves), [()] * len(param_leaves))
+
+    def update_leaf(self, step: _Step, i: int, g: Tensor):
+        p = step.params[i]
+        clip_handles, clip_tokens, max_norm = _clip_operands(g)
+        copy_handles, copy_attrs = _copy_operands(p)
+        return call("sgd", [p.handle, _grad_values(g)] + copy_handles + clip_handles, [g.token, p.token] + clip_tokens,
+                    inputs=[step.lr], max_norm=max_norm, **copy_attrs)
+
+    def update_apart(self, step: _Step, i: int, g: Tensor):
+        p = step.params[i]
+        shadow = _shadow(p.handle)
+        handles, copy_attrs = _with_copies([p.handle, _grad_values(g), shadow], shadow)
+        return call("sgd_apart", handles, [g.token, p.token], inputs=[step.lr], writes=handles[2:], **copy_attrs)
+
+    def commit(self, step: _Step, i: int, clip: tensor_mod.Clip, token):
+        p = step.params[i]
+        shadow = _shadow(p.handle)
+        handles, copy_attrs = _with_copies([clip.norm.handle, p.handle, shadow], p.handle, shadow)
+        token = call("sgd_commit", handles, [clip.norm.token, token], max_norm=clip.max_norm, **copy_attrs)
+        LEDGER.dropped(shadow)
+        return token
+
+    def state_after(self, step: _Step, state, tokens):
+        return optax.ScaleByScheduleState(count=step.count)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Clip:
+    max_norm: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    clip: _Clip | None
+    main: _AdamW | _Sgd
+
+
+def _with_tokens(tree, tokens):
+    tokens = iter(tokens)
+    return jax.tree.map(lambda t: t.with_token(next(tokens)), tree, is_leaf=_is_tensor)
+
+
+def chain(*transformations: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`optax.chain` of jnntile transformations. When it is an optional `clip_by_global_norm` then `adamw` or
+    `sgd`, `jnntile.train.make_steps` can fuse its update into the backward (`FusedUpdate`)."""
+    chained = optax.chain(*transformations)
+    rules = [_RULES.get(t.update) for t in transformations]
+    if len(rules) == 2 and isinstance(rules[0], _Clip) and isinstance(rules[1], (_AdamW, _Sgd)):
+        return _declared(chained, _Chain(rules[0], rules[1]))
+    if len(rules) == 1 and isinstance(rules[0], (_AdamW, _Sgd)):
+        return _declared(chained, _Chain(None, rules[0]))
+    return chained
+
+
+class FusedUpdate:
+    """One step of a fusable `chain`, run as the backward finishes each parameter's gradient.
+
+    Pass it as `on_final` to `jnntile.value_and_grad`, then call `finish(grads)` with the gradients
+    returned: it updates the parameters the backward did not hand over and commits the speculative
+    updates, and returns what `tx.update` would have (updates, new state).
+    """
+
+    def __init__(self, rule: _Chain, opt_state, params):
+        self.rule, self.opt_state, self.params = rule, opt_state, params
+        self.step = rule.main.start(opt_state[-1], params)
+        self.index = {p.handle: i for i, p in enumerate(self.step.params)}
+        self.fused: dict[int, Any] = {}  # leaf -> token of its update (speculative when clipping)
+        self.partial_norms: list[Tensor] = []
+
+    def __call__(self, param: Tensor):
+        i = self.index.get(param.handle)
+        if i is None or i in self.fused:
+            return None
+        g = Tensor(param.token, param.handle)  # a gradient as jnntile.grad returns it
+        if self.rule.clip is None:
+            token = self.rule.main.update_leaf(self.step, i, g)
+        else:
+            norm = tensor_mod.new_handle((), "float32", ())
+            self.partial_norms.append(Tensor(call("sumsq", [_grad_values(g), norm], [g.token], sqrt=True), norm))
+            token = self.rule.main.update_apart(self.step, i, g)
+        self.fused[i] = _consume(g, token)
+        return self.fused[i]
+
+    def finish(self, grads):
+        grad_leaves, _ = _check(grads, self.params, "FusedUpdate.finish")
+        clip = None
+        if self.rule.clip is not None:
+            rest = [grad_of(g) for i, g in enumerate(grad_leaves) if i not in self.fused]
+            parts = self.partial_norms + rest
+            norm = tensor_mod.new_handle((), "float32", ())
+            token = call("sumsq", [t.handle for t in parts] + [norm], [t.token for t in parts], sqrt=True)
+            clip = tensor_mod.Clip(Tensor(token, norm), self.rule.clip.max_norm)
+        tokens = []
+        for i, g in enumerate(grad_leaves):
+            if i not in self.fused:
+                tokens.append(_consume(g, self.rule.main.update_leaf(self.step, i, Gradient(g.token, g.handle, clip))))
+            elif clip is None:
+                tokens.append(self.fused[i])
+            else:
+                tokens.append(self.rule.main.commit(self.step, i, clip, self.fused[i]))
+        state = self.rule.main.state_after(self.step, self.opt_state[-1], tokens)
+        return _updates_like(self.params, tokens), (*self.opt_state[:-1], state)
+
+
+# How a training step updates the parameters of recomputed blocks: after the backward, fused into it in
+# place (no clip), or speculative (a clip: written apart, committed once the norm is known).
+UPDATE_MODES = ("after", "fused", "speculative")
+FUSED_UPDATE_CHOICES = ("auto", "on", "off")
+
+
+def update_mode(clip: bool, fused_update: str = "auto", swap: bool = False) -> str:
+    """The mode (one of UPDATE_MODES) of a step with or without `clip` for the setting `fused_update`.
+
+    "auto" fuses an update without clip always: it only frees each gradient earlier. With a clip it fuses
+    only with disk swap (`swap`): a speculative update keeps the new parameters and moments of the fused
+    parameters beside the old ones until the step ends (12 bytes per parameter for AdamW, 4 for SGD), which
+    costs RAM where everything fits, and saves the gradients' trip to the disk and back where it does not.
+    """
+    if fused_update not in FUSED_UPDATE_CHOICES:
+        raise ValueError(f"fused_update={fused_update!r}: use one of {', '.join(FUSED_UPDATE_CHOICES)}")
+    if fused_update == "off" or (fused_update == "auto" and clip and not swap):
+        return "after"
+    return "speculative" if clip else "fused"
+
+
+def fused_update(tx: optax.GradientTransformation, opt_state, params, setting: str = "on") -> FusedUpdate | None:
+    """The fused form of one step of `tx` (see `FusedUpdate`), or None when `update_mode` says "after" for
+    `setting` (the runtime's swap decides "auto"), `tx` is not a fusable `chain` or the run is distributed
+    (gradients are summed over the ranks first)."""
+    rule = _RULES.get(tx.update)
+    if not isinstance(rule, _Chain) or runtime.world_size() > 1:
+        return None
+    if update_mode(rule.clip is not None, setting, runtime.config().swap_dir is not None) == "after":
+        return None
+    return FusedUpdate(rule, opt_state, params)
+
+
+__all__ = ["AdamWState", "FUSED_UPDATE_CHOICES", "FusedUpdate", "Gradient", "UPDATE_MODES", "adamw", "allreduce_sum",
+           "chain", "clip_by_global_norm", "fused_update", "global_norm", "sgd", "update_mode"]

@@ -41,7 +41,7 @@ from jnntile import data as data_mod
 from jnntile.models import families
 
 DEFAULTS = dict(model="tiny", batch_size=8, grad_accum_steps=1, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
-                weight_decay=0.1, grad_clip=1.0, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
+                weight_decay=0.1, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
                 checkpoint_interval=200, data_order="random", out="out", samples=3, sample_tokens=120)
 
 
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=DEFAULTS["warmup_steps"])
     p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
-    p.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"], help="global norm; 0 disables")
+    flags.add_update_flags(p)
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default=DEFAULTS["optimizer"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--eval-interval", type=int, default=DEFAULTS["eval_interval"], help="0 disables evaluation")
@@ -195,13 +195,13 @@ def _make_optimizer(args) -> optax.GradientTransformation:
     else:
         main = optim.sgd(schedule)
     if args.grad_clip > 0:
-        return optax.chain(optim.clip_by_global_norm(args.grad_clip), main), schedule
-    return optax.chain(main), schedule
+        return optim.chain(optim.clip_by_global_norm(args.grad_clip), main), schedule
+    return optim.chain(main), schedule
 
 
 # ---- the step --------------------------------------------------------------------
 
-def make_steps(graphdef, tx, grad_accum_steps: int = 1):
+def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "auto"):
     """The training and evaluation steps over (params, opt_state), the trained parameters' state.
 
     `train_step(params, opt_state, idx, targets, dropout_seeds, frozen)` takes the
@@ -213,6 +213,13 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1):
     mean gradient of the whole batch. Returns the new (params, opt_state) and
     the mean loss of the micro-batches; nothing blocks until the caller reads
     the loss.
+
+    With `tx` a `jnntile.optim.chain` (an optional clip, then adamw or sgd),
+    the parameters of recomputed blocks are updated in the last micro-batch's
+    backward as soon as their gradients are final, so those gradients never
+    reach swap (`jnntile.optim.FusedUpdate`), when `fused_update` ("auto",
+    "on", "off": `jnntile.optim.update_mode`) says so; the results are those of
+    the update after the backward, within float32 rounding when it clips.
 
     In a distributed run (`jnntile.runtime.world_size()` N > 1) each rank
     passes its own rows of the step's batch (`jnntile.distributed.local_rows`)
@@ -229,9 +236,9 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1):
                         dropout_seed=dropout_seed)
         return loss
 
-    def gradients(params, grads, idx, targets, dropout_seed, frozen):
+    def gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=None):
         return jnntile.value_and_grad(lambda p: loss_fn(_merged(graphdef, p, frozen), idx, targets, dropout_seed),
-                                      accumulate=grads, scale=scale)(params)
+                                      accumulate=grads, scale=scale, on_final=on_final)(params)
 
     # The micro-batches before the last: compiled twice, without earlier gradients and with them.
     add_gradients = jax.jit(gradients)
@@ -240,9 +247,13 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1):
     # program it was, and the update's tasks are submitted right after the last backward's.
     @jax.jit
     def last_and_update(params, opt_state, grads, idx, targets, dropout_seed, frozen):
-        loss, grads = gradients(params, grads, idx, targets, dropout_seed, frozen)
-        grads, _ = summed.update(grads, summed.init(params), params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        fused = optim.fused_update(tx, opt_state, params, fused_update)
+        loss, grads = gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=fused)
+        if fused is not None:
+            updates, opt_state = fused.finish(grads)
+        else:
+            grads, _ = summed.update(grads, summed.init(params), params)
+            updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     def train_step(params, opt_state, idx, targets, dropout_seeds, frozen=None):
@@ -408,13 +419,14 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
         runtime_config.validate()
         gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
+        update = flags.update_mode(args)
         config, remat_note = memory.choose_remat(config, batch_size, args.seq_len, runtime_config.memory_limit_mb,
-                                                 args.optimizer, runtime_config.workers, finetune)
+                                                 args.optimizer, runtime_config.workers, finetune, update)
         config, tiles_note = memory.fit_tiles(config, batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
-                                              args.optimizer, runtime_config.workers, finetune)
+                                              args.optimizer, runtime_config.workers, finetune, update)
         tiles_note = "\n".join(note for note in (remat_note, tiles_note) if note)
         plan = memory.plan(config, batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
-                           grad_accum_steps=args.grad_accum_steps, finetune=finetune)
+                           grad_accum_steps=args.grad_accum_steps, finetune=finetune, update=update)
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
         verdict = plan.check(runtime_config.memory_limit_mb,
                              runtime_config.swap_size_mb if runtime_config.swap_dir else 0, gpu_mb)
@@ -460,7 +472,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     elif lead and metrics_path.exists():
         metrics_path.unlink()
 
-    train_step, eval_step = make_steps(graphdef, tx, args.grad_accum_steps)
+    train_step, eval_step = make_steps(graphdef, tx, args.grad_accum_steps, args.fused_update)
     if lead:
         if tiles_note:
             print(tiles_note, flush=True)

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from conftest import mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err
@@ -230,3 +231,159 @@ def test_an_update_writes_the_compute_copy_and_the_next_forward_converts_nothing
     params["w1"] = tensorfile.load_into(params["w1"], arrays["w1"])
     assert converts_in_a_step() == every_step + 6
     assert converts_in_a_step() == every_step
+
+
+# ---- the update fused into the backward (jnntile.optim.FusedUpdate) --------------------------------------
+#
+# jnntile.train.make_steps with a jnntile.optim.chain updates each parameter of a recomputed block inside the
+# backward, as soon as its gradient is final. Without a clip that is the same update, earlier: the same bits.
+# With one it is speculative (written apart, unclipped) and committed once the norm is known: the same bits
+# when the norm does not clip; when it clips, the clipped step is rebuilt from the moments before and after
+# the speculative one, equal within float32 rounding (the tolerance of these tests against optax, above).
+
+FUSED_STEPS, FUSED_LR = 3, 1e-2
+FUSED_CLIPS = {"no-clip": None, "clips": 0.05, "does-not-clip": 1e6}
+
+
+def _fused_config(**changes):
+    from jnntile.models.gpt2.config import GPT2Config
+
+    return GPT2Config(n_layer=3, n_head=4, n_embd=32, vocab_size=96, n_positions=16, dropout=0.1, tile_batch=1,
+                      tile_seq=8, tile_embd=16, tile_heads=2, tile_hidden=48, tile_vocab=40, remat="block",
+                      **changes)
+
+
+def _train_gpt2(fuse, max_norm, optimizer="adamw", micro_batches=1, config=None):
+    """Losses, parameters (by name) and update tasks by codelet of FUSED_STEPS steps through make_steps."""
+    from flax import nnx
+
+    from jnntile.models import families
+    from jnntile.train import make_steps
+
+    config = config or _fused_config()
+    batch = 2
+    model = families.build(config, batch_size=batch // micro_batches, seq_len=16, seed=3)
+    graphdef, params = nnx.split(model, nnx.Param)
+    main = optim.adamw(FUSED_LR, weight_decay=0.1) if optimizer == "adamw" else optim.sgd(0.1)
+    tx = optim.chain(optim.clip_by_global_norm(max_norm), main) if max_norm else optim.chain(main)
+    opt_state = tx.init(params)
+    train_step, _ = make_steps(graphdef, tx, micro_batches, fused_update="on" if fuse else "off")
+    rng = np.random.default_rng(0)
+    jnntile.runtime.wait_all()
+    before = {name: c["tasks"] for name, c in jnntile.runtime.stats()["codelets"].items()}
+    losses = []
+    for step in range(FUSED_STEPS):
+        idx, targets = (rng.integers(0, config.vocab_size, (micro_batches, batch // micro_batches, 16)).astype(np.int32)
+                        for _ in range(2))
+        seeds = [np.int32(100 * step + k) for k in range(micro_batches)]
+        params, opt_state, loss = train_step(params, opt_state, idx, targets, seeds)
+        losses.append(float(loss))
+    jnntile.runtime.wait_all()
+    tasks = {name: c["tasks"] - before.get(name, 0) for name, c in jnntile.runtime.stats()["codelets"].items()}
+    nnx.update(model, params)
+    named = {name: p.get_value() for name, p in model.named_params().items()}
+    copies = {name: jnntile.Tensor(p.token, p.handle.copy).numpy() for name, p in named.items()
+              if p.handle.copy is not None}
+    return np.array(losses), {name: p.numpy() for name, p in named.items()}, tasks, copies
+
+
+def _block_tiles(config) -> int:
+    """Tiles of the parameters inside the recomputed blocks (those the backward updates)."""
+    import math
+
+    from flax import nnx
+
+    from jnntile.models import families
+
+    model = families.build(config, batch_size=2, seq_len=16, seed=3)
+    in_block = lambda name: any(part.isdigit() for part in name.split("."))  # noqa: E731 ("h.0.", "layers.0.")
+    return sum(math.prod(p.get_value().grid) for name, p in model.named_params().items() if in_block(name))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("clip", list(FUSED_CLIPS), ids=list(FUSED_CLIPS))
+def test_the_update_fused_into_the_backward_equals_the_update_after_it(optimizer, clip):
+    from conftest import assert_trained_params_close
+
+    max_norm = FUSED_CLIPS[clip]
+    losses, params, tasks, _ = _train_gpt2(False, max_norm, optimizer)
+    fused_losses, fused_params, fused_tasks, _ = _train_gpt2(True, max_norm, optimizer)
+    block_tiles = _block_tiles(_fused_config())
+    apart = fused_tasks.get(f"{optimizer}_apart", 0)
+    rescaled = fused_tasks.get(f"{optimizer}_rescale", 0)
+    assert tasks.get(f"{optimizer}_apart", 0) == 0
+    if clip == "clips":
+        assert (apart, rescaled) == (FUSED_STEPS * block_tiles,) * 2
+        assert fused_losses[0] == losses[0]
+        assert rel_err(fused_losses, losses) < 1e-5
+        assert_trained_params_close(fused_params, params, FUSED_STEPS, FUSED_LR, 1e-5)
+        return
+    # Not clipping: the same arithmetic on the same gradients, bit for bit.
+    assert (apart, rescaled) == ((FUSED_STEPS * block_tiles if max_norm else 0), 0)
+    assert fused_tasks[optimizer] == tasks[optimizer] - apart
+    np.testing.assert_array_equal(fused_losses, losses)
+    for name in params:
+        np.testing.assert_array_equal(fused_params[name], params[name], err_msg=name)
+
+
+def _llama_config():
+    from jnntile.models import families
+
+    return families.preset("llama-tiny", num_hidden_layers=3, vocab_size=96, tile_seq=8, tile_embd=32, tile_heads=1,
+                           tile_hidden=64, tile_vocab=48, remat="block")
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "micro-batches", "llama"])
+def test_the_fused_update_that_clips_in_bfloat16_with_micro_batches_and_on_llama(case):
+    """The clipped commit exchanges the compute copies with the masters: each copy is its master rounded."""
+    import ml_dtypes
+    from conftest import assert_trained_params_close
+
+    config = {"bfloat16": _fused_config(dtype="bfloat16"), "llama": _llama_config()}.get(case, _fused_config())
+    micro_batches = 2 if case == "micro-batches" else 1
+    losses, params, _, _ = _train_gpt2(False, 0.05, micro_batches=micro_batches, config=config)
+    fused_losses, fused_params, tasks, copies = _train_gpt2(True, 0.05, micro_batches=micro_batches, config=config)
+    assert tasks["adamw_rescale"] == FUSED_STEPS * _block_tiles(config)
+    assert fused_losses[0] == losses[0] and rel_err(fused_losses, losses) < 1e-5
+    if case == "llama":
+        for name in params:
+            assert rel_err(fused_params[name], params[name]) < 1e-5, name
+    else:
+        assert_trained_params_close(fused_params, params, FUSED_STEPS, FUSED_LR, 1e-5)
+    assert bool(copies) == (case == "bfloat16")
+    for name, copy in copies.items():
+        np.testing.assert_array_equal(copy, fused_params[name].astype(ml_dtypes.bfloat16), err_msg=name)
+
+
+@pytest.mark.parametrize("clip", ["clips", "does-not-clip"])
+def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, tmp_path, restore_runtime):
+    """Shadows, exchanged tiles and the commit's invalidations through StarPU's eviction to disk."""
+    from conftest import assert_trained_params_close
+
+    from jnntile import runtime
+
+    losses, params, _, _ = _train_gpt2(False, FUSED_CLIPS[clip])
+    runtime.stop()
+    jnntile.release_traced()
+    runtime.start(memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    fused_losses, fused_params, tasks, _ = _train_gpt2(True, FUSED_CLIPS[clip])
+    assert runtime.stats()["bytes_moved"]["RAM->DISK"] > 0
+    assert tasks["adamw_apart"] == FUSED_STEPS * _block_tiles(_fused_config())
+    if clip == "clips":
+        assert_trained_params_close(fused_params, params, FUSED_STEPS, FUSED_LR, 1e-5)
+        return
+    np.testing.assert_array_equal(fused_losses, losses)
+    for name in params:
+        np.testing.assert_array_equal(fused_params[name], params[name], err_msg=name)
+
+
+def test_only_a_chain_of_jnntile_transformations_fuses():
+    params = {"w": jnntile.zeros((4,))}
+    state = (optax.EmptyState(), optim.adamw(1e-2).init(params))
+    assert optim.fused_update(optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)), state, params)
+    assert optim.fused_update(optim.chain(optim.adamw(1e-2)), state[1:], params, "auto")
+    # auto: a clipped update is speculative only with disk swap (this runtime has none)
+    assert optim.fused_update(optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)), state, params,
+                              "auto") is None
+    assert optim.fused_update(optax.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)), state, params) is None
+    assert optim.fused_update(optim.chain(optim.adamw(1e-2), optim.clip_by_global_norm(1.0)), state, params) is None

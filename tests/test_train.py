@@ -56,8 +56,8 @@ def test_resume_after_ctrl_c_is_bit_identical(dataset, tmp_path, monkeypatch, ca
 
     make_steps = train_mod.make_steps
 
-    def interrupting_make_steps(graphdef, tx, grad_accum_steps):
-        train_step, eval_step = make_steps(graphdef, tx, grad_accum_steps)
+    def interrupting_make_steps(graphdef, tx, grad_accum_steps, fused_update):
+        train_step, eval_step = make_steps(graphdef, tx, grad_accum_steps, fused_update)
         calls = {"n": 0}
 
         def step(*a):

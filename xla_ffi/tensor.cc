@@ -208,6 +208,16 @@ int64_t tensor_compute_copy(int64_t id, DType dtype) {
   return copy_id;
 }
 
+void tensor_swap_tiles(int64_t a, int64_t b) {
+  TiledTensor &x = tensor_get(a), &y = tensor_get(b);
+  if (x.dtype != y.dtype || x.shape != y.shape || x.tile_shape != y.tile_shape)
+    throw std::invalid_argument("cannot swap the tiles of " + x.describe() + " and " + y.describe());
+  std::swap(x.tiles, y.tiles);
+  std::swap(x.tile_states, y.tile_states);
+  for (TiledTensor* t : {&x, &y})
+    for (int64_t i = 0; i < t->num_tiles(); ++i) t->tile_states[i].tensor = t;
+}
+
 namespace {
 TileState* tile_state(starpu_data_handle_t handle) {
   return static_cast<TileState*>(starpu_data_get_user_data(handle));

@@ -75,6 +75,10 @@ int64_t tensor_grad(int64_t id);
 // equal to `id`: a convert into it skips the tiles that are fresh (`copy_is_fresh`), and an optimizer
 // update that writes it as it writes the master marks them so (`mark_copy_fresh`).
 int64_t tensor_compute_copy(int64_t id, DType dtype);
+// Exchanges the tiles (StarPU handles, with what they hold and the tasks on them) of two tensors of the same
+// shape, tiles and dtype: tasks submitted afterwards on `a` use the tiles `b` had. A speculative optimizer
+// update (ops/optim.cc) writes apart and makes its result the parameter's this way, moving no data.
+void tensor_swap_tiles(int64_t a, int64_t b);
 bool copy_is_fresh(starpu_data_handle_t copy, starpu_data_handle_t master);
 // After the submission that writes `copy` from `master`'s current values.
 void mark_copy_fresh(starpu_data_handle_t copy, starpu_data_handle_t master);

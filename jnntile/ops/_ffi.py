@@ -48,7 +48,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -127,14 +127,21 @@ class Step:
     keep_activations: bool = False
     # handle -> tokens of the calls that touched it in this step (arrays for reads)
     touched: dict = dataclasses.field(default_factory=dict)
+    # `value_and_grad(on_final=...)`: called as on_final(parameter, token) once the gradient of a parameter
+    # is final inside the backward (jnntile.remat: the last recomputed block that reads it is differentiated);
+    # it returns the token of what it submitted (the optimizer update fused into the backward).
+    on_final: Callable | None = None
+    in_recomputed_block: int = 0  # depth inside jnntile.remat's forward or backward
+    block_reads: dict = dataclasses.field(default_factory=dict)  # handle -> recomputed blocks reading it
+    read_outside_blocks: set = dataclasses.field(default_factory=set)  # handles a call outside them touched
 
 
 _steps: list[Step] = []
 
 
 @contextlib.contextmanager
-def step_scope(keep_activations: bool = False):
-    step = Step(keep_activations=bool(keep_activations))
+def step_scope(keep_activations: bool = False, on_final: Callable | None = None):
+    step = Step(keep_activations=bool(keep_activations), on_final=on_final)
     _steps.append(step)
     try:
         yield step
@@ -163,6 +170,8 @@ def record(token, *handles: _Handle | None) -> None:
     for handle in handles:
         if handle is not None:
             step.touched.setdefault(handle, []).append(token)
+            if not step.in_recomputed_block:
+                step.read_outside_blocks.add(handle)
 
 
 def read_token(array) -> jax.Array:

@@ -1,4 +1,4 @@
-// Optimizer steps on parameter tiles, in place.
+// Optimizer steps on parameter tiles: in place, or written apart (a speculative update, see below).
 #pragma once
 #include <math.h>
 
@@ -14,8 +14,20 @@ struct AdamwStep {
   JNNTILE_HD void apply(float& p, float g, float& m, float& v) const {
     m = b1 * m + (1.0f - b1) * g;
     v = b2 * v + (1.0f - b2) * g * g;
+    p = updated(p, m, v);
+  }
+  // p after the step whose new moments are m and v.
+  JNNTILE_HD float updated(float p, float m, float v) const {
     float update = (m / bc1) / (sqrtf(v / bc2) + eps) + weight_decay * p;
-    p -= lr * update;
+    return p - lr * update;
+  }
+  // The step of gradient scale * g, from the moments before (m, v) and after (m_out, v_out) the step of g:
+  // m_out - b1 m = (1 - b1) g and v_out - b2 v = (1 - b2) g^2, so the moments of the scaled step are
+  // scale m_out + (1 - scale) b1 m and scale^2 v_out + (1 - scale^2) b2 v (exact up to rounding).
+  JNNTILE_HD void rescale(float p, float m, float v, float scale, float& p_out, float& m_out, float& v_out) const {
+    m_out = scale * m_out + (1.0f - scale) * b1 * m;
+    v_out = scale * scale * v_out + (1.0f - scale * scale) * b2 * v;
+    p_out = updated(p, m_out, v_out);
   }
 };
 
@@ -38,9 +50,33 @@ struct GradClip {
 template <Device D>
 void adamw(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m, float* v,
            bfloat16* copy);
+// A speculative update (jnntile.optim's fused update, clipping after the fact) writes the unclipped step
+// apart, leaving p, m and v as they were: into p_out, m_out, v_out (and the bfloat16 copy of p_out).
+JNNTILE_HD void adamw_apart_at(int64_t i, const AdamwStep& step, const float* p, const float* g, const float* m,
+                               const float* v, float* p_out, float* m_out, float* v_out, bfloat16* copy) {
+  float pi = p[i], mi = m[i], vi = v[i];
+  step.apply(pi, g[i], mi, vi);
+  p_out[i] = pi;
+  m_out[i] = mi;
+  v_out[i] = vi;
+  if (copy != nullptr) copy[i] = from_float<bfloat16>(pi);
+}
+template <Device D>
+void adamw_apart(int64_t n, const AdamwStep& step, const float* p, const float* g, const float* m, const float* v,
+                 float* p_out, float* m_out, float* v_out, bfloat16* copy);
+// When the global norm then clips (scale = max_norm / norm, read on the host once the backward is done): the
+// step of scale * g replaces the speculative one (AdamwStep::rescale).
+template <Device D>
+void adamw_rescale(int64_t n, const AdamwStep& step, float scale, const float* p, const float* m, const float* v,
+                   float* p_out, float* m_out, float* v_out, bfloat16* copy);
 // p -= lr * g
 template <Device D>
 void sgd(int64_t n, float lr, GradClip clip, float* p, const float* g, bfloat16* copy);
+// p_out = p - lr * g, p unchanged; then, when the norm clips, p_out = p + scale (p_out - p).
+template <Device D>
+void sgd_apart(int64_t n, float lr, const float* p, const float* g, float* p_out, bfloat16* copy);
+template <Device D>
+void sgd_rescale(int64_t n, float scale, const float* p, float* p_out, bfloat16* copy);
 // x *= max_norm / *norm when clips(*norm, max_norm); norm is a scalar in the device's memory.
 template <Device D>
 void clip_by_norm(int64_t n, float max_norm, const float* norm, float* x);

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "kernels/optim.h"
+#include "ops/data.h"
 #include "task.h"
 
 namespace jnntile {
@@ -120,6 +121,176 @@ void sgd_submit(const OpCall& call) {
                   SgdArgs{p.tile_numel(t), lr, max_norm, {2, copy != nullptr, norm != nullptr}}, 2.0 * p.tile_numel(t));
 }
 JNNTILE_OP(sgd, sgd_submit);
+
+// ---- speculative updates (jnntile.optim's fused update) ----------------------------------------------
+//
+// A parameter whose gradient is final while the backward still runs is updated at once, so the gradient is
+// read in RAM and never swapped; a global-norm clip is not known yet. The update is then written apart
+// (into shadow tensors, the parameter and its moments left as they were), unclipped. Once the norm is
+// known, the commit makes the shadows the parameter's state by exchanging their tiles (no data moves), after
+// replacing the speculative step by the clipped one when the norm clips. The old tiles are invalidated.
+
+// The compute copies an apart update or a commit writes (attribute copy=1): `copy` of `shadow`, and for a
+// commit also `master`'s, which the exchange swaps with it. Null when the model has none.
+const TiledTensor* shadow_copy(const OpCall& call, const TiledTensor& shadow, size_t at, const char* op) {
+  auto copy = call.attrs.get<int64_t>("copy");
+  if (copy.has_error() || copy.value() == 0) return nullptr;
+  return update_copy(call, shadow, at, op);
+}
+
+AdamwStep adamw_step(const OpCall& call) {
+  float lr = float(call.input_scalar(0));
+  double step = call.input_scalar(1);
+  float b1 = float(attr<double>(call.attrs, "b1")), b2 = float(attr<double>(call.attrs, "b2"));
+  return {lr, b1, b2, float(attr<double>(call.attrs, "eps")), float(attr<double>(call.attrs, "weight_decay")),
+          float(1.0 - std::pow(double(b1), step)), float(1.0 - std::pow(double(b2), step))};
+}
+
+// The clip's scale (max_norm / norm) once the norm is computed, or 1 when it does not clip: blocks until the
+// backward is done (the watchdog turns a wait that cannot end into an error).
+float clip_scale(const TiledTensor& norm, float max_norm) {
+  if (norm.num_tiles() != 1 || norm.dtype != DType::F32)
+    throw std::invalid_argument("update commit: the norm must be a float32 scalar, got " + norm.describe());
+  float value = 0.0f;
+  read_to_host(norm.id, &value, sizeof value);
+  return clips(value, max_norm) ? max_norm / value : 1.0f;
+}
+
+// Makes each shadow its tensor's state and invalidates what the tensor held before.
+void exchange(const std::vector<std::pair<const TiledTensor*, const TiledTensor*>>& pairs) {
+  for (auto [tensor, shadow] : pairs) {
+    tensor_swap_tiles(tensor->id, shadow->id);
+    for (starpu_data_handle_t handle : shadow->tiles) {
+      starpu_data_invalidate_submit(handle);
+      mark_invalidated(handle);
+    }
+  }
+}
+
+struct AdamwApartArgs {
+  int64_t n;
+  AdamwStep step;
+  bool copied;
+};
+
+template <Device D>
+void adamw_apart_kernel(void** buffers, const AdamwApartArgs& a) {
+  adamw_apart<D>(a.n, a.step, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]),
+                 tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]), tile_ptr<float>(buffers[5]),
+                 tile_ptr<float>(buffers[6]), a.copied ? tile_ptr<bfloat16>(buffers[7]) : nullptr);
+}
+
+// ids [p, g, m, v, p', m', v'], then the compute copy of p' (attribute copy=1); inputs [lr, step]
+void adamw_apart_submit(const OpCall& call) {
+  const TiledTensor &p = call.tensor(0), &g = call.tensor(1), &m = call.tensor(2), &v = call.tensor(3);
+  const TiledTensor &p2 = call.tensor(4), &m2 = call.tensor(5), &v2 = call.tensor(6);
+  for (const TiledTensor* t : {&g, &m, &v, &p2, &m2, &v2}) check_same_tiling(p, *t, "adamw_apart");
+  const TiledTensor* copy = shadow_copy(call, p2, 7, "adamw_apart");
+  AdamwApartArgs args{0, adamw_step(call), copy != nullptr};
+  static starpu_codelet* cl = JNNTILE_CODELET(AdamwApartArgs, adamw_apart_kernel, "adamw_apart");
+  for (int64_t t = 0; t < p.num_tiles(); ++t) {
+    args.n = p.tile_numel(t);
+    std::vector<Buffer> buffers{{p.tiles[t], STARPU_R},   {g.tiles[t], STARPU_R},  {m.tiles[t], STARPU_R},
+                                {v.tiles[t], STARPU_R},   {p2.tiles[t], STARPU_W}, {m2.tiles[t], STARPU_W},
+                                {v2.tiles[t], STARPU_W}};
+    submit_update(cl, buffers, p2, copy, nullptr, t, args, 10.0 * args.n);
+  }
+}
+JNNTILE_OP(adamw_apart, adamw_apart_submit);
+
+struct AdamwRescaleArgs {
+  int64_t n;
+  AdamwStep step;
+  float scale;
+  bool copied;
+};
+
+template <Device D>
+void adamw_rescale_kernel(void** buffers, const AdamwRescaleArgs& a) {
+  adamw_rescale<D>(a.n, a.step, a.scale, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                   tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]),
+                   tile_ptr<float>(buffers[5]), a.copied ? tile_ptr<bfloat16>(buffers[6]) : nullptr);
+}
+
+// ids [norm, p, m, v, p', m', v'], then the compute copies of p and p' (attribute copy=1); inputs [lr, step]
+void adamw_commit_submit(const OpCall& call) {
+  const TiledTensor &p = call.tensor(1), &m = call.tensor(2), &v = call.tensor(3);
+  const TiledTensor &p2 = call.tensor(4), &m2 = call.tensor(5), &v2 = call.tensor(6);
+  for (const TiledTensor* t : {&m, &v, &p2, &m2, &v2}) check_same_tiling(p, *t, "adamw_commit");
+  const TiledTensor* copy = shadow_copy(call, p, 7, "adamw_commit");
+  const TiledTensor* copy2 = shadow_copy(call, p2, 8, "adamw_commit");
+  float scale = clip_scale(call.tensor(0), float(attr<double>(call.attrs, "max_norm")));
+  if (scale != 1.0f) {
+    AdamwRescaleArgs args{0, adamw_step(call), scale, copy2 != nullptr};
+    static starpu_codelet* cl = JNNTILE_CODELET(AdamwRescaleArgs, adamw_rescale_kernel, "adamw_rescale");
+    for (int64_t t = 0; t < p.num_tiles(); ++t) {
+      args.n = p.tile_numel(t);
+      std::vector<Buffer> buffers{{p.tiles[t], STARPU_R},   {m.tiles[t], STARPU_R},   {v.tiles[t], STARPU_R},
+                                  {p2.tiles[t], STARPU_RW}, {m2.tiles[t], STARPU_RW}, {v2.tiles[t], STARPU_RW}};
+      submit_update(cl, buffers, p2, copy2, nullptr, t, args, 12.0 * args.n);
+    }
+  }
+  std::vector<std::pair<const TiledTensor*, const TiledTensor*>> pairs{{&p, &p2}, {&m, &m2}, {&v, &v2}};
+  if (copy != nullptr) pairs.push_back({copy, copy2});
+  exchange(pairs);
+}
+JNNTILE_OP(adamw_commit, adamw_commit_submit);
+
+struct SgdApartArgs {
+  int64_t n;
+  float lr;
+  bool copied;
+};
+
+template <Device D>
+void sgd_apart_kernel(void** buffers, const SgdApartArgs& a) {
+  sgd_apart<D>(a.n, a.lr, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]), tile_ptr<float>(buffers[2]),
+               a.copied ? tile_ptr<bfloat16>(buffers[3]) : nullptr);
+}
+
+// ids [p, g, p'], then the compute copy of p' (attribute copy=1); inputs [lr]
+void sgd_apart_submit(const OpCall& call) {
+  const TiledTensor &p = call.tensor(0), &g = call.tensor(1), &p2 = call.tensor(2);
+  for (const TiledTensor* t : {&g, &p2}) check_same_tiling(p, *t, "sgd_apart");
+  const TiledTensor* copy = shadow_copy(call, p2, 3, "sgd_apart");
+  float lr = float(call.input_scalar(0));
+  static starpu_codelet* cl = JNNTILE_CODELET(SgdApartArgs, sgd_apart_kernel, "sgd_apart");
+  for (int64_t t = 0; t < p.num_tiles(); ++t)
+    submit_update(cl, {{p.tiles[t], STARPU_R}, {g.tiles[t], STARPU_R}, {p2.tiles[t], STARPU_W}}, p2, copy, nullptr,
+                  t, SgdApartArgs{p.tile_numel(t), lr, copy != nullptr}, 2.0 * p.tile_numel(t));
+}
+JNNTILE_OP(sgd_apart, sgd_apart_submit);
+
+struct SgdRescaleArgs {
+  int64_t n;
+  float scale;
+  bool copied;
+};
+
+template <Device D>
+void sgd_rescale_kernel(void** buffers, const SgdRescaleArgs& a) {
+  sgd_rescale<D>(a.n, a.scale, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+                 a.copied ? tile_ptr<bfloat16>(buffers[2]) : nullptr);
+}
+
+// ids [norm, p, p'], then the compute copies of p and p' (attribute copy=1)
+void sgd_commit_submit(const OpCall& call) {
+  const TiledTensor &p = call.tensor(1), &p2 = call.tensor(2);
+  check_same_tiling(p, p2, "sgd_commit");
+  const TiledTensor* copy = shadow_copy(call, p, 3, "sgd_commit");
+  const TiledTensor* copy2 = shadow_copy(call, p2, 4, "sgd_commit");
+  float scale = clip_scale(call.tensor(0), float(attr<double>(call.attrs, "max_norm")));
+  if (scale != 1.0f) {
+    static starpu_codelet* cl = JNNTILE_CODELET(SgdRescaleArgs, sgd_rescale_kernel, "sgd_rescale");
+    for (int64_t t = 0; t < p.num_tiles(); ++t)
+      submit_update(cl, {{p.tiles[t], STARPU_R}, {p2.tiles[t], STARPU_RW}}, p2, copy2, nullptr, t,
+                    SgdRescaleArgs{p.tile_numel(t), scale, copy2 != nullptr}, 3.0 * p.tile_numel(t));
+  }
+  std::vector<std::pair<const TiledTensor*, const TiledTensor*>> pairs{{&p, &p2}};
+  if (copy != nullptr) pairs.push_back({copy, copy2});
+  exchange(pairs);
+}
+JNNTILE_OP(sgd_commit, sgd_commit_submit);
 
 struct ClipArgs {
   int64_t n;

@@ -16,11 +16,44 @@ void adamw<Device::Cpu>(int64_t n, const AdamwStep& step, GradClip clip, float* 
 }
 
 template <>
+void adamw_apart<Device::Cpu>(int64_t n, const AdamwStep& step, const float* p, const float* g, const float* m,
+                              const float* v, float* p_out, float* m_out, float* v_out, bfloat16* copy) {
+  const AdamwStep local = step;
+  for (int64_t i = 0; i < n; ++i) adamw_apart_at(i, local, p, g, m, v, p_out, m_out, v_out, copy);
+}
+
+template <>
+void adamw_rescale<Device::Cpu>(int64_t n, const AdamwStep& step, float scale, const float* p, const float* m,
+                                const float* v, float* p_out, float* m_out, float* v_out, bfloat16* copy) {
+  const AdamwStep local = step;
+  for (int64_t i = 0; i < n; ++i) {
+    local.rescale(p[i], m[i], v[i], scale, p_out[i], m_out[i], v_out[i]);
+    if (copy != nullptr) copy[i] = from_float<bfloat16>(p_out[i]);
+  }
+}
+
+template <>
 void sgd<Device::Cpu>(int64_t n, float lr, GradClip clip, float* p, const float* g, bfloat16* copy) {
   const float factor = clip.factor();
   for (int64_t i = 0; i < n; ++i) {
     p[i] -= lr * (g[i] * factor);
     if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
+  }
+}
+
+template <>
+void sgd_apart<Device::Cpu>(int64_t n, float lr, const float* p, const float* g, float* p_out, bfloat16* copy) {
+  for (int64_t i = 0; i < n; ++i) {
+    p_out[i] = p[i] - lr * g[i];
+    if (copy != nullptr) copy[i] = from_float<bfloat16>(p_out[i]);
+  }
+}
+
+template <>
+void sgd_rescale<Device::Cpu>(int64_t n, float scale, const float* p, float* p_out, bfloat16* copy) {
+  for (int64_t i = 0; i < n; ++i) {
+    p_out[i] = p[i] + scale * (p_out[i] - p[i]);
+    if (copy != nullptr) copy[i] = from_float<bfloat16>(p_out[i]);
   }
 }
 
