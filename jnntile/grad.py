@@ -11,7 +11,6 @@ gradient values.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Sequence
 
 import jax
@@ -132,12 +131,12 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     sum over n micro-batches is the gradient of their mean loss. The value
     returned is `fun`'s, unscaled.
 
-    `on_final(parameter)`, when given, is called inside the backward as soon as the gradient of a
-    differentiated Tensor is final (the Tensor's token orders after it), before the backward goes on:
-    today, once the last block recomputed with `jnntile.remat` that reads it was differentiated, when
-    nothing outside such blocks reads it. It submits what uses the gradient (jnntile.optim's fused update)
-    and returns the token of that, which the gradient returned for the parameter carries, or None to leave
-    it. Other gradients are final when `value_and_grad` returns.
+    `on_final(tensor)`, when given, is called inside the backward as soon as the gradient of a
+    differentiated Tensor is final (the Tensor's token orders after it), before the backward goes on: once
+    the backward of every op that read it in the forward ran (a block recomputed with `jnntile.remat`
+    counts as one reader). It submits what uses the gradient (jnntile.optim's fused update) and returns
+    the token of that, which the gradient returned for the tensor carries, or None to leave it (an
+    activation's).
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
@@ -193,56 +192,6 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     return wrapped
 
 
-def _tensor_leaves(tree) -> list[Tensor]:
-    return [t for t in jax.tree.leaves(tree, is_leaf=_is_tensor) if _is_tensor(t)]
-
-
-@contextlib.contextmanager
-def _in_block(step):
-    """Calls inside a recomputed block: they do not count as reads outside blocks (`_hand_over_final`)."""
-    if step is not None:
-        step.in_recomputed_block += 1
-    try:
-        yield
-    finally:
-        if step is not None:
-            step.in_recomputed_block -= 1
-
-
-def _hand_over_final(step, args, cotangents):
-    """The cotangents of a recomputed block's arguments, after `step.on_final` of each argument whose gradient
-    this block finished: no other recomputed block still to differentiate reads it, and nothing outside
-    them does. The other cotangents are ordered after what on_final submitted, so the rest of the backward
-    is submitted after it (and StarPU runs it as soon as the gradient is done)."""
-    final = []
-    for t in _tensor_leaves(args):
-        step.block_reads[t.handle] -= 1
-        if (step.on_final is not None and step.block_reads[t.handle] == 0 and t.handle.grad_zeroed
-                and t.handle not in step.read_outside_blocks):
-            final.append(t.handle)
-    tokens = {}
-
-    def finish(x, ct):
-        if _is_tensor(x) and _is_tensor(ct) and x.handle in final and x.handle not in tokens:
-            token = step.on_final(x.with_token(ct.token))
-            if token is not None:  # None: not a parameter the callback updates (an activation)
-                tokens[x.handle] = token
-                return ct.with_token(token)
-        return ct
-
-    cotangents = jax.tree.map(finish, tuple(args), tuple(cotangents), is_leaf=_is_tensor)
-    if not tokens:
-        return cotangents
-    after = _ffi.join(*tokens.values())
-
-    def order_after(x, ct):
-        if not (_is_tensor(x) and _is_tensor(ct)) or x.handle in tokens:
-            return ct
-        return ct.with_token(_ffi.join(ct.token, after))
-
-    return tuple(jax.tree.map(order_after, tuple(args), cotangents, is_leaf=_is_tensor))
-
-
 def remat(fn: Callable) -> Callable:
     """`fn(*args) -> Tensor` recomputed in the backward pass instead of keeping its activations, as
     `jax.checkpoint` does for plain JAX (activation recomputation).
@@ -264,10 +213,9 @@ def remat(fn: Callable) -> Callable:
             y = zero_grads(fn(*args))
             return y, (args, y)
         touched_before = {h: list(tokens) for h, tokens in step.touched.items()}
-        for t in _tensor_leaves(args):
-            step.block_reads[t.handle] = step.block_reads.get(t.handle, 0) + 1
-        with _in_block(step):
-            y = fn(*args)
+        if step.on_final is not None:  # the block's ops run undifferentiated: the block reads its arguments
+            _ffi.count_reads(step, args)
+        y = fn(*args)
         # The output is an activation the rest of the differentiated function reads: its gradient starts at
         # zero, as the op that made it would have done when differentiated.
         y = zero_grads(y)
@@ -295,15 +243,16 @@ def remat(fn: Callable) -> Callable:
         ready = call("wait_for", [tensor_mod.grad_handle(y.handle)], [g.token])
         args = jax.tree.map(lambda x: x.with_token(_ffi.join(x.token, ready)) if _is_tensor(x) else x, args,
                             is_leaf=_is_tensor)
+        again, vjp = jax.vjp(fn, *args)
+        # The recomputed output takes the gradient the output received; the output and its gradient are dead.
+        token = _ffi.accumulate(tensor_mod.grad_handle(y.handle), [_ffi.grad_target(again)], [g.token, again.token],
+                                [1.0])
+        token = _ffi.release(token, y)
+        cotangents = vjp(again.with_token(token))
         step = _ffi.current_step()
-        with _in_block(step):
-            again, vjp = jax.vjp(fn, *args)
-            # The recomputed output takes the gradient the output received; the output and its gradient are dead.
-            token = _ffi.accumulate(tensor_mod.grad_handle(y.handle), [_ffi.grad_target(again)],
-                                    [g.token, again.token], [1.0])
-            token = _ffi.release(token, y)
-            cotangents = vjp(again.with_token(token))
-        return cotangents if step is None else _hand_over_final(step, args, cotangents)
+        if step is None or step.on_final is None:
+            return cotangents
+        return _ffi.hand_over_final(step, args, cotangents)
 
     run.defvjp(forward, backward)
 

@@ -426,28 +426,24 @@ def _largest_of(step: _RecordedStep, optimizer: str, update: str = "after"):
 
 
 def _fused_at(step: _RecordedStep) -> dict:
-    """The parameters a fused update updates inside the backward (jnntile.grad's `on_final`): backward op
-    index -> the parameters whose gradient is final once the backward reached it. A parameter qualifies when
-    only ops of recomputed regions read it (itself or its compute copy); its gradient is final when the
-    backward is done with the first region that reads it."""
-    region_of = {}
+    """Where a fused update updates each parameter inside the backward (jnntile.grad's `on_final`): backward
+    op index -> the parameters whose gradient is final once the backward reached it, the backward of the
+    first op that reads them (a compute copy's maker included), or, when that op is in a recomputed region,
+    of the region's first op (a region's backward is one piece)."""
+    region_start = {}
     for end, op in enumerate(step.ops):
         if op.region_output is not None:
             for index in range(op.region_start, end + 1):
-                region_of[index] = op.region_start
-    first_region, outside = {}, set()
+                region_start[index] = op.region_start
+    first_reader = {}
     for index, op in enumerate(step.ops):
-        for t in map(step.gradient_owner, op.inputs):
-            if t.kind != "param":
-                continue
-            if index not in region_of:
-                outside.add(t.name)
-            else:
-                first_region.setdefault(t.name, region_of[index])
+        for t in op.inputs:
+            if t.kind == "param":
+                first_reader.setdefault(t.name, region_start.get(index, index))
     fused = collections.defaultdict(list)
     for p in step.params:
-        if p.name in first_region and p.name not in outside:
-            fused[first_region[p.name]].append(p)
+        if p.name in first_reader:
+            fused[first_reader[p.name]].append(p)
     return fused
 
 
@@ -543,8 +539,8 @@ def _step_accesses(step: _RecordedStep, optimizer: str, mode: str, clip: bool, g
     its outputs' gradients, adds into its inputs' gradients, and its outputs, residuals and their gradients
     die. The optimizer reads a parameter, its gradient and state and writes them back after the backward,
     after the global norm read every gradient when it `clip`s. A fused update (`mode`, one of
-    jnntile.optim.UPDATE_MODES) updates the parameters of recomputed regions inside the backward, once their
-    gradient is final (`_fused_at`), and the gradient dies there; a speculative one reads the parameter and its states there
+    jnntile.optim.UPDATE_MODES) updates each parameter inside the backward, once its gradient is final
+    (`_fused_at`), and the gradient dies there; a speculative one reads the parameter and its states there
     and writes the next ones apart, and after the backward (the norm not clipping) the old ones die and the
     new ones take their place (`_RENAME`). A model in bfloat16 converts each weight into its compute copy
     once (the update writes the copy with the parameter): the convert reads and writes nothing in a step,

@@ -407,28 +407,33 @@ def chain(*transformations: optax.GradientTransformation) -> optax.GradientTrans
 class FusedUpdate:
     """One step of a fusable `chain`, run as the backward finishes each parameter's gradient.
 
-    Pass it as `on_final` to `jnntile.value_and_grad`, then call `finish(grads)` with the gradients
-    returned: it updates the parameters the backward did not hand over and commits the speculative
-    updates, and returns what `tx.update` would have (updates, new state).
+    Pass it as `on_final` to `jnntile.value_and_grad` (when `mode` is not "after"), then call
+    `finish(grads)` with the gradients returned: it updates the parameters the backward did not hand over
+    and commits the speculative updates, and returns what `tx.update` would have (updates, new state). In
+    mode "after" nothing is handed over and `finish` is `tx.update`. `norm` is then the step's global
+    norm (a scalar Tensor) when the chain clips.
     """
 
-    def __init__(self, rule: _Chain, opt_state, params):
-        self.rule, self.opt_state, self.params = rule, opt_state, params
+    def __init__(self, rule: _Chain, opt_state, params, mode: str):
+        self.rule, self.opt_state, self.params, self.mode = rule, opt_state, params, mode
         self.step = rule.main.start(opt_state[-1], params)
         self.index = {p.handle: i for i, p in enumerate(self.step.params)}
         self.fused: dict[int, Any] = {}  # leaf -> token of its update (speculative when clipping)
-        self.partial_norms: list[Tensor] = []
+        self.partial_sums: dict[int, Tensor] = {}  # leaf -> its gradient's sum of squares, per tile
+        self.norm: Tensor | None = None
 
     def __call__(self, param: Tensor):
         i = self.index.get(param.handle)
-        if i is None or i in self.fused:
+        if i is None or i in self.fused or self.mode == "after":
             return None
         g = Tensor(param.token, param.handle)  # a gradient as jnntile.grad returns it
         if self.rule.clip is None:
             token = self.rule.main.update_leaf(self.step, i, g)
         else:
-            norm = tensor_mod.new_handle((), "float32", ())
-            self.partial_norms.append(Tensor(call("sumsq", [_grad_values(g), norm], [g.token], sqrt=True), norm))
+            grid = math.prod(self.step.params[i].grid)
+            sums = tensor_mod.new_handle((grid,), "int64", (1,))  # doubles' bits (xla_ffi/ops/reduce.cc)
+            self.partial_sums[i] = Tensor(call("sumsq", [_grad_values(g), sums], [g.token], partials=True,
+                                               writes=[sums]), sums)
             token = self.rule.main.update_apart(self.step, i, g)
         self.fused[i] = _consume(g, token)
         return self.fused[i]
@@ -436,12 +441,12 @@ class FusedUpdate:
     def finish(self, grads):
         grad_leaves, _ = _check(grads, self.params, "FusedUpdate.finish")
         clip = None
-        if self.rule.clip is not None:
-            rest = [grad_of(g) for i, g in enumerate(grad_leaves) if i not in self.fused]
-            parts = self.partial_norms + rest
+        if self.rule.clip is not None:  # the global norm's sum in the order of global_norm's: the same bits
+            parts = [self.partial_sums[i] if i in self.fused else grad_of(g) for i, g in enumerate(grad_leaves)]
             norm = tensor_mod.new_handle((), "float32", ())
             token = call("sumsq", [t.handle for t in parts] + [norm], [t.token for t in parts], sqrt=True)
-            clip = tensor_mod.Clip(Tensor(token, norm), self.rule.clip.max_norm)
+            self.norm = Tensor(token, norm)
+            clip = tensor_mod.Clip(self.norm, self.rule.clip.max_norm)
         tokens = []
         for i, g in enumerate(grad_leaves):
             if i not in self.fused:
@@ -466,7 +471,8 @@ def update_mode(clip: bool, fused_update: str = "auto", swap: bool = False) -> s
     "auto" fuses an update without clip always: it only frees each gradient earlier. With a clip it fuses
     only with disk swap (`swap`): a speculative update keeps the new parameters and moments of the fused
     parameters beside the old ones until the step ends (12 bytes per parameter for AdamW, 4 for SGD), which
-    costs RAM where everything fits, and saves the gradients' trip to the disk and back where it does not.
+    costs RAM where everything fits, and saves the gradients' trip to the disk and back where it does not
+    (and not right after a step that clipped: `clipped`).
     """
     if fused_update not in FUSED_UPDATE_CHOICES:
         raise ValueError(f"fused_update={fused_update!r}: use one of {', '.join(FUSED_UPDATE_CHOICES)}")
@@ -476,16 +482,38 @@ def update_mode(clip: bool, fused_update: str = "auto", swap: bool = False) -> s
 
 
 def fused_update(tx: optax.GradientTransformation, opt_state, params, setting: str = "on") -> FusedUpdate | None:
-    """The fused form of one step of `tx` (see `FusedUpdate`), or None when `update_mode` says "after" for
-    `setting` (the runtime's swap decides "auto"), `tx` is not a fusable `chain` or the run is distributed
-    (gradients are summed over the ranks first)."""
+    """One step of `tx` as a `FusedUpdate` in the mode `update_mode` gives for `setting` (the runtime's swap
+    decides "auto"), or None when `tx` is not a fusable `chain` or the run is distributed (gradients are
+    summed over the ranks first)."""
     rule = _RULES.get(tx.update)
     if not isinstance(rule, _Chain) or runtime.world_size() > 1:
         return None
-    if update_mode(rule.clip is not None, setting, runtime.config().swap_dir is not None) == "after":
+    return FusedUpdate(rule, opt_state, params,
+                       update_mode(rule.clip is not None, setting, runtime.config().swap_dir is not None))
+
+
+def speculates(tx: optax.GradientTransformation, setting: str) -> bool:
+    """Whether a step of `tx` under `setting` updates speculatively (see `update_mode`)."""
+    rule = _RULES.get(tx.update)
+    return (isinstance(rule, _Chain) and rule.clip is not None and runtime.world_size() == 1
+            and update_mode(True, setting, runtime.config().swap_dir is not None) == "speculative")
+
+
+def clipped(tx: optax.GradientTransformation, norm: Tensor) -> bool | None:
+    """Whether the global `norm` a step of `tx` computed clipped (read from its tile: waits for it); None
+    when `tx` does not clip.
+
+    A speculative update that clips costs more than the update after the backward (it reads the old
+    parameter and moments again and writes the new ones twice), and a norm that clipped once tends to clip
+    again: under "auto", `jnntile.train.make_steps` runs the step after one that clipped with the update
+    after the backward (the same bits either way).
+    """
+    rule = _RULES.get(tx.update)
+    if not isinstance(rule, _Chain) or rule.clip is None:
         return None
-    return FusedUpdate(rule, opt_state, params)
+    return bool(float(norm.numpy()) >= rule.clip.max_norm)
 
 
 __all__ = ["AdamWState", "FUSED_UPDATE_CHOICES", "FusedUpdate", "Gradient", "UPDATE_MODES", "adamw", "allreduce_sum",
-           "chain", "clip_by_global_norm", "fused_update", "global_norm", "sgd", "update_mode"]
+           "chain", "clip_by_global_norm", "clipped", "fused_update", "global_norm", "sgd", "speculates",
+           "update_mode"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import fcntl
 import json
 import math
@@ -218,8 +219,9 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     the parameters of recomputed blocks are updated in the last micro-batch's
     backward as soon as their gradients are final, so those gradients never
     reach swap (`jnntile.optim.FusedUpdate`), when `fused_update` ("auto",
-    "on", "off": `jnntile.optim.update_mode`) says so; the results are those of
-    the update after the backward, within float32 rounding when it clips.
+    "on", "off": `jnntile.optim.update_mode`) says so; under "auto", a step
+    after one whose norm clipped updates after the backward. Every mode gives
+    the same bits.
 
     In a distributed run (`jnntile.runtime.world_size()` N > 1) each rank
     passes its own rows of the step's batch (`jnntile.distributed.local_rows`)
@@ -244,25 +246,34 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     add_gradients = jax.jit(gradients)
 
     # The last micro-batch and the update in one program: a step without accumulation stays the one
-    # program it was, and the update's tasks are submitted right after the last backward's.
-    @jax.jit
-    def last_and_update(params, opt_state, grads, idx, targets, dropout_seed, frozen):
-        fused = optim.fused_update(tx, opt_state, params, fused_update)
-        loss, grads = gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=fused)
-        if fused is not None:
-            updates, opt_state = fused.finish(grads)
-        else:
+    # program it was, and the update's tasks are submitted right after the last backward's (or in it).
+    @functools.partial(jax.jit, static_argnames="setting")
+    def last_and_update(params, opt_state, grads, idx, targets, dropout_seed, frozen, setting):
+        fused = optim.fused_update(tx, opt_state, params, setting)
+        on_final = fused if fused is not None and fused.mode != "after" else None
+        loss, grads = gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=on_final)
+        if fused is None:
             grads, _ = summed.update(grads, summed.init(params), params)
             updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+            return optax.apply_updates(params, updates), opt_state, loss, None
+        updates, opt_state = fused.finish(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, fused.norm
+
+    # The global norm of the step before: under "auto", a step after one whose norm clipped updates after the
+    # backward instead of speculating (the same bits; a speculative update that clips moves more bytes, and
+    # a norm that clipped tends to clip again: jnntile.optim.clipped).
+    last_norm = [None]
 
     def train_step(params, opt_state, idx, targets, dropout_seeds, frozen=None):
         grads, losses = None, []
         for k in range(grad_accum_steps - 1):
             loss, grads = add_gradients(params, grads, idx[k], targets[k], dropout_seeds[k], frozen)
             losses.append(loss)
-        params, opt_state, loss = last_and_update(params, opt_state, grads, idx[-1], targets[-1], dropout_seeds[-1],
-                                                  frozen)
+        setting = fused_update
+        if setting == "auto" and last_norm[0] is not None and optim.speculates(tx, setting):
+            setting = "off" if optim.clipped(tx, last_norm[0]) else setting
+        params, opt_state, loss, last_norm[0] = last_and_update(params, opt_state, grads, idx[-1], targets[-1],
+                                                                dropout_seeds[-1], frozen, setting)
         losses.append(loss)
         return params, opt_state, losses[0] if grad_accum_steps == 1 else jnp.mean(jnp.stack(losses))
 

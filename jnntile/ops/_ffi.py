@@ -127,13 +127,12 @@ class Step:
     keep_activations: bool = False
     # handle -> tokens of the calls that touched it in this step (arrays for reads)
     touched: dict = dataclasses.field(default_factory=dict)
-    # `value_and_grad(on_final=...)`: called as on_final(parameter, token) once the gradient of a parameter
-    # is final inside the backward (jnntile.remat: the last recomputed block that reads it is differentiated);
-    # it returns the token of what it submitted (the optimizer update fused into the backward).
+    # `value_and_grad(on_final=...)`: called once the gradient of a tensor is final, inside the backward
+    # (`hand_over_final`); it submits what uses it (the optimizer update fused into the backward).
     on_final: Callable | None = None
-    in_recomputed_block: int = 0  # depth inside jnntile.remat's forward or backward
-    block_reads: dict = dataclasses.field(default_factory=dict)  # handle -> recomputed blocks reading it
-    read_outside_blocks: set = dataclasses.field(default_factory=set)  # handles a call outside them touched
+    # handle -> the forward reads of it whose backward has not run yet: a differentiable op's, or a block's
+    # of jnntile.remat (whose ops, run undifferentiated, count as one read until the block's backward).
+    reads_left: dict = dataclasses.field(default_factory=dict)
 
 
 _steps: list[Step] = []
@@ -170,8 +169,6 @@ def record(token, *handles: _Handle | None) -> None:
     for handle in handles:
         if handle is not None:
             step.touched.setdefault(handle, []).append(token)
-            if not step.in_recomputed_block:
-                step.read_outside_blocks.add(handle)
 
 
 def read_token(array) -> jax.Array:
@@ -290,6 +287,59 @@ def grad_target(t: Tensor) -> _Handle | None:
     return tensor_mod.grad_handle(t.handle)
 
 
+# ---- gradients final inside the backward ---------------------------------------------------------
+
+def _tensor_leaves(tree) -> list[Tensor]:
+    return [t for t in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Tensor)) if isinstance(t, Tensor)]
+
+
+def _read_key(handle: _Handle) -> _Handle:
+    return handle.master or handle  # a compute copy is read for its master
+
+
+def count_reads(step: Step, args) -> None:
+    """A forward read of every Tensor in `args` whose backward is still to come (see `hand_over_final`)."""
+    for t in _tensor_leaves(args):
+        key = _read_key(t.handle)
+        step.reads_left[key] = step.reads_left.get(key, 0) + 1
+
+
+def hand_over_final(step: Step, args, cotangents):
+    """The `cotangents` of `args` after the backward of the forward reads `count_reads` counted for them:
+    a differentiated Tensor with no forward read left has its final gradient, and `step.on_final` gets it
+    (the Tensor, its token the cotangent's) and returns the token of what it submitted, or None when it
+    leaves that tensor (an activation). The cotangent carries that token, and every other cotangent is
+    ordered after it, so the rest of the backward is submitted after it."""
+    final = set()
+    for t in _tensor_leaves(args):
+        key = _read_key(t.handle)
+        step.reads_left[key] -= 1
+        if step.reads_left[key] == 0 and t.handle.master is None and t.handle.grad_zeroed:
+            final.add(id(t.handle))
+    tokens = {}
+
+    def hand_over(x, ct):
+        if isinstance(x, Tensor) and isinstance(ct, Tensor) and id(x.handle) in final and x.handle not in tokens:
+            token = step.on_final(x.with_token(ct.token))
+            if token is not None:
+                tokens[x.handle] = token
+                return ct.with_token(token)
+        return ct
+
+    is_tensor = lambda x: isinstance(x, Tensor)  # noqa: E731
+    cotangents = jax.tree.map(hand_over, tuple(args), tuple(cotangents), is_leaf=is_tensor)
+    if not tokens:
+        return cotangents
+    after_all = join(*tokens.values())
+
+    def order_after(x, ct):
+        if not (isinstance(x, Tensor) and isinstance(ct, Tensor)) or x.handle in tokens:
+            return ct
+        return ct.with_token(join(ct.token, after_all))
+
+    return tuple(jax.tree.map(order_after, tuple(args), cotangents, is_leaf=is_tensor))
+
+
 # ---- differentiable ops ------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -347,8 +397,24 @@ def differentiable(forward, backward, nondiff_argnums=(), *, name: str | None = 
             return _record(record, op_name, forward, footprint, args)
         return forward(*args, zero_grad=False)[0]
 
+    def forward_rule(*args):
+        out, residuals = forward(*args, zero_grad=True)
+        step = current_step()
+        if step is None or step.on_final is None:
+            return out, (residuals, None)
+        differentiated = tuple(a for i, a in enumerate(args) if i not in nondiff_argnums)
+        count_reads(step, differentiated)
+        return out, (residuals, differentiated)
+
+    def backward_rule(*args):
+        *fixed, (residuals, differentiated), g = args
+        cotangents = backward(*fixed, residuals, g)
+        if differentiated is None:
+            return cotangents
+        return hand_over_final(current_step(), differentiated, cotangents)
+
     op_name = name or forward.__module__.rpartition(".")[2]
-    op.defvjp(lambda *args: forward(*args, zero_grad=True), backward)
+    op.defvjp(forward_rule, backward_rule)
     return op
 
 

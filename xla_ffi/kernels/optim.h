@@ -8,13 +8,29 @@ namespace jnntile {
 
 // One AdamW step, as optax.adamw: moments m and v, bias corrections
 // bc1 = 1 - b1^t and bc2 = 1 - b2^t, decoupled weight decay, p -= lr * update.
+//
+// A step whose gradient a global-norm clip scales is computed as the step of the unscaled gradient, then
+// rescaled (`rescale`): the update after the backward (`apply_scaled`) and a speculative update that finds
+// the norm clipping (adamw_apart, then adamw_rescale) run the same arithmetic and give the same bits.
 struct AdamwStep {
   float lr, b1, b2, eps, weight_decay, bc1, bc2;
 
+  // The moments after a step of gradient g.
+  JNNTILE_HD void moments(float m, float v, float g, float& m_out, float& v_out) const {
+    m_out = b1 * m + (1.0f - b1) * g;
+    v_out = b2 * v + (1.0f - b2) * g * g;
+  }
   JNNTILE_HD void apply(float& p, float g, float& m, float& v) const {
-    m = b1 * m + (1.0f - b1) * g;
-    v = b2 * v + (1.0f - b2) * g * g;
+    moments(m, v, g, m, v);
     p = updated(p, m, v);
+  }
+  // The step of gradient scale * g (scale < 1: a clip).
+  JNNTILE_HD void apply_scaled(float& p, float g, float& m, float& v, float scale) const {
+    float m_next, v_next;
+    moments(m, v, g, m_next, v_next);
+    rescale(p, m, v, scale, p, m_next, v_next);
+    m = m_next;
+    v = v_next;
   }
   // p after the step whose new moments are m and v.
   JNNTILE_HD float updated(float p, float m, float v) const {
@@ -30,6 +46,10 @@ struct AdamwStep {
     p_out = updated(p, m_out, v_out);
   }
 };
+
+// SGD's step of gradient scale * g as the step of g rescaled, as AdamwStep's: p_next = p - lr * g, then
+// p + scale (p_next - p), the same bits in place and speculatively (sgd_apart, then sgd_rescale).
+JNNTILE_HD float sgd_rescaled(float p, float p_next, float scale) { return p + scale * (p_next - p); }
 
 // As optax.clip_by_global_norm: x is scaled by max_norm / norm when norm >= max_norm.
 JNNTILE_HD bool clips(float norm, float max_norm) { return norm >= max_norm; }
@@ -72,7 +92,7 @@ void adamw_rescale(int64_t n, const AdamwStep& step, float scale, const float* p
 // p -= lr * g
 template <Device D>
 void sgd(int64_t n, float lr, GradClip clip, float* p, const float* g, bfloat16* copy);
-// p_out = p - lr * g, p unchanged; then, when the norm clips, p_out = p + scale (p_out - p).
+// p_out = p - lr * g, p unchanged; then, when the norm clips, p_out = p + scale (p_out - p) (`sgd_rescaled`).
 template <Device D>
 void sgd_apart(int64_t n, float lr, const float* p, const float* g, float* p_out, bfloat16* copy);
 template <Device D>

@@ -33,27 +33,53 @@ void combine_kernel(void** buffers, const CombineArgs& a) {
                    tile_ptr<void>(buffers[a.count + 1]));
 }
 
+// Submits the partial sum of squares of tile t of x into `partial` (one double).
+void submit_partial(const TiledTensor& x, int64_t t, starpu_data_handle_t partial,
+                    std::vector<starpu_data_handle_t>& temporaries) {
+  static starpu_codelet* cl = JNNTILE_CODELET(PartialArgs, partial_kernel, "sumsq_partial");
+  if (x.dtype != DType::F32) throw std::invalid_argument("sumsq: needs float32 inputs: " + x.describe());
+  starpu_data_handle_t blocks = temporary_vector(kSumsqBlocks, sizeof(double));
+  submit_task(cl, {{x.tiles[t], STARPU_R}, {partial, STARPU_W}, {blocks, STARPU_SCRATCH}}, PartialArgs{x.tile_numel(t)},
+              2.0 * x.tile_numel(t));
+  temporaries.push_back(blocks);
+}
+
+// Tensors of partial sums: int64, one element per tile, holding a double's bits (attribute partials).
+bool holds_partials(const TiledTensor& t) { return t.dtype == DType::I64 && t.num_tiles() == t.numel(); }
+
 // ids [x_0, ..., x_{n-1}, out]: out = sum of x_i^2 over all tensors (one tensor for
 // sumsq/norm, all gradients for a global norm), or its square root when attr sqrt = 1.
+// An x_i may hold partial sums already (written with attribute partials = 1: ids [x, partials], one
+// per tile of x): the sum then takes them as they are, in their place, so a norm summed from partials
+// written early (jnntile.optim's fused update) has the bits of the one summed from the tensors.
 void sumsq_submit(const OpCall& call) {
   const TiledTensor& out = call.tensor(call.ids.size() - 1);
+  std::vector<starpu_data_handle_t> temporaries;
+  auto partials = call.attrs.get<int64_t>("partials");
+  if (!partials.has_error() && partials.value() != 0) {
+    const TiledTensor& x = call.tensor(0);
+    if (call.ids.size() != 2 || !holds_partials(out) || out.num_tiles() != x.num_tiles())
+      throw std::invalid_argument("sumsq partials: needs [x, an int64 tensor of one element per tile of x], got " +
+                                  out.describe() + " for " + x.describe());
+    for (int64_t t = 0; t < x.num_tiles(); ++t) submit_partial(x, t, out.tiles[t], temporaries);
+    for (starpu_data_handle_t handle : temporaries) starpu_data_unregister_submit(handle);
+    return;
+  }
   if (out.dtype != DType::F32 || out.numel() != 1)
     throw std::invalid_argument("sumsq: needs a float32 scalar output: " + out.describe());
   bool take_sqrt = attr<int64_t>(call.attrs, "sqrt") != 0;
-  static starpu_codelet* partial_cl = JNNTILE_CODELET(PartialArgs, partial_kernel, "sumsq_partial");
   static starpu_codelet* combine_cl = JNNTILE_CODELET(CombineArgs, combine_kernel, "sumsq_combine");
   std::vector<Buffer> combine_buffers;
-  std::vector<starpu_data_handle_t> temporaries;
   for (size_t i = 0; i + 1 < call.ids.size(); ++i) {
     const TiledTensor& x = call.tensor(i);
-    if (x.dtype != DType::F32) throw std::invalid_argument("sumsq: needs float32 inputs: " + x.describe());
     for (int64_t t = 0; t < x.num_tiles(); ++t) {
-      starpu_data_handle_t partial = temporary_vector(1, sizeof(double));
-      starpu_data_handle_t blocks = temporary_vector(kSumsqBlocks, sizeof(double));
-      submit_task(partial_cl, {{x.tiles[t], STARPU_R}, {partial, STARPU_W}, {blocks, STARPU_SCRATCH}},
-                  PartialArgs{x.tile_numel(t)}, 2.0 * x.tile_numel(t));
+      starpu_data_handle_t partial = x.tiles[t];
+      if (!holds_partials(x)) {
+        partial = temporary_vector(1, sizeof(double));
+        submit_partial(x, t, partial, temporaries);
+        temporaries.push_back(partial);
+      }
       combine_buffers.push_back({partial, STARPU_R});
-      temporaries.insert(temporaries.end(), {partial, blocks});
     }
   }
   int64_t count = int64_t(combine_buffers.size());

@@ -9,8 +9,15 @@ void adamw<Device::Cpu>(int64_t n, const AdamwStep& step, GradClip clip, float* 
   // A local copy: the step's fields, read through a reference, could alias the float tiles written in the
   // loop, and reloading them each element kept the loop scalar (4.6 ns per element, the whole AdamW task).
   const AdamwStep local = step;
+  if (factor == 1.0f) {
+    for (int64_t i = 0; i < n; ++i) {
+      local.apply(p[i], g[i], m[i], v[i]);
+      if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) {
-    local.apply(p[i], g[i] * factor, m[i], v[i]);
+    local.apply_scaled(p[i], g[i], m[i], v[i], factor);
     if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
   }
 }
@@ -36,7 +43,8 @@ template <>
 void sgd<Device::Cpu>(int64_t n, float lr, GradClip clip, float* p, const float* g, bfloat16* copy) {
   const float factor = clip.factor();
   for (int64_t i = 0; i < n; ++i) {
-    p[i] -= lr * (g[i] * factor);
+    float p_next = p[i] - lr * g[i];
+    p[i] = factor == 1.0f ? p_next : sgd_rescaled(p[i], p_next, factor);
     if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
   }
 }
@@ -52,7 +60,7 @@ void sgd_apart<Device::Cpu>(int64_t n, float lr, const float* p, const float* g,
 template <>
 void sgd_rescale<Device::Cpu>(int64_t n, float scale, const float* p, float* p_out, bfloat16* copy) {
   for (int64_t i = 0; i < n; ++i) {
-    p_out[i] = p[i] + scale * (p_out[i] - p[i]);
+    p_out[i] = sgd_rescaled(p[i], p_out[i], scale);
     if (copy != nullptr) copy[i] = from_float<bfloat16>(p_out[i]);
   }
 }

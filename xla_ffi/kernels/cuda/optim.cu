@@ -10,7 +10,8 @@ __global__ void adamw_kernel(int64_t n, AdamwStep step, GradClip clip, float* p,
                              bfloat16* copy) {
   const float factor = clip.factor();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    step.apply(p[i], g[i] * factor, m[i], v[i]);
+    if (factor == 1.0f) step.apply(p[i], g[i], m[i], v[i]);
+    else step.apply_scaled(p[i], g[i], m[i], v[i], factor);
     if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
   }
 }
@@ -38,7 +39,7 @@ __global__ void sgd_apart_kernel(int64_t n, float lr, const float* p, const floa
 
 __global__ void sgd_rescale_kernel(int64_t n, float scale, const float* p, float* p_out, bfloat16* copy) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    p_out[i] = p[i] + scale * (p_out[i] - p[i]);
+    p_out[i] = sgd_rescaled(p[i], p_out[i], scale);
     if (copy != nullptr) copy[i] = from_float<bfloat16>(p_out[i]);
   }
 }
@@ -46,7 +47,8 @@ __global__ void sgd_rescale_kernel(int64_t n, float scale, const float* p, float
 __global__ void sgd_kernel(int64_t n, float lr, GradClip clip, float* p, const float* g, bfloat16* copy) {
   const float factor = clip.factor();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    p[i] -= lr * (g[i] * factor);
+    float p_next = p[i] - lr * g[i];
+    p[i] = factor == 1.0f ? p_next : sgd_rescaled(p[i], p_next, factor);
     if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
   }
 }
