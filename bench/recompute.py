@@ -9,17 +9,18 @@ after all its tasks, its swap bytes from jnntile.runtime.stats(), the process's 
 a. GPT-2 XL's shape (1.48B parameters) under --limit-mb (default 1216: at XL's shape the process adds
    about 750 MB to the limit, its compiled step and JAX, so 2 GiB of peak RSS) with disk swap and
    `--remat auto`, at batch 1 x 64 and 4 x 1024: bytes written to and read from swap per parameter per
-   step, beside the planner's prediction (`MemoryPlan.swap_traffic`). At 1 x 64 with the update after the
-   backward (`--fused-update off`) and fused into it (`on`: speculative under the default clip of 1.0,
-   which clips these steps), at 4 x 1024 fused;
+   step, beside the planner's prediction (`MemoryPlan.swap_traffic`): at 1 x 64 with the update after the
+   backward (`--fused-update off`) and fused into it, speculative under a clip that the norm does not reach
+   (`--fused-update on --grad-clip 1e9`), at 4 x 1024 fused so;
 b. GPT-2 large's shape (774M) at batch 4 x 1024 with `--remat block`: tokens/s under the limit with swap
    against the same run with no limit (it fits in RAM with recomputation);
 c. GPT-2 124M at batch 4 x 1024 in RAM: tokens/s with `--remat none` and `--remat block`;
 d. every run's peak RSS beside the planner's peak of the tiles StarPU holds (the process adds its fixed
    overhead: Python, JAX, the compiled step, about 330 MB here);
-e. what the speculative update costs when the norm clips and when it does not: XL's shape at 1 x 64 as in
-   (a), with `--grad-clip 1e-6` (clips every step) and `--grad-clip 1e9` (never clips), and the update fused
-   without a clip (`--grad-clip 0`: in place, nothing speculative).
+e. what the speculative update costs when the norm clips: XL's shape at 1 x 64 as in (a) with
+   `--grad-clip 1e-6` (clips every step), `--fused-update on` (speculates anyway) and `auto` (the step after
+   one that clipped updates after the backward), and the update fused without a clip (`--grad-clip 0`: in
+   place, nothing speculative).
 
 The last step of each run is the one reported (the first compiles); the 4 x 1024 XL run takes one step,
 whose time includes compiling. `--quick` runs the same on models of a few MB (a smoke test).
@@ -54,7 +55,9 @@ def _measure(name, shape, *, steps, limit_mb, root, remat, vocab, timeout,
     `limit_mb` the run is in RAM, under `ram_limit_mb` and no swap. `shape` may name the --grad-clip and
     --fused-update of the run (the planner reads them too)."""
     argv_shape = [*shape, "--remat", remat]
-    plan = beyond_ram._plan(argv_shape, limit_mb or ram_limit_mb, vocab)
+    # With swap, --fused-update auto speculates under a clip: the plan must know the run swaps.
+    plan = beyond_ram._plan([*argv_shape, *(["--swap-dir", str(root)] if limit_mb else [])], limit_mb or ram_limit_mb,
+                            vocab)
     swap_mb = plan.swap_needed_mb(limit_mb) + 1024 if limit_mb else 0
     run_dir = root / name.replace(" ", "-")
     argv = beyond_ram._train_argv(argv_shape, run_dir / "out", steps, limit_mb or ram_limit_mb,
@@ -121,9 +124,10 @@ def main():
     runs = []  # (name, shape, steps, limit, remat)
     xl_1x64 = [*(QUICK if q else XL), *_batch(1, 64)]
     if "a" in only:
+        not_clipping = ["--fused-update", "on", "--grad-clip", "1e9"]
         runs += [("a XL 1x64", [*xl_1x64, "--fused-update", "off"], 2, limit, "auto"),
-                 ("a XL 1x64 fused", [*xl_1x64, "--fused-update", "on"], 2, limit, "auto"),
-                 ("a XL 4x1024", [*(QUICK if q else XL), *_batch(4, 128 if q else 1024), "--fused-update", "on"], 1,
+                 ("a XL 1x64 fused", [*xl_1x64, *not_clipping], 2, limit, "auto"),
+                 ("a XL 4x1024 fused", [*(QUICK if q else XL), *_batch(4, 128 if q else 1024), *not_clipping], 1,
                   limit, "auto")]
     if "b" in only:
         shape = [*(QUICK if q else LARGE), *_batch(4, 128 if q else 1024)]
@@ -135,8 +139,9 @@ def main():
         shape = [*(QUICK if q else GPT2_124M), *_batch(4, 128 if q else 1024)]
         runs += [("c 124M", shape, 3, None, "none"), ("c 124M remat", shape, 3, None, "block")]
     if "e" in only:
-        runs += [(f"e XL 1x64 fused, clip {clip}", [*xl_1x64, "--fused-update", "on", "--grad-clip", clip], 2, limit,
-                  "auto") for clip in ("1e-6", "1e9", "0")]
+        runs += [(f"e XL 1x64 clipping, {setting}", [*xl_1x64, "--fused-update", setting, "--grad-clip", "1e-6"], 2,
+                  limit, "auto") for setting in ("on", "auto")]
+        runs += [("e XL 1x64 no clip", [*xl_1x64, "--grad-clip", "0"], 2, limit, "auto")]
     root = Path(tempfile.mkdtemp(prefix="jnntile-bench-recompute-", dir=args.swap_dir))
     started, rows = time.perf_counter(), []
     try:
