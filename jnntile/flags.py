@@ -70,10 +70,11 @@ def add_update_flags(parser: argparse.ArgumentParser) -> None:
     """Gradient clipping and how the optimizer update meets the backward (a command that trains or plans it)."""
     parser.add_argument("--grad-clip", type=float, default=1.0, help="global norm (default: 1.0); 0 disables")
     parser.add_argument("--fused-update", choices=optim.FUSED_UPDATE_CHOICES, default="auto",
-                        help="update each parameter of a recomputed block inside the backward, as soon as its "
-                             "gradient is final, so gradients never reach swap; with --grad-clip the update is "
-                             "speculative and committed once the norm is known, the new state beside the old until "
-                             "then. auto: on without clipping, with clipping only with --swap-dir (default: auto)")
+                        help="update each parameter inside the backward, as soon as its gradient is final, so "
+                             "gradients never reach swap; with --grad-clip the update is speculative and committed "
+                             "once the norm is known, the new state beside the old until then. auto: on without "
+                             "clipping, with clipping only with --swap-dir and not right after a step whose norm "
+                             "clipped (default: auto). The results are the same bits either way")
 
 
 def update_mode(args) -> str:

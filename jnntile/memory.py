@@ -382,6 +382,9 @@ class MemoryPlan:
             ("optimizer state", self.optimizer_state / MB, self.optimizer),
             *([("compute copies", self.compute_copies / MB, "bfloat16 weights, written by the update")]
               if self.compute_copies else []),
+            *([("next state (speculative update)", (self.parameters + self.optimizer_state + self.compute_copies) / MB,
+                "written apart in the backward, the state from the step's end")] if self.update == "speculative"
+              else []),
             ("token ids", self.inputs / MB, "idx, targets, positions"),
             ("activations kept for backward", self.activations / MB, "incl. layer-norm/attention/loss residuals"),
             ("activation gradients (peak)", self.activation_gradients / MB, "alive at once in the backward pass"),

@@ -239,15 +239,16 @@ def allreduce_sum(ownership: distributed.DataParallel = distributed.DEFAULT_OWNE
 # ---- the update fused into the backward ------------------------------------------------------------------
 #
 # jnntile.value_and_grad(on_final=...) hands each parameter over as soon as its gradient is final (the
-# last recomputed block that reads it was differentiated), while the backward of the earlier blocks goes
-# on. `FusedUpdate` updates it there, so the gradient is read while in RAM and dropped: it never reaches
-# swap. Without a clip that is the update itself, in place. With clip_by_global_norm the scale is unknown
-# until every gradient is done, so the update is speculative: written apart, unclipped, into shadow tensors
-# (the parameter and its moments stay as they were), with the gradient's partial norm beside it. Once the
-# norm is known, each shadow becomes its tensor's state by exchanging tiles (no data moves); when the norm
-# clips, the clipped step replaces the speculative one first, from the moments before and after it
-# (AdamwStep::rescale in xla_ffi/kernels/optim.h; exact up to rounding). Clipping then costs a read of the
-# old parameter and both moments' states and a write of the new ones; not clipping costs nothing more.
+# backward of every op that read it ran), while the backward of the earlier layers goes on. `FusedUpdate`
+# updates it there, so the gradient is read while in RAM and dropped: it never reaches swap. Without a clip
+# that is the update itself, in place. With clip_by_global_norm the scale is unknown until every gradient
+# is done, so the update is speculative: written apart, unclipped, into shadow tensors (the parameter and
+# its moments stay as they were), with the gradient's per-tile sums of squares beside it. Once the norm is
+# known, each shadow becomes its tensor's state by exchanging tiles (no data moves); when the norm clips,
+# the clipped step replaces the speculative one first, from the moments before and after it
+# (AdamwStep::rescale in xla_ffi/kernels/optim.h), as the update after the backward computes a clipped
+# step: the same bits. Clipping then costs a read of the old parameter and both moments and a write of
+# the new ones; not clipping costs nothing more.
 
 _RULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # update function -> what it does
 
@@ -459,8 +460,8 @@ class FusedUpdate:
         return _updates_like(self.params, tokens), (*self.opt_state[:-1], state)
 
 
-# How a training step updates the parameters of recomputed blocks: after the backward, fused into it in
-# place (no clip), or speculative (a clip: written apart, committed once the norm is known).
+# How a training step updates the parameters: after the backward, fused into it in place (no clip), or
+# speculative (a clip: written apart, committed once the norm is known).
 UPDATE_MODES = ("after", "fused", "speculative")
 FUSED_UPDATE_CHOICES = ("auto", "on", "off")
 

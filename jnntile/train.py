@@ -216,12 +216,11 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     the loss.
 
     With `tx` a `jnntile.optim.chain` (an optional clip, then adamw or sgd),
-    the parameters of recomputed blocks are updated in the last micro-batch's
-    backward as soon as their gradients are final, so those gradients never
-    reach swap (`jnntile.optim.FusedUpdate`), when `fused_update` ("auto",
-    "on", "off": `jnntile.optim.update_mode`) says so; under "auto", a step
-    after one whose norm clipped updates after the backward. Every mode gives
-    the same bits.
+    the parameters are updated in the last micro-batch's backward as soon as
+    their gradients are final, so those gradients never reach swap
+    (`jnntile.optim.FusedUpdate`), when `fused_update` ("auto", "on", "off":
+    `jnntile.optim.update_mode`) says so; under "auto", a step after one whose
+    norm clipped updates after the backward. Every mode gives the same bits.
 
     In a distributed run (`jnntile.runtime.world_size()` N > 1) each rank
     passes its own rows of the step's batch (`jnntile.distributed.local_rows`)
