@@ -265,6 +265,13 @@ void mark_invalidated(starpu_data_handle_t handle) {
   state->version.fetch_add(1);
 }
 
+void tensor_invalidate(const TiledTensor& t) {
+  for (starpu_data_handle_t handle : t.tiles) {
+    starpu_data_invalidate_submit(handle);
+    mark_invalidated(handle);
+  }
+}
+
 int64_t tensor_count() {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);

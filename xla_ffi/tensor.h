@@ -91,6 +91,8 @@ void mark_written(starpu_data_handle_t handle);
 // Counts a submission that writes the tile (write-only or read-write).
 void count_write(starpu_data_handle_t handle);
 void mark_invalidated(starpu_data_handle_t handle);
+// Invalidates every tile of `t` after the tasks already submitted on it (DESIGN invariant 7).
+void tensor_invalidate(const TiledTensor& t);
 // Unregisters every tensor; `sync` (only once no task is pending) waits for
 // StarPU's requests on each tile, so that shutdown finds none queued.
 void tensor_free_all(bool sync = false);

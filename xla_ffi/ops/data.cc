@@ -215,11 +215,7 @@ JNNTILE_OP(wait_for, wait_for_submit);
 void invalidate_submit(const OpCall& call) {
   for (size_t i = 0; i < call.ids.size(); ++i) {
     if (call.ids[i] < 0) continue;
-    TiledTensor& t = call.tensor(i);
-    for (starpu_data_handle_t handle : t.tiles) {
-      starpu_data_invalidate_submit(handle);
-      mark_invalidated(handle);
-    }
+    tensor_invalidate(call.tensor(i));
   }
 }
 JNNTILE_OP(invalidate, invalidate_submit);

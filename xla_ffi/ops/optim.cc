@@ -59,6 +59,15 @@ void submit_update(starpu_codelet* cl, std::vector<Buffer> buffers, const TiledT
   if (copy) mark_copy_fresh(copy->tiles[t], p.tiles[t]);
 }
 
+// The step's hyper-parameters: attributes b1, b2, eps, weight_decay; inputs [lr, step (1-based)].
+AdamwStep adamw_step(const OpCall& call) {
+  float lr = float(call.input_scalar(0));
+  double step = call.input_scalar(1);
+  float b1 = float(attr<double>(call.attrs, "b1")), b2 = float(attr<double>(call.attrs, "b2"));
+  return {lr, b1, b2, float(attr<double>(call.attrs, "eps")), float(attr<double>(call.attrs, "weight_decay")),
+          float(1.0 - std::pow(double(b1), step)), float(1.0 - std::pow(double(b2), step))};
+}
+
 struct AdamwArgs {
   int64_t n;
   AdamwStep step;
@@ -78,13 +87,8 @@ void adamw_submit(const OpCall& call) {
   const TiledTensor* copy = update_copy(call, p, 4, "adamw");
   starpu_data_handle_t norm = clip_norm(call, 4 + (copy != nullptr));
   for (const TiledTensor* t : {&g, &m, &v}) check_same_tiling(p, *t, "adamw");
-  float lr = float(call.input_scalar(0));
-  double step = call.input_scalar(1);
-  float b1 = float(attr<double>(call.attrs, "b1")), b2 = float(attr<double>(call.attrs, "b2"));
-  float bc1 = float(1.0 - std::pow(double(b1), step)), bc2 = float(1.0 - std::pow(double(b2), step));
-  AdamwArgs args{0, {lr, b1, b2, float(attr<double>(call.attrs, "eps")),
-                     float(attr<double>(call.attrs, "weight_decay")), bc1, bc2},
-                 float(attr<double>(call.attrs, "max_norm")), {4, copy != nullptr, norm != nullptr}};
+  AdamwArgs args{0, adamw_step(call), float(attr<double>(call.attrs, "max_norm")),
+                 {4, copy != nullptr, norm != nullptr}};
   static starpu_codelet* cl = JNNTILE_CODELET(AdamwArgs, adamw_kernel, "adamw");
   for (int64_t t = 0; t < p.num_tiles(); ++t) {
     args.n = p.tile_numel(t);
@@ -130,22 +134,6 @@ JNNTILE_OP(sgd, sgd_submit);
 // known, the commit makes the shadows the parameter's state by exchanging their tiles (no data moves), after
 // replacing the speculative step by the clipped one when the norm clips. The old tiles are invalidated.
 
-// The compute copies an apart update or a commit writes (attribute copy=1): `copy` of `shadow`, and for a
-// commit also `master`'s, which the exchange swaps with it. Null when the model has none.
-const TiledTensor* shadow_copy(const OpCall& call, const TiledTensor& shadow, size_t at, const char* op) {
-  auto copy = call.attrs.get<int64_t>("copy");
-  if (copy.has_error() || copy.value() == 0) return nullptr;
-  return update_copy(call, shadow, at, op);
-}
-
-AdamwStep adamw_step(const OpCall& call) {
-  float lr = float(call.input_scalar(0));
-  double step = call.input_scalar(1);
-  float b1 = float(attr<double>(call.attrs, "b1")), b2 = float(attr<double>(call.attrs, "b2"));
-  return {lr, b1, b2, float(attr<double>(call.attrs, "eps")), float(attr<double>(call.attrs, "weight_decay")),
-          float(1.0 - std::pow(double(b1), step)), float(1.0 - std::pow(double(b2), step))};
-}
-
 // The clip's scale (max_norm / norm) once the norm is computed, or 1 when it does not clip: blocks until the
 // backward is done (the watchdog turns a wait that cannot end into an error).
 float clip_scale(const TiledTensor& norm, float max_norm) {
@@ -160,10 +148,7 @@ float clip_scale(const TiledTensor& norm, float max_norm) {
 void exchange(const std::vector<std::pair<const TiledTensor*, const TiledTensor*>>& pairs) {
   for (auto [tensor, shadow] : pairs) {
     tensor_swap_tiles(tensor->id, shadow->id);
-    for (starpu_data_handle_t handle : shadow->tiles) {
-      starpu_data_invalidate_submit(handle);
-      mark_invalidated(handle);
-    }
+    tensor_invalidate(*shadow);
   }
 }
 
@@ -185,7 +170,7 @@ void adamw_apart_submit(const OpCall& call) {
   const TiledTensor &p = call.tensor(0), &g = call.tensor(1), &m = call.tensor(2), &v = call.tensor(3);
   const TiledTensor &p2 = call.tensor(4), &m2 = call.tensor(5), &v2 = call.tensor(6);
   for (const TiledTensor* t : {&g, &m, &v, &p2, &m2, &v2}) check_same_tiling(p, *t, "adamw_apart");
-  const TiledTensor* copy = shadow_copy(call, p2, 7, "adamw_apart");
+  const TiledTensor* copy = update_copy(call, p2, 7, "adamw_apart");
   AdamwApartArgs args{0, adamw_step(call), copy != nullptr};
   static starpu_codelet* cl = JNNTILE_CODELET(AdamwApartArgs, adamw_apart_kernel, "adamw_apart");
   for (int64_t t = 0; t < p.num_tiles(); ++t) {
@@ -217,8 +202,8 @@ void adamw_commit_submit(const OpCall& call) {
   const TiledTensor &p = call.tensor(1), &m = call.tensor(2), &v = call.tensor(3);
   const TiledTensor &p2 = call.tensor(4), &m2 = call.tensor(5), &v2 = call.tensor(6);
   for (const TiledTensor* t : {&m, &v, &p2, &m2, &v2}) check_same_tiling(p, *t, "adamw_commit");
-  const TiledTensor* copy = shadow_copy(call, p, 7, "adamw_commit");
-  const TiledTensor* copy2 = shadow_copy(call, p2, 8, "adamw_commit");
+  const TiledTensor* copy = update_copy(call, p, 7, "adamw_commit");
+  const TiledTensor* copy2 = update_copy(call, p2, 8, "adamw_commit");
   float scale = clip_scale(call.tensor(0), float(attr<double>(call.attrs, "max_norm")));
   if (scale != 1.0f) {
     AdamwRescaleArgs args{0, adamw_step(call), scale, copy2 != nullptr};
@@ -252,7 +237,7 @@ void sgd_apart_kernel(void** buffers, const SgdApartArgs& a) {
 void sgd_apart_submit(const OpCall& call) {
   const TiledTensor &p = call.tensor(0), &g = call.tensor(1), &p2 = call.tensor(2);
   for (const TiledTensor* t : {&g, &p2}) check_same_tiling(p, *t, "sgd_apart");
-  const TiledTensor* copy = shadow_copy(call, p2, 3, "sgd_apart");
+  const TiledTensor* copy = update_copy(call, p2, 3, "sgd_apart");
   float lr = float(call.input_scalar(0));
   static starpu_codelet* cl = JNNTILE_CODELET(SgdApartArgs, sgd_apart_kernel, "sgd_apart");
   for (int64_t t = 0; t < p.num_tiles(); ++t)
@@ -277,8 +262,8 @@ void sgd_rescale_kernel(void** buffers, const SgdRescaleArgs& a) {
 void sgd_commit_submit(const OpCall& call) {
   const TiledTensor &p = call.tensor(1), &p2 = call.tensor(2);
   check_same_tiling(p, p2, "sgd_commit");
-  const TiledTensor* copy = shadow_copy(call, p, 3, "sgd_commit");
-  const TiledTensor* copy2 = shadow_copy(call, p2, 4, "sgd_commit");
+  const TiledTensor* copy = update_copy(call, p, 3, "sgd_commit");
+  const TiledTensor* copy2 = update_copy(call, p2, 4, "sgd_commit");
   float scale = clip_scale(call.tensor(0), float(attr<double>(call.attrs, "max_norm")));
   if (scale != 1.0f) {
     static starpu_codelet* cl = JNNTILE_CODELET(SgdRescaleArgs, sgd_rescale_kernel, "sgd_rescale");
