@@ -203,8 +203,9 @@ def assert_trained_params_close(params: dict, reference: dict, steps: int, lr: f
         assert rel_err(mine, expected) <= tol, name
 
 
-def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0):
-    """Losses and final parameters of `steps` AdamW steps (jnntile.train.make_steps) of a GPT-2 on random tokens."""
+def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0, optimizer: str = "adamw"):
+    """Losses and final parameters of `steps` AdamW (or SGD) steps at TRAIN_STEPS_LR (jnntile.train.make_steps)
+    of a GPT-2 on random tokens."""
     from flax import nnx
 
     from jnntile import optim
@@ -213,7 +214,7 @@ def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0
 
     model = gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
     graphdef, params = nnx.split(model, nnx.Param)
-    tx = optim.adamw(TRAIN_STEPS_LR)
+    tx = {"adamw": optim.adamw, "sgd": optim.sgd}[optimizer](TRAIN_STEPS_LR)
     opt_state = tx.init(params)
     train_step, _ = make_steps(graphdef, tx)
     rng = np.random.default_rng(seed)

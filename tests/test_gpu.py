@@ -52,16 +52,21 @@ def test_training_with_jax_on_the_gpu_backend():
 
 
 @needs_gpu
-def test_training_on_cuda_workers_matches_cpu_workers(restore_runtime):
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_training_on_cuda_workers_matches_cpu_workers(optimizer, restore_runtime):
     restart_runtime(placement="cpu", matmul_precision="highest")
-    cpu_losses, cpu_params = train_steps(CONFIG, steps=3, batch_size=B, seq_len=T)
+    cpu_losses, cpu_params = train_steps(CONFIG, steps=3, batch_size=B, seq_len=T, optimizer=optimizer)
     restart_runtime(placement="cuda", matmul_precision="highest")
-    cuda_losses, cuda_params = train_steps(CONFIG, steps=3, batch_size=B, seq_len=T)
+    cuda_losses, cuda_params = train_steps(CONFIG, steps=3, batch_size=B, seq_len=T, optimizer=optimizer)
     assert rel_err(cuda_losses, cpu_losses) < 1e-5
-    # Other kernels sum in another order: measured on an H100, every parameter within 1e-5 but the key biases
-    # (6e-3 relative on c_attn.bias), which AdamW moves by rounding noise (see assert_trained_params_close).
-    assert_trained_params_close(cuda_params, cpu_params, 3, TRAIN_STEPS_LR, 1e-5)
     assert sum(w["tasks"] for w in jnntile.runtime.stats()["workers"] if w["name"].startswith("CUDA")) > 0
+    if optimizer == "sgd":
+        # Other kernels sum in another order; SGD's parameters are linear in the gradients, so they differ as
+        # little (the key biases, zero gradient in exact arithmetic, by rounding noise: see
+        # assert_trained_params_close). AdamW's are not compared: it divides each gradient element by its own
+        # magnitude, so a last-bit difference in a small element becomes a difference of its update (on an
+        # H200, 2.2e-4 relative on wpe after 3 steps while the losses agreed to 4e-7; 1e-5 on an H100).
+        assert_trained_params_close(cuda_params, cpu_params, 3, TRAIN_STEPS_LR, 1e-5)
 
 
 @needs_gpu

@@ -343,10 +343,15 @@ def test_the_fused_update_that_clips_in_bfloat16_with_micro_batches_and_on_llama
 
 
 @pytest.mark.parametrize("clip", ["clips", "does-not-clip"])
-def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, tmp_path, restore_runtime):
+def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, placement, tmp_path, restore_runtime):
     """Shadows, exchanged tiles and the commit's invalidations through StarPU's eviction to disk."""
     from jnntile import runtime
 
+    if placement == "cuda":
+        # On CUDA workers tiles reach the disk only through a GPU limit as well, and on an H200 steps under GPU
+        # and RAM limits of 1 MB with disk swap crashed (SIGSEGV) or made no progress, with or without the
+        # fused update: a known defect (docs/design.md, "GPUs").
+        pytest.skip("GPU, RAM and disk limits together: a known crash on CUDA workers (docs/design.md, GPUs)")
     losses, params, _, _ = _train_gpt2(False, FUSED_CLIPS[clip])
     runtime.stop()
     jnntile.release_traced()
