@@ -21,7 +21,10 @@ d. every run's peak RSS beside the planner's peak of the tiles StarPU holds (the
 e. what the speculative update costs when the norm clips: XL's shape at 1 x 64 as in (a) with
    `--grad-clip 1e-6` (clips every step), `--fused-update on` (speculates anyway) and `auto` (the step after
    one that clipped updates after the backward), and the update fused without a clip (`--grad-clip 0`: in
-   place, nothing speculative).
+   place, nothing speculative);
+f. the schedules of `--grad-accum-steps`: XL's shape as (a) at 4 x 1024 written as `--batch-size 1
+   --grad-accum-steps 4`, micro-batch after micro-batch (each reads every weight again) and
+   `--grad-accum-schedule layer` (the four through each layer together: (a)'s batch of 4 in tiles of 1).
 
 The last step of each run is the one reported (the first compiles). `--quick` runs the same on models of a few MB (a smoke test).
 """
@@ -69,10 +72,11 @@ def _measure(name, shape, *, steps, limit_mb, root, remat, vocab, timeout,
     last = result["steps"][-1]
     clip = "--grad-clip" not in shape or float(shape[shape.index("--grad-clip") + 1]) > 0
     predicted = plan.swap_traffic(limit_mb, clip) if limit_mb else (0, 0)
-    batch, seq = int(shape[shape.index("--batch-size") + 1]), int(shape[shape.index("--seq-len") + 1])
+    flag = lambda name, default=None: int(shape[shape.index(name) + 1]) if name in shape else default  # noqa: E731
+    tokens = flag("--batch-size") * flag("--seq-len") * flag("--grad-accum-steps", 1)
     return dict(run=name, params=plan.n_params, remat=remat, update=plan.update, limit_mb=limit_mb,
                 step_s=last["seconds"],
-                tokens_per_s=batch * seq / last["seconds"], written_mb=last["written_mb"], read_mb=last["read_mb"],
+                tokens_per_s=tokens / last["seconds"], written_mb=last["written_mb"], read_mb=last["read_mb"],
                 predicted_written_mb=predicted[0] / MB, predicted_read_mb=predicted[1] / MB,
                 peak_rss_mb=result["process_peak_rss_mb"], planned_peak_mb=plan.peak / MB,
                 remat_note=" ".join(line for line in result.get("info", []) if "remat" in line))
@@ -110,7 +114,7 @@ def main():
     parser.add_argument("--limit-mb", type=int, default=1216, help="--memory-limit-mb of the limited runs")
     parser.add_argument("--swap-dir", default=tempfile.gettempdir())
     parser.add_argument("--only", default="a,b,c,e",
-                        help="which measurements (a, b, c, e; d is in every row; b-ram: b's run in RAM alone)")
+                        help="which measurements (a, b, c, e, f; d is in every row; b-ram: b's run in RAM alone)")
     parser.add_argument("--ram-limit-mb", type=int, default=beyond_ram.NO_LIMIT_MB,
                         help="--memory-limit-mb of the runs in RAM (no swap: the step's tiles must fit)")
     parser.add_argument("--timeout-s", type=float, default=3600, help="per process")
@@ -123,8 +127,8 @@ def main():
     q = args.quick
     runs = []  # (name, shape, steps, limit, remat)
     xl_1x64 = [*(QUICK if q else XL), *_batch(1, 64)]
+    not_clipping = ["--fused-update", "on", "--grad-clip", "1e9"]
     if "a" in only:
-        not_clipping = ["--fused-update", "on", "--grad-clip", "1e9"]
         runs += [("a XL 1x64", [*xl_1x64, "--fused-update", "off"], 2, limit, "auto"),
                  ("a XL 1x64 fused", [*xl_1x64, *not_clipping], 2, limit, "auto"),
                  ("a XL 4x1024 fused", [*(QUICK if q else XL), *_batch(4, 128 if q else 1024), *not_clipping], 2,
@@ -143,6 +147,10 @@ def main():
         runs += [(f"e XL 1x64 clipping, {setting}", [*xl_1x64, "--fused-update", setting, "--grad-clip", "1e-6"], 2,
                   limit, "auto") for setting in ("on", "auto")]
         runs += [("e XL 1x64 no clip", [*xl_1x64, "--grad-clip", "0"], 2, limit, "auto")]
+    if "f" in only:
+        accumulated = [*(QUICK if q else XL), *_batch(1, 128 if q else 1024), "--grad-accum-steps", "4", *not_clipping]
+        runs += [(f"f XL 4x1024 as 4 micro-batches, {schedule}", [*accumulated, "--grad-accum-schedule", schedule],
+                  2, limit, "auto") for schedule in ("micro-batch", "layer")]
     root = Path(tempfile.mkdtemp(prefix="jnntile-bench-recompute-", dir=args.swap_dir))
     started, rows = time.perf_counter(), []
     try:

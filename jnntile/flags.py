@@ -66,6 +66,35 @@ def add_execution_flags(parser: argparse.ArgumentParser, training: bool = True) 
                              "auto with --memory-limit-mb, else none)")
 
 
+GRAD_ACCUM_SCHEDULES = ("micro-batch", "layer")
+
+
+def add_batch_flags(parser: argparse.ArgumentParser, batch_size: int) -> None:
+    """A step's batch: sequences per micro-batch, micro-batches per step, and the order they run in."""
+    parser.add_argument("--batch-size", type=int, default=batch_size,
+                        help="sequences per micro-batch (the batch of one step, unless --grad-accum-steps)")
+    parser.add_argument("--grad-accum-steps", type=int, default=1,
+                        help="micro-batches per step: a step sees batch-size x this many sequences, then one update "
+                             "runs (default: 1)")
+    parser.add_argument("--grad-accum-schedule", choices=GRAD_ACCUM_SCHEDULES, default="micro-batch",
+                        help="micro-batch: each micro-batch runs its forward and backward before the next and adds "
+                             "its gradients, scaled by 1/N, into the tiled gradients (memory of one micro-batch); "
+                             "layer: the micro-batches go through each layer together, as one batch in tiles of "
+                             "--batch-size sequences, so a step reads each weight once instead of once per "
+                             "micro-batch (with disk swap: fewer bytes moved; the activations of every micro-batch "
+                             "at once, one dropout seed per step) (default: micro-batch)")
+
+
+def one_batch_per_step(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags of --grad-accum-schedule layer written as the batch it runs: --grad-accum-steps N micro-batches
+    of B sequences become one batch of N x B in tiles of B (--tile-batch, unless given), the same rows; other
+    flags, and a micro-batch schedule, are returned as they are."""
+    if args.grad_accum_schedule != "layer" or args.grad_accum_steps == 1:
+        return args
+    return argparse.Namespace(**{**vars(args), "batch_size": args.batch_size * args.grad_accum_steps,
+                                 "grad_accum_steps": 1, "tile_batch": args.tile_batch or args.batch_size})
+
+
 def add_update_flags(parser: argparse.ArgumentParser) -> None:
     """Gradient clipping and how the optimizer update meets the backward (a command that trains or plans it)."""
     parser.add_argument("--grad-clip", type=float, default=1.0, help="global norm (default: 1.0); 0 disables")

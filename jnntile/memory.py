@@ -757,7 +757,7 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
 
 
 def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, optimizer: str = "adamw",
-                 workers: int | None = None, finetune=None, update: str = "after"):
+                 workers: int | None = None, finetune=None, update: str = "after", grad_accum_steps: int = 1):
     """`config` with remat="auto" resolved. "none" when the step fits the memory limit without recomputation;
     else "block" with the fewest blocks recomputed (`remat_blocks`) that make it fit; when even all of them do
     not, all blocks or none, whichever the planner predicts to move fewer bytes to and from swap
@@ -770,7 +770,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
     @functools.cache  # each plan records the whole model
     def plan_with(blocks: int) -> MemoryPlan:
         chosen = dataclasses.replace(config, remat="block" if blocks else "none", remat_blocks=blocks or None)
-        return plan(chosen, batch_size, seq_len, optimizer, workers, finetune=finetune, update=update)
+        return plan(chosen, batch_size, seq_len, optimizer, workers, grad_accum_steps, finetune, update)
 
     def peak_with(blocks: int) -> int:
         return plan_with(blocks).peak
@@ -839,10 +839,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("n-layer", "n-head", "n-embd", "vocab-size", "n-positions"):
         parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
     parser.add_argument("--dropout", type=float, default=None, help="override the preset")
-    parser.add_argument("--batch-size", type=int, default=8)
+    flags.add_batch_flags(parser, batch_size=8)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's positions")
-    parser.add_argument("--grad-accum-steps", type=int, default=1,
-                        help="micro-batches of --batch-size per step (gradient accumulation)")
     flags.add_execution_flags(parser)
     flags.add_finetune_flags(parser)
     flags.add_runtime_flags(parser)
@@ -861,6 +859,8 @@ def config_from_args(args):
 
 def plan_from_args(args) -> MemoryPlan:
     """The plan of the step the flags describe, automatic tiles fitted to the limits (see `fit_tiles`)."""
+    if hasattr(args, "grad_accum_schedule"):
+        args = flags.one_batch_per_step(args)
     config = config_from_args(args)
     seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.max_positions
     if seq_len > config.max_positions:  # as python -m jnntile.train does: the positions grow to the sequence
@@ -869,10 +869,11 @@ def plan_from_args(args) -> MemoryPlan:
     limit, _, gpu = limits_from_args(args)
     finetune = flags.finetune_settings(args) if hasattr(args, "lora_rank") else None
     update = flags.update_mode(args) if hasattr(args, "fused_update") else "after"
-    config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers, finetune, update)
+    accum = getattr(args, "grad_accum_steps", 1)
+    config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers, finetune, update,
+                                      accum)
     config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers, finetune, update)
-    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, getattr(args, "grad_accum_steps", 1),
-                       finetune, update)
+    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, accum, finetune, update)
     memory_plan.tiles_note = "\n".join(n for n in (note, remat_note) if n)
     return memory_plan
 

@@ -41,7 +41,7 @@ from jnntile import checkpoint, decoding, distributed, flags, lora, memory, nn, 
 from jnntile import data as data_mod
 from jnntile.models import families
 
-DEFAULTS = dict(model="tiny", batch_size=8, grad_accum_steps=1, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
+DEFAULTS = dict(model="tiny", batch_size=8, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
                 weight_decay=0.1, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
                 checkpoint_interval=200, data_order="random", out="out", samples=3, sample_tokens=120)
 
@@ -58,11 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, help="override the preset's dropout rate")
     flags.add_execution_flags(p)
     p.add_argument("--data", help="a nanoGPT-style uint16 .bin token file (default: the built-in corpus)")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
-                   help="sequences per micro-batch (the batch of one step, unless --grad-accum-steps)")
-    p.add_argument("--grad-accum-steps", type=int, default=DEFAULTS["grad_accum_steps"],
-                   help="micro-batches per step: their gradients are summed in the tiled gradients, then one update "
-                        "runs; a step sees batch-size x this many sequences, memory is planned for one micro-batch")
+    flags.add_batch_flags(p, batch_size=DEFAULTS["batch_size"])
     p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="total steps, also when resuming")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
@@ -409,6 +405,9 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     # An error on one rank stops every rank here, before anything runs.
     with distributed.checked_together("the training set-up") as same:
         _check_args(args)
+        schedule_note = (f" ({args.grad_accum_steps} micro-batches of {args.batch_size} through each layer together)"
+                         if args.grad_accum_schedule == "layer" and args.grad_accum_steps > 1 else "")
+        args = flags.one_batch_per_step(args)
         rows = distributed.DEFAULT_OWNERSHIP.batch_rows(args.batch_size, rank, ranks)
         batch_size = rows.stop - rows.start  # this rank's sequences per micro-batch
         if lead:
@@ -431,7 +430,8 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
         update = flags.update_mode(args)
         config, remat_note = memory.choose_remat(config, batch_size, args.seq_len, runtime_config.memory_limit_mb,
-                                                 args.optimizer, runtime_config.workers, finetune, update)
+                                                 args.optimizer, runtime_config.workers, finetune, update,
+                                                 args.grad_accum_steps)
         config, tiles_note = memory.fit_tiles(config, batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
                                               args.optimizer, runtime_config.workers, finetune, update)
         tiles_note = "\n".join(note for note in (remat_note, tiles_note) if note)
@@ -488,7 +488,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
             print(tiles_note, flush=True)
         batch = f"batch {args.batch_size} x {args.seq_len}" + (
             f" x {args.grad_accum_steps} micro-batches per step" if args.grad_accum_steps > 1 else "") + (
-            f" ({batch_size} per rank)" if ranks > 1 else "")
+            f" ({batch_size} per rank)" if ranks > 1 else "") + schedule_note
         source = args.init_from_hf or args.model
         print(f"{config.describe()} ({source}); tiles {model.tiles}; {batch}; StarPU: "
               f"{jnntile.runtime.describe()} (planned peak {plan.peak / 2**20:.0f} MB{' per rank' if ranks > 1 else ''}: "

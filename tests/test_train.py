@@ -1,5 +1,6 @@
 """`python -m jnntile.train`: outputs, checkpoints, bit-identical resume, Ctrl-C, HF interop, bad input."""
 
+import argparse
 import dataclasses
 import json
 import os
@@ -100,6 +101,27 @@ def test_micro_batches_see_the_rows_of_the_whole_batch(dataset, tmp_path, order)
     whole = data_mod.TokenDataset(dataset).batch(5, 6, 16, order, seed=0)
     np.testing.assert_array_equal(idx.reshape(6, 16), whole[0])
     np.testing.assert_array_equal(targets.reshape(6, 16), whole[1])
+
+
+def test_micro_batches_through_each_layer_together_are_one_batch_in_tiles_of_a_micro_batch(dataset, tmp_path, capsys):
+    """--grad-accum-schedule layer: the step of one batch of N x B sequences in tiles of B, the same rows; its
+    losses near the micro-batch schedule's (another order of summation) and its plan that batch's."""
+    common = ["--steps", "3", "--eval-interval", "0", "--samples", "0"]
+    _run(dataset, tmp_path / "micro", *common, "--batch-size", "2", "--grad-accum-steps", "2")
+    _run(dataset, tmp_path / "layer", *common, "--batch-size", "2", "--grad-accum-steps", "2",
+         "--grad-accum-schedule", "layer")
+    assert "batch 4 x 16 (2 micro-batches of 2 through each layer together)" in capsys.readouterr().out
+    _run(dataset, tmp_path / "whole", *common, "--batch-size", "4", "--tile-batch", "2")
+    assert _losses(tmp_path / "layer") == _losses(tmp_path / "whole")
+    assert rel_err(_losses(tmp_path / "layer"), _losses(tmp_path / "micro")) < 1e-6
+    state = json.loads((tmp_path / "layer" / "ckpt-0000003" / "state.json").read_text())
+    assert state["data_position"] == 3 * 4 * 16
+    parser = argparse.ArgumentParser()
+    memory.add_arguments(parser)
+    layer, whole = (memory.plan_from_args(parser.parse_args(["--n-layer", "2", "--seq-len", "16", *batch]))
+                    for batch in (["--batch-size", "2", "--grad-accum-steps", "3", "--grad-accum-schedule", "layer"],
+                                  ["--batch-size", "6", "--tile-batch", "2"]))
+    assert (layer.batch_size, layer.grad_accum_steps, layer.tiles, layer.peak) == (6, 1, whole.tiles, whole.peak)
 
 
 def test_resume_with_micro_batches_is_bit_identical(dataset, tmp_path):
