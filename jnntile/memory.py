@@ -655,16 +655,34 @@ def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, update: st
     """(bytes written to swap, bytes read from it) by a training step in steady state with `capacity` bytes
     of RAM (the second of three, so that the first's cold start and the last's missing future do not
     count): the step's tile accesses (`_step_accesses`) replayed through RAM as a cache of the swap that
-    evicts the least recently used tile, as StarPU does. A dirty tile evicted is written to swap; one read
-    while not in RAM is read back; one written whole (a new output) needs no read; a dead tile leaves RAM
-    and swap at no cost. A tile renamed (a speculative update's result becoming the parameter) keeps its
-    place and state. (Evicting the tile used again the furthest in the future, the best order, predicted
-    15-22% fewer bytes than StarPU moved; this is within 20% of it: docs/memory.md.)
+    evicts as StarPU does (`_starpu_allocate_interface`, src/datawizard/memalloc.c): a tile that does not fit
+    takes over the memory of the least recently used clean tile of its size (one whose copy on disk is
+    current, so nothing is written), and when there is none StarPU frees twice its size in least recently
+    used order. A dirty tile evicted is written to swap; one read while not in RAM is read back; one written
+    whole (a new output) needs no read; a dead tile leaves RAM and swap at no cost. A tile renamed (a
+    speculative update's result becoming the parameter) keeps its place and state. (Plain LRU predicted
+    15-30% fewer bytes than StarPU moved with the update fused; this is within 10% at batch 1 x 64 and 30%
+    low at 4 x 1024: docs/memory.md.)
     """
     one_step = _step_accesses(step, optimizer, update, clip, grad_accum_steps)
     accesses = one_step * 3
     resident, dirty, on_disk, heap = {}, set(), set(), []  # resident: tile -> (bytes, index of its last use)
+    clean = collections.defaultdict(list)  # bytes -> heap of (last use, tile) of clean tiles of that size
     used = written = read = 0
+
+    def current(entry) -> bool:  # not stale: the tile was neither used again nor dropped since
+        last_use, tile = entry
+        return resident.get(tile, (0, None))[1] == last_use
+
+    def evict(victim) -> tuple[int, int]:
+        """Drops `victim` from RAM: (its bytes, the bytes written to swap for it)."""
+        victim_bytes = resident.pop(victim)[0]
+        on_disk.add(victim)
+        if victim in dirty:
+            dirty.discard(victim)
+            return victim_bytes, victim_bytes
+        return victim_bytes, 0
+
     for i, (key, nbytes, reads, writes) in enumerate(accesses):
         counted = len(one_step) <= i < 2 * len(one_step)
         if nbytes == _RENAME:
@@ -676,23 +694,31 @@ def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, update: st
             if key in resident:
                 resident[new_key] = resident.pop(key)
                 heapq.heappush(heap, (resident[new_key][1], new_key))
+                if new_key not in dirty:
+                    heapq.heappush(clean[resident[new_key][0]], (resident[new_key][1], new_key))
             continue
         if not nbytes:  # the tile dies: nothing to write or read
             used -= resident.pop(key, (0, 0))[0]
             dirty.discard(key)
             on_disk.discard(key)
             continue
+        if key not in resident and used + nbytes > capacity:
+            # StarPU takes over the memory of the least recently used clean tile of the same size (one with a
+            # copy on disk: nothing to write), and without one frees twice the size in least-recently-used order.
+            same_size = clean[nbytes]
+            while same_size and not (current(same_size[0]) and same_size[0][1] not in dirty):
+                heapq.heappop(same_size)
+            victims = [heapq.heappop(same_size)[1]] if same_size else []
+            freed = sum(evict(victim)[0] for victim in victims)
+            used -= freed
+            while heap and (used + nbytes > capacity or 0 < freed < 2 * nbytes) and not victims:
+                entry = heapq.heappop(heap)
+                if current(entry):
+                    victim_bytes, victim_written = evict(entry[1])
+                    used -= victim_bytes
+                    freed += victim_bytes
+                    written += victim_written if counted else 0
         if key not in resident:
-            while used + nbytes > capacity and heap:
-                last_use, victim = heapq.heappop(heap)
-                if resident.get(victim, (0, None))[1] != last_use:
-                    continue  # stale: the tile was used again, or died, since
-                victim_bytes = resident.pop(victim)[0]
-                used -= victim_bytes
-                if victim in dirty:
-                    dirty.discard(victim)
-                    written += victim_bytes if counted else 0
-                on_disk.add(victim)
             if reads and key in on_disk:
                 read += nbytes if counted else 0
             used += nbytes
@@ -701,6 +727,8 @@ def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, update: st
         if writes:
             dirty.add(key)
             on_disk.discard(key)
+        elif key not in dirty:
+            heapq.heappush(clean[nbytes], (i, key))
     return written, read
 
 
