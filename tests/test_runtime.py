@@ -3,6 +3,7 @@
 import ctypes
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -194,3 +195,16 @@ def test_the_whole_configuration_reaches_the_native_runtime():
     assert native.swap_backend.name == "unistd" and native.placement.name == "cpu" and native.tf32
     assert native.gpu_memory_limit_mb == 123
     assert jnntile.runtime._native(dataclasses.replace(config, swap_dir=None), 0).swap_size_mb == 0
+
+
+def test_a_crash_in_native_code_prints_the_native_stack_then_the_python_one():
+    # A fault inside StarPU or a kernel says where even without a debugger; Python's faulthandler still runs.
+    crash = "import ctypes, jnntile; jnntile.runtime.start(); ctypes.string_at(0)"
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", crash], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == -11, result.stderr
+    native = result.stderr.index("jnntile: fatal signal; native stack (innermost first):")
+    frames = result.stderr[native:].splitlines()[1:4]
+    assert all(re.search(r"\(.*\)\[0x[0-9a-f]+\]$", frame) for frame in frames), frames
+    assert result.stderr.index("Fatal Python error: Segmentation fault") > native
+    assert 'line 1 in <module>' in result.stderr

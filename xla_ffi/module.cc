@@ -27,6 +27,7 @@ std::vector<std::pair<std::string, void*>>& ffi_targets() {
 
 NB_MODULE(_xla_ffi, m) {
   using namespace jnntile;
+  report_native_stack_on_crash();
 
   m.def("registrations", [] {
     nb::dict out;

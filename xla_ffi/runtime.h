@@ -100,6 +100,11 @@ struct RuntimeStats {
   std::map<std::string, int64_t> bytes_moved;
 };
 
+// Makes a fatal signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) in this process print the native stack to
+// stderr before the handler installed before it (Python's faulthandler prints the Python stack): a crash
+// inside StarPU or a kernel then says where, also on machines without a debugger. Called once at import.
+void report_native_stack_on_crash();
+
 void runtime_start(const RuntimeConfig& config);
 // Waits for pending tasks, then runs `release_data(ok)` with the workers awake
 // (ok: no watchdog failure, tasks all done), then shuts StarPU down.
