@@ -708,16 +708,17 @@ def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, update: st
             same_size = clean[nbytes]
             while same_size and not (current(same_size[0]) and same_size[0][1] not in dirty):
                 heapq.heappop(same_size)
-            victims = [heapq.heappop(same_size)[1]] if same_size else []
-            freed = sum(evict(victim)[0] for victim in victims)
-            used -= freed
-            while heap and (used + nbytes > capacity or 0 < freed < 2 * nbytes) and not victims:
-                entry = heapq.heappop(heap)
-                if current(entry):
-                    victim_bytes, victim_written = evict(entry[1])
-                    used -= victim_bytes
-                    freed += victim_bytes
-                    written += victim_written if counted else 0
+            if same_size:
+                used -= evict(heapq.heappop(same_size)[1])[0]
+            else:
+                freed = 0
+                while heap and (used + nbytes > capacity or freed < 2 * nbytes):
+                    entry = heapq.heappop(heap)
+                    if current(entry):
+                        victim_bytes, victim_written = evict(entry[1])
+                        used -= victim_bytes
+                        freed += victim_bytes
+                        written += victim_written if counted else 0
         if key not in resident:
             if reads and key in on_disk:
                 read += nbytes if counted else 0
@@ -887,8 +888,7 @@ def config_from_args(args):
 
 def plan_from_args(args) -> MemoryPlan:
     """The plan of the step the flags describe, automatic tiles fitted to the limits (see `fit_tiles`)."""
-    if hasattr(args, "grad_accum_schedule"):
-        args = flags.one_batch_per_step(args)
+    args = flags.one_batch_per_step(args)
     config = config_from_args(args)
     seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.max_positions
     if seq_len > config.max_positions:  # as python -m jnntile.train does: the positions grow to the sequence
@@ -897,11 +897,10 @@ def plan_from_args(args) -> MemoryPlan:
     limit, _, gpu = limits_from_args(args)
     finetune = flags.finetune_settings(args) if hasattr(args, "lora_rank") else None
     update = flags.update_mode(args) if hasattr(args, "fused_update") else "after"
-    accum = getattr(args, "grad_accum_steps", 1)
     config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers, finetune, update,
-                                      accum)
+                                      args.grad_accum_steps)
     config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers, finetune, update)
-    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, accum, finetune, update)
+    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, args.grad_accum_steps, finetune, update)
     memory_plan.tiles_note = "\n".join(n for n in (note, remat_note) if n)
     return memory_plan
 

@@ -319,9 +319,6 @@ void collect_profiling_locked(RuntimeState& s) {
   }
 }
 
-}  // namespace
-
-namespace {
 constexpr int kFatalSignals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
 struct sigaction previous_action[NSIG];
 
