@@ -1,13 +1,14 @@
 """GPU benchmark: what jnntile does with a GPU, as one JSON report (`make test-gpu` runs it).
 
     .venv-cuda/bin/python bench/gpu.py [--out out/gpu/report.json] [--only gemm train limited capacity]
-        [--capacity-layers 16] [--capacity-full] [--swap-dir DIR] [--smoke]
+        [--capacity-layers 16] [--capacity-full] [--swap-dir DIR] [--placement auto|any|cpu|cuda] [--workers N]
+        [--smoke]
 
 Sections, each measured in a process of its own so that it has the whole GPU:
   gemm      tile GEMM through StarPU vs jnp.dot on the GPU, FP32 and TF32, several tile sizes
   train     GPT-2 124M, batch 8 x 1024: training tokens/s of jnntile vs plain JAX (jit, parameters and
             optimizer state donated, both at JAX's default precision on the GPU, TF32); the share of tasks
-            and busy time on the CPU workers beside the GPU
+            and busy time on the CPU workers beside the GPU, and the busiest kernels per step on each
   train_bf16  the same in bfloat16: jnntile with --dtype bfloat16 (float32 masters, bfloat16 activations and
             weight copies) vs plain JAX casting its float32 parameters to bfloat16 in the loss
   limited   the same jnntile run with the GPU memory limited to a quarter of parameters + gradients +
@@ -144,6 +145,21 @@ def _worker_shares(before: dict, after: dict) -> dict:
     return out
 
 
+def _kernels_per_step(before: dict, after: dict, steps: int, top: int = 12) -> list[dict]:
+    """The kernels that took the most busy time per step, split between CPU and CUDA workers."""
+    rows = []
+    for name, c1 in after["codelets"].items():
+        c0 = before["codelets"].get(name, {})
+        delta = {k: (c1[k] - c0.get(k, 0)) / steps for k in ("tasks", "seconds", "cuda_tasks", "cuda_seconds")}
+        if delta["tasks"] == 0:
+            continue
+        rows.append({"kernel": name, "cuda_tasks": delta["cuda_tasks"], "cuda_s": delta["cuda_seconds"],
+                     "cpu_tasks": delta["tasks"] - delta["cuda_tasks"],
+                     "cpu_s": delta["seconds"] - delta["cuda_seconds"]})
+    rows.sort(key=lambda r: r["cuda_s"] + r["cpu_s"], reverse=True)
+    return rows[:top]
+
+
 def _bytes_per_step(before: dict, after: dict, steps: int) -> dict:
     keys = set(before["bytes_moved"]) | set(after["bytes_moved"])
     return {k: (after["bytes_moved"].get(k, 0) - before["bytes_moved"].get(k, 0)) / steps for k in sorted(keys)}
@@ -164,7 +180,7 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
 
     config = _config(p["model"])
     B, T = p["batch"], p["seq"]
-    settings = {}
+    settings = {k: p[k] for k in ("placement", "workers") if p.get(k) is not None}
     if gpu_memory_fraction is not None:
         plan = memory.plan(config, B, T)
         settings["gpu_memory_limit_mb"] = max(1, int((plan.state + plan.activations) * gpu_memory_fraction / MB))
@@ -185,6 +201,7 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     return {"config": p["model"], "batch": [B, T], "tiles": str(step.model.tiles),
             "runtime": jnntile.runtime.describe(), "settings": settings, "calibration_step_s": calibration_s,
             "step_s": seconds, "tokens_per_s": B * T / seconds, "workers": _worker_shares(before, after),
+            "kernels_per_step": _kernels_per_step(before, after, p["steps"]),
             "bytes_per_step": _bytes_per_step(before, after, p["steps"]), "peak_bytes": _peaks(after)}
 
 
@@ -291,6 +308,10 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-limit-mb", type=int, default=None,
                         help="RAM for tiles in a --capacity-full run (default: half of what is available)")
     parser.add_argument("--swap-dir", default=None, help="disk swap of the capacity run (default: a temporary dir)")
+    parser.add_argument("--placement", choices=("auto", "any", "cpu", "cuda"), default=None,
+                        help="where jnntile's training runs kernels that have a CUDA version (default: the "
+                             "runtime's, auto)")
+    parser.add_argument("--workers", type=int, default=None, help="CPU workers of jnntile's training runs")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any hardware, to check the script")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--params", help=argparse.SUPPRESS)
@@ -321,7 +342,8 @@ def main(argv=None) -> int:
         for section, dtype in (("train", "float32"), ("train_bf16", "bfloat16")):
             if section not in args.only:
                 continue
-            params = {**s["train"], "model": {**s["train"]["model"], "dtype": dtype}}
+            params = {**s["train"], "model": {**s["train"]["model"], "dtype": dtype},
+                      "placement": args.placement, "workers": args.workers}
             jn = run_child("train_jnntile", params, timeout_s, log)
             xla = run_child("train_xla", params, timeout_s, log, env=xla_env)
             report[section] = {"jnntile": jn, "xla": xla}
@@ -329,7 +351,8 @@ def main(argv=None) -> int:
                 report[section]["ratio"] = jn["tokens_per_s"] / xla["tokens_per_s"]
             print_train(report[section])
         if "limited" in args.only:
-            report["limited"] = run_child("limited", s["train"], timeout_s, log)
+            params = {**s["train"], "placement": args.placement, "workers": args.workers}
+            report["limited"] = run_child("limited", params, timeout_s, log)
             print_limited(report["limited"])
         if "capacity" in args.only:
             available_mb = _available_mb()
@@ -370,6 +393,10 @@ def print_train(result: dict) -> None:
     print("  steps while dmdas calibrates: " + ", ".join(f"{t:.2f}" for t in jn["calibration_step_s"]) + " s")
     for kind, share in jn["workers"].items():
         print(f"  {kind} workers: {share['task_share']:.0%} of tasks, {share['busy_share']:.0%} of busy time")
+    print("  busiest kernels per step (CUDA workers, CPU workers):")
+    for k in jn["kernels_per_step"]:
+        print(f"    {k['kernel']:>24}: {k['cuda_tasks']:5.0f} tasks {k['cuda_s'] * 1e3:7.1f} ms, "
+              f"{k['cpu_tasks']:5.0f} tasks {k['cpu_s'] * 1e3:7.1f} ms")
 
 
 def print_limited(result: dict) -> None:

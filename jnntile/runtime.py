@@ -39,7 +39,7 @@ MIN_SWAP_MB = 16  # StarPU's disk nodes must be at least this large (it aborts o
 # StarPU's schedulers (an unknown name would silently fall back to the default).
 SCHEDULERS = ("eager", "prio", "random", "lws", "ws", "dm", "dmda", "dmdap", "dmdar", "dmdas", "dmdasd",
               "pheft", "peager", "heteroprio")
-PLACEMENTS = tuple(_xla_ffi.Placement.__members__)  # "auto", "cpu", "cuda" (xla_ffi/runtime.h)
+PLACEMENTS = tuple(_xla_ffi.Placement.__members__)  # "auto", "any", "cpu", "cuda" (xla_ffi/runtime.h)
 # StarPU's disk backends for swap: "unistd" goes through the kernel's page cache (which then holds a
 # second copy of the swap, outside RSS); "unistd_o_direct" bypasses it (direct I/O).
 SWAP_BACKENDS = tuple(_xla_ffi.SwapBackend.__members__)
@@ -124,8 +124,12 @@ class RuntimeConfig:
     # 0.6 GB, more than the same run without a limit (1.6 GB). Choose "unistd" where RAM is to spare.
     swap_backend: str = "unistd_o_direct"
     watchdog_s: float = 120.0  # a wait with no task completing for this long is an error
-    # Where tasks of kernels that have a CPU and a CUDA version may run: "auto"
-    # (the scheduler decides), "cpu" or "cuda" (tests compare one with the other).
+    # Where tasks of kernels that have a CPU and a CUDA version run: "any", wherever the scheduler chooses;
+    # "cpu" or "cuda", only there (tests compare one with the other); "auto", "cuda" when there is a GPU
+    # and gpu_memory_limit_mb is 0, else "any". Measured on an H100 (bench/gpu.py --placement): GPT-2
+    # 124M bfloat16 steps took 0.19 s on the GPU alone against 0.27 s with CPU workers choosing too (and
+    # 5 s while the scheduler calibrated), but with the GPU limited to a quarter of the step's memory
+    # 1.5 s against 0.67 s, CPU workers computing on the tiles spilled to RAM.
     placement: str = "auto"
     # float32 matrix products on the GPU: "highest" (FP32) or "tf32" (tensor
     # cores); "default" is JAX's default on GPUs jnntile builds for (sm_80 and
@@ -380,7 +384,8 @@ def blas_core() -> str:
 def stats() -> dict:
     """Tasks run, busy time per worker, bytes moved between memory nodes, memory per node.
 
-    `codelets` maps each kernel's name to its task count and busy seconds, and
+    `codelets` maps each kernel's name to its task count and busy seconds (`tasks`,
+    `seconds`; `cuda_tasks`, `cuda_seconds` of those on CUDA workers), and
     `median_task_s` is the median task duration (both since start). `nodes` lists each memory node (RAM, and DISK when swapping) with
     `used_bytes`, `total_bytes` and `peak_used_bytes` (the most used at any task
     completion since start or `reset_peaks`). `bytes_moved` maps "src->dst"

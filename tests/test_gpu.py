@@ -59,7 +59,10 @@ def test_training_on_cuda_workers_matches_cpu_workers(optimizer, restore_runtime
     restart_runtime(placement="cuda", matmul_precision="highest")
     cuda_losses, cuda_params = train_steps(CONFIG, steps=3, batch_size=B, seq_len=T, optimizer=optimizer)
     assert rel_err(cuda_losses, cpu_losses) < 1e-5
-    assert sum(w["tasks"] for w in jnntile.runtime.stats()["workers"] if w["name"].startswith("CUDA")) > 0
+    stats = jnntile.runtime.stats()
+    assert sum(w["tasks"] for w in stats["workers"] if w["name"].startswith("CUDA")) > 0
+    # Every gemm task has a CUDA version, so with placement "cuda" every one ran on a CUDA worker.
+    assert stats["codelets"]["gemm"]["cuda_tasks"] == stats["codelets"]["gemm"]["tasks"] > 0
     if optimizer == "sgd":
         # Other kernels sum in another order; SGD's parameters are linear in the gradients, so they differ as
         # little (the key biases, zero gradient in exact arithmetic, by rounding noise: see
@@ -84,6 +87,21 @@ def test_gpu_memory_limit_far_below_the_state_gives_identical_losses(restore_run
     assert stats["bytes_moved"].get("CUDA->RAM", 0) > 0 and stats["bytes_moved"].get("RAM->CUDA", 0) > 0
     gpu_nodes = [n for n in stats["nodes"] if n["kind"] == "CUDA"]
     assert gpu_nodes and all(n["peak_used_bytes"] <= 12 * 2**20 for n in gpu_nodes)
+
+
+@needs_gpu
+@pytest.mark.parametrize("placement", ["auto", "any"])
+def test_auto_placement_runs_every_kernel_that_has_a_cuda_version_on_the_gpu(placement, restore_runtime):
+    """"auto" (the default) keeps kernels with a CUDA version off the CPU workers; "any" lets dmdas choose."""
+    restart_runtime(placement=placement, matmul_precision="highest")
+    x = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+    a = jnntile.from_array(x, 128)
+    assert rel_err(gemm.matmul(a, a).numpy(), x.astype(np.float64) @ x) < 1e-6
+    jnntile.runtime.wait_all()
+    gemm_tasks = jnntile.runtime.stats()["codelets"]["gemm"]
+    assert gemm_tasks["tasks"] == 64
+    if placement == "auto":
+        assert gemm_tasks["cuda_tasks"] == 64
 
 
 @needs_gpu
@@ -140,6 +158,8 @@ def test_gpu_benchmark_runs_every_section_in_smoke_mode(tmp_path):
     report = json.loads(out.read_text())
     assert all(r["jnntile_gflops"] > 0 for r in report["gemm"]["rows"])
     assert report["train"]["ratio"] > 0 and report["train"]["jnntile"]["workers"]["CPU"]["tasks"] > 0
+    kernels = report["train"]["jnntile"]["kernels_per_step"]
+    assert "gemm" in {k["kernel"] for k in kernels} and all(k["cpu_tasks"] + k["cuda_tasks"] > 0 for k in kernels)
     assert report["train_bf16"]["ratio"] > 0 and report["train_bf16"]["jnntile"]["config"]["dtype"] == "bfloat16"
     assert report["limited"]["tokens_per_s"] > 0
     capacity = report["capacity"]

@@ -28,6 +28,10 @@ def test_statistics_count_tasks_workers_and_memory():
     # 16 random tiles + 16 C tiles x 4 K tiles + 16 reads
     assert after["tasks_completed"] - before["tasks_completed"] >= 16 + 64 + 16
     assert after["tasks_pending"] == 0
+    gemm_tasks = after["codelets"]["gemm"]["tasks"] - before["codelets"].get("gemm", {}).get("tasks", 0)
+    assert gemm_tasks == 64 and after["codelets"]["gemm"]["seconds"] > 0
+    if jnntile.runtime.config().placement == "cpu":  # the suite's default (tests/test_gpu.py checks "cuda")
+        assert after["codelets"]["gemm"]["cuda_tasks"] == 0
     cpu_workers = [w for w in after["workers"] if w["name"].startswith("CPU")]  # CUDA workers come on top
     assert len(cpu_workers) == jnntile.runtime.config().workers
     assert sum(w["busy_s"] for w in after["workers"]) > 0

@@ -38,7 +38,8 @@ NB_MODULE(_xla_ffi, m) {
   nb::enum_<Placement>(m, "Placement")
       .value("auto", Placement::Auto)
       .value("cpu", Placement::Cpu)
-      .value("cuda", Placement::Cuda);
+      .value("cuda", Placement::Cuda)
+      .value("any", Placement::Any);
   nb::enum_<SwapBackend>(m, "SwapBackend")
       .value("unistd", SwapBackend::Unistd)
       .value("unistd_o_direct", SwapBackend::UnistdODirect);
@@ -90,6 +91,8 @@ NB_MODULE(_xla_ffi, m) {
       nb::dict d;
       d["tasks"] = c.tasks;
       d["seconds"] = c.seconds;
+      d["cuda_tasks"] = c.cuda_tasks;
+      d["cuda_seconds"] = c.cuda_seconds;
       codelets[name.c_str()] = d;
     }
     out["codelets"] = codelets;

@@ -21,8 +21,10 @@
 
 namespace jnntile {
 
-// Where tasks of kernels that exist for both devices may run.
-enum class Placement { Auto = 0, Cpu = 1, Cuda = 2 };
+// Where tasks of kernels that exist for both devices may run: Auto, on CUDA
+// workers when there are any and the GPU memory is not limited, else as Any;
+// Any, wherever the scheduler chooses; Cpu or Cuda, only there.
+enum class Placement { Auto = 0, Cpu = 1, Cuda = 2, Any = 3 };
 
 // StarPU's disk backends for swap: through the page cache, or direct I/O
 // (O_DIRECT: no second copy of the swap in the page cache, but every read and
@@ -84,6 +86,8 @@ struct NodeStats {
 struct CodeletStats {
   int64_t tasks = 0;
   double seconds = 0.0;
+  int64_t cuda_tasks = 0;  // of those, run on CUDA workers
+  double cuda_seconds = 0.0;
 };
 
 struct RuntimeStats {

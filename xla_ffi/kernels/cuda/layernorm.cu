@@ -73,17 +73,36 @@ __global__ void backward_dx_kernel(int64_t rows, int64_t n, int64_t c, bool cent
   }
 }
 
-// A thread per column, summing its rows in order (reads coalesced across columns).
+constexpr int kParamWarps = 32;
+
+// A block per kWarp columns, the lanes of a warp on adjacent columns (coalesced)
+// and its kParamWarps warps on every kParamWarps-th row; then warp 0 adds the
+// warps' sums in order. A thread per column alone (n = 768: 3 blocks on an
+// H100's 132 SMs) took 1 ms per 4096-row tile.
 template <class T>
 __global__ void backward_params_kernel(int64_t rows, int64_t n, const T* x, const float* stats, const T* dy,
                                        float* dw, float* db) {
-  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
+  __shared__ double warp_dw[kParamWarps][kWarp], warp_db[kParamWarps][kWarp];
+  const int lane = cuda::lane(), warp = int(threadIdx.x) / kWarp;
+  for (int64_t j0 = blockIdx.x * int64_t(kWarp); j0 < n; j0 += int64_t(gridDim.x) * kWarp) {
+    const int64_t j = j0 + lane;
     double sum_dw = 0.0, sum_db = 0.0;
-    for (int64_t r = 0; r < rows; ++r)
-      layernorm::add_param_terms(to_float(x[r * n + j]), to_float(dy[r * n + j]), stats[2 * r], stats[2 * r + 1],
-                                 sum_dw, sum_db);
-    if (dw) dw[j] += float(sum_dw);
-    if (db) db[j] += float(sum_db);
+    if (j < n)
+      for (int64_t r = warp; r < rows; r += kParamWarps)
+        layernorm::add_param_terms(to_float(x[r * n + j]), to_float(dy[r * n + j]), stats[2 * r], stats[2 * r + 1],
+                                   sum_dw, sum_db);
+    warp_dw[warp][lane] = sum_dw;
+    warp_db[warp][lane] = sum_db;
+    __syncthreads();
+    if (warp == 0 && j < n) {
+      for (int w = 1; w < kParamWarps; ++w) {
+        sum_dw += warp_dw[w][lane];
+        sum_db += warp_db[w][lane];
+      }
+      if (dw) dw[j] += float(sum_dw);
+      if (db) db[j] += float(sum_db);
+    }
+    __syncthreads();  // before the next columns overwrite the sums
   }
 }
 
@@ -156,7 +175,7 @@ void layernorm_backward_params<Device::Cuda>(FloatType type, int64_t rows, int64
                                              const float* stats, const void* dy, float* dw, float* db) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
-    backward_params_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(
+    backward_params_kernel<<<cuda::blocks_for(n, kWarp), kParamWarps * kWarp, 0, cuda::stream()>>>(
         rows, n, static_cast<const T*>(x), stats, static_cast<const T*>(dy), dw, db);
   });
   cuda::check_launch("layernorm_backward_params");
