@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release, tile_bytes
+from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release, tile_bytes
 from jnntile.tensor import Tensor
 
 
@@ -56,11 +56,14 @@ def _forward(logits: Tensor, targets: Tensor, ignore_index: int, zero_grad: bool
 
 def _backward(ignore_index, residuals, g):
     logits, targets, loss, lse, inv_count = residuals
+    grad_logits = grad_target(logits)
+    (fresh,), written = fresh_targets(grad_logits)  # written, not added into, where it holds nothing yet
     # Invariant 1: loss.token (the forward, which also wrote lse and inv_count) orders this call.
     token = call("cross_entropy_backward",
                  [logits.handle, targets.handle, lse.handle, inv_count.handle,
-                  tensor_mod.grad_handle(loss.handle), grad_target(logits)],
-                 [loss.token, g.token, logits.token, targets.token], ignore_index=ignore_index)
+                  tensor_mod.grad_handle(loss.handle), grad_logits],
+                 [loss.token, g.token, logits.token, targets.token], writes=written, ignore_index=ignore_index,
+                 fresh_dlogits=fresh)
     token = release(token, loss, lse, inv_count)
     return logits.with_token(token), targets.with_token(token)
 

@@ -98,15 +98,23 @@ JNNTILE_HD void mean(int64_t count, const double* const* partials, float* loss, 
 JNNTILE_HD float grad_scale(const float* inv_count, const float* dloss) { return *inv_count * *dloss; }
 
 // The backward of a row: dx += scale * (softmax - onehot(t)), t the target's
-// column in this tile or -1.
-template <class T>
+// column in this tile or -1; dx = ... with Overwrite (dx holds nothing yet; a
+// template argument, as a bool tested per element would keep the loop from vectorising).
+template <bool Overwrite, class T>
 JNNTILE_HD void strided_grad(const T* x, float lse, float scale, int64_t t, int64_t begin, int64_t n, int64_t stride,
                              T* dx) {
   for (int64_t j = begin; j < n; j += stride) {
-    float value = to_float(dx[j]) + scale * exp_approx(to_float(x[j]) - lse);
+    float value = (Overwrite ? 0.0f : to_float(dx[j])) + scale * exp_approx(to_float(x[j]) - lse);
     if (j == t) value -= scale;
     dx[j] = from_float<T>(value);
   }
+}
+
+// The backward of an ignored row: nothing to add; zeros where dx holds nothing yet.
+template <class T>
+JNNTILE_HD void strided_ignored(bool overwrite, int64_t begin, int64_t n, int64_t stride, T* dx) {
+  if (overwrite)
+    for (int64_t j = begin; j < n; j += stride) dx[j] = from_float<T>(0.0f);
 }
 
 }  // namespace cross_entropy
@@ -128,7 +136,7 @@ void cross_entropy_combine(int64_t count, const double* const* partials, float* 
 // dlogits[r, c] += scale * (softmax - onehot(target)) for rows whose target
 // != ignore_index (scale = cross_entropy::grad_scale(inv_count, dloss)); ignored rows get nothing.
 template <Device D>
-void cross_entropy_backward(FloatType type, int64_t rows, int64_t nv, int64_t v0, const void* logits,
+void cross_entropy_backward(FloatType type, int64_t rows, int64_t nv, int64_t v0, bool overwrite, const void* logits,
                             const int32_t* targets, const float* lse, int32_t ignore_index, const float* inv_count,
                             const float* dloss, void* dlogits);
 

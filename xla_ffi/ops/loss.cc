@@ -63,14 +63,15 @@ struct BackwardArgs {
   FloatType type;  // of the logits and their gradient
   int64_t rows, nv, v0;
   int32_t ignore_index;
+  bool overwrite;  // dlogits holds nothing yet
 };
 
-// buffers: logits, targets, lse, inv_count, dloss, dlogits (RW)
+// buffers: logits, targets, lse, inv_count, dloss, dlogits (RW, or W with overwrite)
 template <Device D>
 void backward_kernel(void** buffers, const BackwardArgs& a) {
-  cross_entropy_backward<D>(a.type, a.rows, a.nv, a.v0, tile_ptr<void>(buffers[0]), tile_ptr<int32_t>(buffers[1]),
-                            tile_ptr<float>(buffers[2]), a.ignore_index, tile_ptr<float>(buffers[3]),
-                            tile_ptr<float>(buffers[4]), tile_ptr<void>(buffers[5]));
+  cross_entropy_backward<D>(a.type, a.rows, a.nv, a.v0, a.overwrite, tile_ptr<void>(buffers[0]),
+                            tile_ptr<int32_t>(buffers[1]), tile_ptr<float>(buffers[2]), a.ignore_index,
+                            tile_ptr<float>(buffers[3]), tile_ptr<float>(buffers[4]), tile_ptr<void>(buffers[5]));
 }
 
 // Checks logits (B, T, V) float32 or bfloat16, targets (B, T) i32 and a per-token tensor
@@ -152,6 +153,7 @@ void cross_entropy_backward_submit(const OpCall& call) {
   if (dlogits.dtype != logits.dtype)
     throw std::invalid_argument("cross_entropy backward: dlogits must have the logits' dtype: " + dlogits.describe());
   auto ignore_index = int32_t(attr<int64_t>(call.attrs, "ignore_index"));
+  bool fresh = attr<int64_t>(call.attrs, "fresh_dlogits") != 0;  // its zero-fill was pending: write it
   static starpu_codelet* cl = JNNTILE_CODELET(BackwardArgs, backward_kernel, "cross_entropy_backward");
   for (int64_t t = 0; t < logits.num_tiles(); ++t) {
     Index coord = logits.tile_coord(t), ext = logits.tile_extent(coord);
@@ -159,8 +161,9 @@ void cross_entropy_backward_submit(const OpCall& call) {
     int64_t rows = ext[0] * ext[1], nv = ext[2];
     submit_task(cl,
                 {{logits.tiles[t], STARPU_R}, {targets.tile(tok), STARPU_R}, {lse.tile(tok), STARPU_R},
-                 {inv_count.tiles[0], STARPU_R}, {dloss.tiles[0], STARPU_R}, {dlogits.tiles[t], STARPU_RW}},
-                BackwardArgs{type, rows, nv, coord[2] * logits.tile_shape[2], ignore_index}, 4.0 * rows * nv);
+                 {inv_count.tiles[0], STARPU_R}, {dloss.tiles[0], STARPU_R},
+                 {dlogits.tiles[t], fresh ? STARPU_W : STARPU_RW}},
+                BackwardArgs{type, rows, nv, coord[2] * logits.tile_shape[2], ignore_index, fresh}, 4.0 * rows * nv);
   }
 }
 JNNTILE_OP(cross_entropy_backward, cross_entropy_backward_submit);
