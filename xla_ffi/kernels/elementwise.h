@@ -90,6 +90,15 @@ void dispatch(Unary op, Args... args) {
   }
 }
 
+// dx (+)= dy * f'(x) over n elements of T, through Run (the CPU loop or the CUDA launch).
+template <template <class> class Run, class T>
+void backward(Unary op, int64_t n, bool overwrite, const T* x, const T* dy, T* dx) {
+  if (overwrite)
+    dispatch<Run, Backward>(op, n, std::true_type{}, x, dy, dx);
+  else
+    dispatch<Run, Backward>(op, n, std::false_type{}, x, dy, dx);
+}
+
 }  // namespace unary
 
 // out = a * x + b * y (y may be null: out = a * x) and out += a * x on one element; x and out may differ in type.

@@ -27,14 +27,8 @@ void unary_backward<Device::Cpu>(Unary op, FloatType type, int64_t n, bool overw
                                   void* dx) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
-    auto run = [&](auto overwrite_type) {
-      unary::dispatch<Loop, unary::Backward>(op, n, overwrite_type, static_cast<const T*>(x),
-                                             static_cast<const T*>(dy), static_cast<T*>(dx));
-    };
-    if (overwrite)
-      run(std::true_type{});
-    else
-      run(std::false_type{});
+    unary::backward<Loop>(op, n, overwrite, static_cast<const T*>(x), static_cast<const T*>(dy),
+                           static_cast<T*>(dx));
   });
 }
 

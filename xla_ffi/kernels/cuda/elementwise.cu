@@ -35,14 +35,8 @@ void unary_backward<Device::Cuda>(Unary op, FloatType type, int64_t n, bool over
                                   void* dx) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
-    auto run = [&](auto overwrite_type) {
-      unary::dispatch<Launch, unary::Backward>(op, n, overwrite_type, static_cast<const T*>(x),
-                                             static_cast<const T*>(dy), static_cast<T*>(dx));
-    };
-    if (overwrite)
-      run(std::true_type{});
-    else
-      run(std::false_type{});
+    unary::backward<Launch>(op, n, overwrite, static_cast<const T*>(x), static_cast<const T*>(dy),
+                           static_cast<T*>(dx));
   });
 }
 
