@@ -336,14 +336,14 @@ def main(argv=None) -> int:
     with log_path.open("w") as log, tempfile.TemporaryDirectory(prefix="jnntile-bench-swap-") as tmp_swap:
         # jnntile keeps JAX on the CPU with the CUDA build; the plain-JAX baselines ask for its GPU.
         xla_env = {"JAX_PLATFORMS": "cuda"} if report["cuda_workers"] > 0 else {}
+        runtime_flags = {"placement": args.placement, "workers": args.workers}  # of jnntile's training runs
         if "gemm" in args.only:
             report["gemm"] = measure_gemm(s["gemm"], log, timeout_s, xla_env)
             print_gemm(report["gemm"])
         for section, dtype in (("train", "float32"), ("train_bf16", "bfloat16")):
             if section not in args.only:
                 continue
-            params = {**s["train"], "model": {**s["train"]["model"], "dtype": dtype},
-                      "placement": args.placement, "workers": args.workers}
+            params = {**s["train"], "model": {**s["train"]["model"], "dtype": dtype}, **runtime_flags}
             jn = run_child("train_jnntile", params, timeout_s, log)
             xla = run_child("train_xla", params, timeout_s, log, env=xla_env)
             report[section] = {"jnntile": jn, "xla": xla}
@@ -351,8 +351,7 @@ def main(argv=None) -> int:
                 report[section]["ratio"] = jn["tokens_per_s"] / xla["tokens_per_s"]
             print_train(report[section])
         if "limited" in args.only:
-            params = {**s["train"], "placement": args.placement, "workers": args.workers}
-            report["limited"] = run_child("limited", params, timeout_s, log)
+            report["limited"] = run_child("limited", {**s["train"], **runtime_flags}, timeout_s, log)
             print_limited(report["limited"])
         if "capacity" in args.only:
             available_mb = _available_mb()

@@ -405,9 +405,10 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     # An error on one rank stops every rank here, before anything runs.
     with distributed.checked_together("the training set-up") as same:
         _check_args(args)
+        one_batch = flags.one_batch_per_step(args)
         schedule_note = (f" ({args.grad_accum_steps} micro-batches of {args.batch_size} through each layer together)"
-                         if args.grad_accum_schedule == "layer" and args.grad_accum_steps > 1 else "")
-        args = flags.one_batch_per_step(args)
+                         if one_batch is not args else "")
+        args = one_batch
         rows = distributed.DEFAULT_OWNERSHIP.batch_rows(args.batch_size, rank, ranks)
         batch_size = rows.stop - rows.start  # this rank's sequences per micro-batch
         if lead:

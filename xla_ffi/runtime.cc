@@ -54,8 +54,9 @@ struct RuntimeState {
   // only counts a reference and keeps the old instance with its settings).
   std::string abandoned;
   RuntimeConfig config;
-  // Kernels with a CUDA version run only on CUDA workers (config.placement, resolved at start).
-  bool kernels_on_cuda = false;
+  // Where tasks of kernels with a CPU and a CUDA version run: STARPU_CPU, STARPU_CUDA, or 0 for wherever the
+  // scheduler chooses (config.placement, resolved at start).
+  uint32_t where_both_versions = 0;
   std::string swap_subdir;  // created by us, removed at stop
   int64_t pending = 0;
   int64_t submitted = 0;
@@ -338,6 +339,21 @@ void print_native_stack(int sig, siginfo_t*, void*) {
   sigaction(sig, &previous_action[sig], nullptr);
   raise(sig);
 }
+
+// config.placement as the `where` of tasks whose kernel has both versions (0: the scheduler chooses).
+uint32_t where_both_versions(const RuntimeConfig& config) {
+  switch (config.placement) {
+    case Placement::Cpu: return STARPU_CPU;
+    case Placement::Cuda: return STARPU_CUDA;
+    case Placement::Any: return 0;
+    case Placement::Auto:
+      // On the GPU unless its memory is limited. Measured on an H100 (GPT-2 124M, 8 x 1024, bench/gpu.py): whole
+      // GPU, bfloat16 steps of 0.19 s on CUDA workers alone against 0.27 s with CPU workers choosing too; GPU
+      // limited to a quarter of the step's memory, 1.5 s against 0.67 s (CPU workers compute on spilled tiles).
+      return starpu_cuda_worker_get_count() > 0 && config.gpu_memory_limit_mb == 0 ? STARPU_CUDA : 0;
+  }
+  return 0;
+}
 }  // namespace
 
 void report_native_stack_on_crash() {
@@ -462,12 +478,7 @@ void runtime_start(const RuntimeConfig& config) {
   s.skip_kernels = false;
   s.failure.clear();
   s.config = config;
-  // Auto: on the GPU unless its memory is limited. Measured on an H100 (GPT-2 124M, 8 x 1024, bench/gpu.py):
-  // whole GPU, bfloat16 steps of 0.19 s on CUDA workers alone against 0.27 s with CPU workers choosing too;
-  // GPU limited to a quarter of the step's memory, 1.5 s against 0.67 s (CPU workers compute on spilled tiles).
-  s.kernels_on_cuda = config.placement == Placement::Cuda ||
-                      (config.placement == Placement::Auto && starpu_cuda_worker_get_count() > 0 &&
-                       config.gpu_memory_limit_mb == 0);
+  s.where_both_versions = where_both_versions(config);
   s.pending = 0;
   s.submitted = 0;
   s.completed = 0;
@@ -614,10 +625,8 @@ void require_runtime() {
 
 void submit(starpu_task* task, TaskGroup* group) {
   RuntimeState& s = state();
-  if (task->cl != nullptr && (task->cl->where & STARPU_CUDA)) {
-    if (s.config.placement == Placement::Cpu) task->where = STARPU_CPU;
-    if (s.kernels_on_cuda) task->where = STARPU_CUDA;
-  }
+  if (task->cl != nullptr && (task->cl->where & STARPU_CUDA) && s.where_both_versions != 0)
+    task->where = s.where_both_versions;
   task->callback_func = on_task_done;
   task->callback_arg = group;
   task->detach = 1;

@@ -110,11 +110,19 @@ JNNTILE_HD void strided_grad(const T* x, float lse, float scale, int64_t t, int6
   }
 }
 
-// The backward of an ignored row: nothing to add; zeros where dx holds nothing yet.
+// The backward of a row, its elements begin, begin + stride, ... < n: strided_grad, or for an ignored row
+// nothing to add (zeros where dx holds nothing yet).
 template <class T>
-JNNTILE_HD void strided_ignored(bool overwrite, int64_t begin, int64_t n, int64_t stride, T* dx) {
-  if (overwrite)
-    for (int64_t j = begin; j < n; j += stride) dx[j] = from_float<T>(0.0f);
+JNNTILE_HD void strided_row_grad(bool overwrite, bool ignored, const T* x, float lse, float scale, int64_t t,
+                                 int64_t begin, int64_t n, int64_t stride, T* dx) {
+  if (ignored) {
+    if (overwrite)
+      for (int64_t j = begin; j < n; j += stride) dx[j] = from_float<T>(0.0f);
+  } else if (overwrite) {
+    strided_grad<true>(x, lse, scale, t, begin, n, stride, dx);
+  } else {
+    strided_grad<false>(x, lse, scale, t, begin, n, stride, dx);
+  }
 }
 
 }  // namespace cross_entropy
@@ -134,10 +142,11 @@ template <Device D>
 void cross_entropy_combine(int64_t count, const double* const* partials, float* loss, float* inv_count,
                            void* scratch);
 // dlogits[r, c] += scale * (softmax - onehot(target)) for rows whose target
-// != ignore_index (scale = cross_entropy::grad_scale(inv_count, dloss)); ignored rows get nothing.
+// != ignore_index (scale = cross_entropy::grad_scale(inv_count, dloss)); ignored rows get nothing. With
+// `overwrite` (dlogits holds nothing yet) = instead of +=, and ignored rows get zeros.
 template <Device D>
-void cross_entropy_backward(FloatType type, int64_t rows, int64_t nv, int64_t v0, bool overwrite, const void* logits,
-                            const int32_t* targets, const float* lse, int32_t ignore_index, const float* inv_count,
-                            const float* dloss, void* dlogits);
+void cross_entropy_backward(FloatType type, int64_t rows, int64_t nv, int64_t v0, bool overwrite,
+                            const void* logits, const int32_t* targets, const float* lse, int32_t ignore_index,
+                            const float* inv_count, const float* dloss, void* dlogits);
 
 }  // namespace jnntile

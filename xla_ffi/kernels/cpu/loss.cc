@@ -92,24 +92,17 @@ void cross_entropy_combine<Device::Cpu>(int64_t count, const double* const* part
 
 template <>
 void cross_entropy_backward<Device::Cpu>(FloatType type, int64_t rows, int64_t nv, int64_t v0, bool overwrite,
-                                         const void* logits, const int32_t* targets, const float* lse, int32_t ignore_index,
-                                         const float* inv_count, const float* dloss, void* dlogits) {
+                                         const void* logits, const int32_t* targets, const float* lse,
+                                         int32_t ignore_index, const float* inv_count, const float* dloss,
+                                         void* dlogits) {
   float scale = cross_entropy::grad_scale(inv_count, dloss);
   visit_float(type, [&](auto tag) {
     using T = decltype(tag);
     const T* x = static_cast<const T*>(logits);
     T* dx = static_cast<T*>(dlogits);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (targets[r] == ignore_index) {
-        cross_entropy::strided_ignored(overwrite, 0, nv, 1, dx + r * nv);
-        continue;
-      }
-      int64_t t = cross_entropy::target_column(targets[r], v0, nv);
-      if (overwrite)
-        cross_entropy::strided_grad<true>(x + r * nv, lse[r], scale, t, 0, nv, 1, dx + r * nv);
-      else
-        cross_entropy::strided_grad<false>(x + r * nv, lse[r], scale, t, 0, nv, 1, dx + r * nv);
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      cross_entropy::strided_row_grad(overwrite, targets[r] == ignore_index, x + r * nv, lse[r], scale,
+                                      cross_entropy::target_column(targets[r], v0, nv), 0, nv, 1, dx + r * nv);
   });
 }
 

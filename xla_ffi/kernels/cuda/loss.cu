@@ -66,22 +66,14 @@ __global__ void combine_kernel(int64_t count, const double* const* partials, flo
 // 50257 logits on an H100, 9x what its reads and writes need.)
 template <class T>
 __global__ void backward_kernel(int64_t rows, int64_t nv, int64_t v0, bool overwrite, const T* logits,
-                                const int32_t* targets,
-                                const float* lse, int32_t ignore_index, const float* inv_count, const float* dloss,
-                                T* dlogits) {
+                                const int32_t* targets, const float* lse, int32_t ignore_index,
+                                const float* inv_count, const float* dloss, T* dlogits) {
   float scale = cross_entropy::grad_scale(inv_count, dloss);
   const int64_t column = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, columns = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    if (targets[r] == ignore_index) {
-      cross_entropy::strided_ignored(overwrite, column, nv, columns, dlogits + r * nv);
-      continue;
-    }
-    int64_t t = cross_entropy::target_column(targets[r], v0, nv);
-    if (overwrite)
-      cross_entropy::strided_grad<true>(logits + r * nv, lse[r], scale, t, column, nv, columns, dlogits + r * nv);
-    else
-      cross_entropy::strided_grad<false>(logits + r * nv, lse[r], scale, t, column, nv, columns, dlogits + r * nv);
-  }
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
+    cross_entropy::strided_row_grad(overwrite, targets[r] == ignore_index, logits + r * nv, lse[r], scale,
+                                    cross_entropy::target_column(targets[r], v0, nv), column, nv, columns,
+                                    dlogits + r * nv);
 }
 
 }  // namespace
@@ -113,8 +105,9 @@ void cross_entropy_combine<Device::Cuda>(int64_t count, const double* const* par
 
 template <>
 void cross_entropy_backward<Device::Cuda>(FloatType type, int64_t rows, int64_t nv, int64_t v0, bool overwrite,
-                                          const void* logits, const int32_t* targets, const float* lse, int32_t ignore_index,
-                                          const float* inv_count, const float* dloss, void* dlogits) {
+                                          const void* logits, const int32_t* targets, const float* lse,
+                                          int32_t ignore_index, const float* inv_count, const float* dloss,
+                                          void* dlogits) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
     const dim3 grid(cuda::blocks_for(nv), unsigned(std::clamp<int64_t>(rows, 1, 65535)));
