@@ -2,8 +2,6 @@
 // Unary functions are declared once here; the Python list in
 // jnntile/ops/elementwise.py uses the same codes.
 #pragma once
-#include <type_traits>
-
 #include "kernels/device.h"
 #include "kernels/math.h"
 
@@ -57,10 +55,7 @@ struct Silu {
   }
 };
 
-// y = f(x) and dx += dy * f'(x) (dx = dy * f'(x) where Overwrite::value) on one element of float32 or
-// bfloat16 tiles, computed in float. Overwrite is std::true_type or std::false_type, a type rather than a
-// bool so that the loop is compiled once for each (a bool tested per element kept GELU's backward from
-// vectorising: 6x slower in bfloat16).
+// y = f(x) and dx += dy * f'(x) on one element of float32 or bfloat16 tiles, computed in float.
 template <class F>
 struct Forward {
   template <class T>
@@ -70,9 +65,9 @@ struct Forward {
 };
 template <class F>
 struct Backward {
-  template <class T, class Overwrite>
-  static JNNTILE_HD void apply(int64_t i, Overwrite, const T* x, const T* dy, T* dx) {
-    dx[i] = from_float<T>((Overwrite::value ? 0.0f : to_float(dx[i])) + to_float(dy[i]) * F::df(to_float(x[i])));
+  template <class T>
+  static JNNTILE_HD void apply(int64_t i, const T* x, const T* dy, T* dx) {
+    dx[i] = from_float<T>(to_float(dx[i]) + to_float(dy[i]) * F::df(to_float(x[i])));
   }
 };
 
@@ -88,15 +83,6 @@ void dispatch(Unary op, Args... args) {
     case Unary::Silu: Run<Kernel<Silu>>::run(args...); break;
     case Unary::Sigmoid: Run<Kernel<Sigmoid>>::run(args...); break;
   }
-}
-
-// dx (+)= dy * f'(x) over n elements of T, through Run (the CPU loop or the CUDA launch).
-template <template <class> class Run, class T>
-void backward(Unary op, int64_t n, bool overwrite, const T* x, const T* dy, T* dx) {
-  if (overwrite)
-    dispatch<Run, Backward>(op, n, std::true_type{}, x, dy, dx);
-  else
-    dispatch<Run, Backward>(op, n, std::false_type{}, x, dy, dx);
 }
 
 }  // namespace unary
@@ -118,9 +104,8 @@ struct Accumulate {
 
 // Tiles of `type` (x, y, dy, dx and out alike, but for accumulate's source).
 template <Device D> void unary_forward(Unary op, FloatType type, int64_t n, const void* x, void* y);
-// dx += dy * f'(x) (dx = dy * f'(x) with `overwrite`: dx holds nothing yet)
-template <Device D>
-void unary_backward(Unary op, FloatType type, int64_t n, bool overwrite, const void* x, const void* dy, void* dx);
+// dx += dy * f'(x)
+template <Device D> void unary_backward(Unary op, FloatType type, int64_t n, const void* x, const void* dy, void* dx);
 // out = a * x + b * y   (y may be null: out = a * x)
 template <Device D> void axpby(FloatType type, int64_t n, float a, const void* x, float b, const void* y, void* out);
 // out += a * x (out = a * x with `overwrite`), x of x_type, out of out_type

@@ -19,7 +19,6 @@ struct UnaryArgs {
   Unary op;
   FloatType type;
   int64_t n;
-  bool overwrite = false;  // backward: dx holds nothing yet
 };
 
 template <Device D>
@@ -29,7 +28,7 @@ void unary_kernel(void** buffers, const UnaryArgs& a) {
 
 template <Device D>
 void unary_backward_kernel(void** buffers, const UnaryArgs& a) {
-  unary_backward<D>(a.op, a.type, a.n, a.overwrite, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]),
+  unary_backward<D>(a.op, a.type, a.n, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]),
                     tile_ptr<void>(buffers[2]));
 }
 
@@ -46,18 +45,17 @@ void unary_submit(const OpCall& call) {
 }
 JNNTILE_OP(unary, unary_submit);
 
-// ids [x, dy, dx]: dx += dy * f'(x) (dx = dy * f'(x) with attr fresh_dx: its zero-fill was pending)
+// ids [x, dy, dx]: dx += dy * f'(x)
 void unary_backward_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &dy = call.tensor(1), &dx = call.tensor(2);
   FloatType type = same_float_type({&x, &dy, &dx}, "unary op backward");
   check_same_tiling(x, dy, "unary op backward");
   check_same_tiling(x, dx, "unary op backward");
   auto op = Unary(attr<int64_t>(call.attrs, "op"));
-  bool fresh = attr<int64_t>(call.attrs, "fresh_dx") != 0;
   static starpu_codelet* cl = JNNTILE_CODELET(UnaryArgs, unary_backward_kernel, "unary_backward");
   for (int64_t t = 0; t < x.num_tiles(); ++t)
-    submit_task(cl, {{x.tiles[t], STARPU_R}, {dy.tiles[t], STARPU_R}, {dx.tiles[t], fresh ? STARPU_W : STARPU_RW}},
-                UnaryArgs{op, type, x.tile_numel(t), fresh}, 2.0 * x.tile_numel(t));
+    submit_task(cl, {{x.tiles[t], STARPU_R}, {dy.tiles[t], STARPU_R}, {dx.tiles[t], STARPU_RW}},
+                UnaryArgs{op, type, x.tile_numel(t)}, 2.0 * x.tile_numel(t));
 }
 JNNTILE_OP(unary_backward, unary_backward_submit);
 

@@ -23,12 +23,11 @@ void unary_forward<Device::Cpu>(Unary op, FloatType type, int64_t n, const void*
 }
 
 template <>
-void unary_backward<Device::Cpu>(Unary op, FloatType type, int64_t n, bool overwrite, const void* x, const void* dy,
-                                  void* dx) {
+void unary_backward<Device::Cpu>(Unary op, FloatType type, int64_t n, const void* x, const void* dy, void* dx) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
-    unary::backward<Loop>(op, n, overwrite, static_cast<const T*>(x), static_cast<const T*>(dy),
-                           static_cast<T*>(dx));
+    unary::dispatch<Loop, unary::Backward>(op, n, static_cast<const T*>(x), static_cast<const T*>(dy),
+                                           static_cast<T*>(dx));
   });
 }
 
