@@ -2,7 +2,7 @@
 
     .venv-cuda/bin/python bench/gpu.py [--out out/gpu/report.json] [--only gemm train limited capacity]
         [--capacity-layers 16] [--capacity-full] [--swap-dir DIR] [--placement auto|any|cpu|cuda] [--workers N]
-        [--smoke]
+        [--tiles batch=8 vocab=50257 ...] [--smoke]
 
 Sections, each measured in a process of its own so that it has the whole GPU:
   gemm      tile GEMM through StarPU vs jnp.dot on the GPU, FP32 and TF32, several tile sizes
@@ -200,7 +200,7 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     seconds = statistics.median(times)
     return {"config": p["model"], "batch": [B, T], "tiles": str(step.model.tiles),
             "runtime": jnntile.runtime.describe(), "settings": settings, "calibration_step_s": calibration_s,
-            "step_s": seconds, "tokens_per_s": B * T / seconds, "workers": _worker_shares(before, after),
+            "step_s": seconds, "steps": p["steps"], "tokens_per_s": B * T / seconds, "workers": _worker_shares(before, after),
             "kernels_per_step": _kernels_per_step(before, after, p["steps"]),
             "bytes_per_step": _bytes_per_step(before, after, p["steps"]), "peak_bytes": _peaks(after)}
 
@@ -312,6 +312,9 @@ def main(argv=None) -> int:
                         help="where jnntile's training runs kernels that have a CUDA version (default: the "
                              "runtime's, auto)")
     parser.add_argument("--workers", type=int, default=None, help="CPU workers of jnntile's training runs")
+    parser.add_argument("--tiles", nargs="+", default=[], metavar="AXIS=SIZE", type=_tile_setting,
+                        help="tile sizes of the training runs (axes: batch seq embd heads hidden vocab; default: "
+                             "jnntile's automatic tiles)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any hardware, to check the script")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--params", help=argparse.SUPPRESS)
@@ -337,13 +340,14 @@ def main(argv=None) -> int:
         # jnntile keeps JAX on the CPU with the CUDA build; the plain-JAX baselines ask for its GPU.
         xla_env = {"JAX_PLATFORMS": "cuda"} if report["cuda_workers"] > 0 else {}
         runtime_flags = {"placement": args.placement, "workers": args.workers}  # of jnntile's training runs
+        tiles = dict(args.tiles)
         if "gemm" in args.only:
             report["gemm"] = measure_gemm(s["gemm"], log, timeout_s, xla_env)
             print_gemm(report["gemm"])
         for section, dtype in (("train", "float32"), ("train_bf16", "bfloat16")):
             if section not in args.only:
                 continue
-            params = {**s["train"], "model": {**s["train"]["model"], "dtype": dtype}, **runtime_flags}
+            params = {**s["train"], "model": {**s["train"]["model"], **tiles, "dtype": dtype}, **runtime_flags}
             jn = run_child("train_jnntile", params, timeout_s, log)
             xla = run_child("train_xla", params, timeout_s, log, env=xla_env)
             report[section] = {"jnntile": jn, "xla": xla}
@@ -351,7 +355,8 @@ def main(argv=None) -> int:
                 report[section]["ratio"] = jn["tokens_per_s"] / xla["tokens_per_s"]
             print_train(report[section])
         if "limited" in args.only:
-            report["limited"] = run_child("limited", {**s["train"], **runtime_flags}, timeout_s, log)
+            params = {**s["train"], "model": {**s["train"]["model"], **tiles}, **runtime_flags}
+            report["limited"] = run_child("limited", params, timeout_s, log)
             print_limited(report["limited"])
         if "capacity" in args.only:
             available_mb = _available_mb()
@@ -365,6 +370,17 @@ def main(argv=None) -> int:
     print(f"report: {out_path}, child logs: {log_path}")
     failed = [k for k in SECTIONS if isinstance(report.get(k), dict) and "error" in report[k]]
     return 1 if failed else 0
+
+
+def _tile_setting(text: str) -> tuple[str, int]:
+    """An AXIS=SIZE argument of --tiles as the GPT-2 config field and its value."""
+    from jnntile.models import TILE_AXES
+
+    axis, _, size = text.partition("=")
+    if axis not in TILE_AXES or not size.isdigit() or int(size) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: use AXIS=SIZE with AXIS one of {' '.join(TILE_AXES)} and a "
+                                         "positive SIZE")
+    return f"tile_{axis}", int(size)
 
 
 def _available_mb() -> int:
@@ -390,8 +406,10 @@ def print_train(result: dict) -> None:
     print(f"training {jn['config']} batch {jn['batch']}: jnntile {jn['tokens_per_s']:.0f} tokens/s, plain JAX "
           f"{xla['tokens_per_s']:.0f} tokens/s, ratio {result['ratio']:.2f}")
     print("  steps while dmdas calibrates: " + ", ".join(f"{t:.2f}" for t in jn["calibration_step_s"]) + " s")
+    print(f"  step {jn['step_s'] * 1e3:.1f} ms, tiles {jn['tiles']}")
     for kind, share in jn["workers"].items():
-        print(f"  {kind} workers: {share['task_share']:.0%} of tasks, {share['busy_share']:.0%} of busy time")
+        print(f"  {kind} workers: {share['tasks'] / jn['steps']:.0f} tasks and {share['busy_s'] / jn['steps'] * 1e3:.1f} "
+              f"ms busy per step ({share['task_share']:.0%} of tasks, {share['busy_share']:.0%} of busy time)")
     print("  busiest kernels per step (CUDA workers, CPU workers):")
     for k in jn["kernels_per_step"]:
         print(f"    {k['kernel']:>24}: {k['cuda_tasks']:5.0f} tasks {k['cuda_s'] * 1e3:7.1f} ms, "

@@ -39,7 +39,8 @@ MIN_SWAP_MB = 16  # StarPU's disk nodes must be at least this large (it aborts o
 # StarPU's schedulers (an unknown name would silently fall back to the default).
 SCHEDULERS = ("eager", "prio", "random", "lws", "ws", "dm", "dmda", "dmdap", "dmdar", "dmdas", "dmdasd",
               "pheft", "peager", "heteroprio")
-PLACEMENTS = tuple(_xla_ffi.Placement.__members__)  # "auto", "any", "cpu", "cuda" (xla_ffi/runtime.h)
+PLACEMENTS = ("auto", *_xla_ffi.Placement.__members__)  # "auto", "any", "cpu", "cuda" (xla_ffi/runtime.h)
+PLACEMENT_WORDS = {"any": "the workers the scheduler chooses", "cpu": "CPU workers", "cuda": "CUDA workers"}
 # StarPU's disk backends for swap: "unistd" goes through the kernel's page cache (which then holds a
 # second copy of the swap, outside RSS); "unistd_o_direct" bypasses it (direct I/O).
 SWAP_BACKENDS = tuple(_xla_ffi.SwapBackend.__members__)
@@ -282,6 +283,15 @@ def start(**settings) -> None:
         hook()
 
 
+def resolved_placement(config: RuntimeConfig) -> str:
+    """config.placement with "auto" resolved: "cuda" when a CUDA worker will run and the user set no GPU
+    memory limit (gpu_memory_limit_mb 0), else "any". The native runtime sees the resolved GPU limit, never
+    0 with a GPU, so the choice is made here (until this was found on an H100, "auto" ran as "any")."""
+    if config.placement != "auto":
+        return config.placement
+    return "cuda" if gpu_memory_mb(config) > 0 and config.gpu_memory_limit_mb == 0 else "any"
+
+
 def _native(config: RuntimeConfig, gpu_limit_mb: int):
     """The whole configuration as the native runtime takes it (every field set: the defaults live here only),
     with what Python resolves: the GPU memory limit, TF32, and no swap size without a swap directory."""
@@ -293,7 +303,7 @@ def _native(config: RuntimeConfig, gpu_limit_mb: int):
     native.swap_dir = config.swap_dir or ""
     native.swap_size_mb = config.swap_size_mb if config.swap_dir else 0
     native.swap_backend = _xla_ffi.SwapBackend[config.swap_backend]
-    native.placement = _xla_ffi.Placement[config.placement]
+    native.placement = _xla_ffi.Placement[resolved_placement(config)]
     native.tf32 = config.tf32
     return native
 
@@ -364,7 +374,8 @@ def describe() -> str:
     if cuda:
         names = sorted({w["name"] for w in stats()["workers"] if w["name"].startswith("CUDA")})
         precision = "tf32" if _config.tf32 else "highest (FP32)"
-        gpus = f"{cuda} CUDA worker(s) ({'; '.join(names)}), matmul precision {precision}, "
+        gpus = (f"{cuda} CUDA worker(s) ({'; '.join(names)}), matmul precision {precision}, kernels with a CUDA "
+                f"version on {PLACEMENT_WORDS[resolved_placement(_config)]}, ")
     elif HAS_CUDA:
         gpus = "no GPU found (StarPU has CUDA), "
     swap = (f", swap {_config.swap_size_mb} MB in {_config.swap_dir} ({_config.swap_backend})"

@@ -201,6 +201,19 @@ def test_the_whole_configuration_reaches_the_native_runtime():
     assert jnntile.runtime._native(dataclasses.replace(config, swap_dir=None), 0).swap_size_mb == 0
 
 
+@pytest.mark.parametrize("gpu_mb, user_limit_mb, expected", [(80000, 0, "cuda"), (80000, 500, "any"), (0, 0, "any")])
+def test_auto_placement_is_resolved_from_the_users_gpu_limit(gpu_mb, user_limit_mb, expected, monkeypatch):
+    """"auto" runs kernels with a CUDA version on the GPU unless the user limited its memory. The native side
+    sees the resolved limit (nonzero whenever there is a GPU), so it gets "cuda" or "any", never "auto": on an
+    H100 "auto" ran as "any" while the native side decided (CPU workers took 18% of a step's tasks)."""
+    monkeypatch.setattr(jnntile.runtime, "gpu_memory_mb", lambda config=None: gpu_mb)
+    config = dataclasses.replace(jnntile.runtime.config(), placement="auto", gpu_memory_limit_mb=user_limit_mb)
+    assert jnntile.runtime.resolved_placement(config) == expected
+    assert jnntile.runtime._native(config, gpu_limit_mb=gpu_mb).placement.name == expected
+    for explicit in ("any", "cpu", "cuda"):
+        assert jnntile.runtime.resolved_placement(dataclasses.replace(config, placement=explicit)) == explicit
+
+
 def test_a_crash_in_native_code_prints_the_native_stack_then_the_python_one():
     # A fault inside StarPU or a kernel says where even without a debugger; Python's faulthandler still runs.
     crash = "import ctypes, jnntile; jnntile.runtime.start(); ctypes.string_at(0)"

@@ -36,10 +36,9 @@ NB_MODULE(_xla_ffi, m) {
   });
 
   nb::enum_<Placement>(m, "Placement")
-      .value("auto", Placement::Auto)
+      .value("any", Placement::Any)
       .value("cpu", Placement::Cpu)
-      .value("cuda", Placement::Cuda)
-      .value("any", Placement::Any);
+      .value("cuda", Placement::Cuda);
   nb::enum_<SwapBackend>(m, "SwapBackend")
       .value("unistd", SwapBackend::Unistd)
       .value("unistd_o_direct", SwapBackend::UnistdODirect);

@@ -346,11 +346,6 @@ uint32_t where_both_versions(const RuntimeConfig& config) {
     case Placement::Cpu: return STARPU_CPU;
     case Placement::Cuda: return STARPU_CUDA;
     case Placement::Any: return 0;
-    case Placement::Auto:
-      // On the GPU unless its memory is limited. Measured on an H100 (GPT-2 124M, 8 x 1024, bench/gpu.py): whole
-      // GPU, bfloat16 steps of 0.19 s on CUDA workers alone against 0.27 s with CPU workers choosing too; GPU
-      // limited to a quarter of the step's memory, 1.5 s against 0.67 s (CPU workers compute on spilled tiles).
-      return starpu_cuda_worker_get_count() > 0 && config.gpu_memory_limit_mb == 0 ? STARPU_CUDA : 0;
   }
   return 0;
 }

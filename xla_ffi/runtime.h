@@ -21,10 +21,10 @@
 
 namespace jnntile {
 
-// Where tasks of kernels that exist for both devices may run: Auto, on CUDA
-// workers when there are any and the GPU memory is not limited, else as Any;
-// Any, wherever the scheduler chooses; Cpu or Cuda, only there.
-enum class Placement { Auto = 0, Cpu = 1, Cuda = 2, Any = 3 };
+// Where tasks of kernels that exist for both devices may run: Any, wherever the
+// scheduler chooses; Cpu or Cuda, only there. (jnntile.runtime resolves its
+// "auto" into one of these: it knows whether the user limited GPU memory.)
+enum class Placement { Any = 0, Cpu = 1, Cuda = 2 };
 
 // StarPU's disk backends for swap: through the page cache, or direct I/O
 // (O_DIRECT: no second copy of the swap in the page cache, but every read and
