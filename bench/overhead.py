@@ -15,7 +15,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=20000)
     args = parser.parse_args()
-    default = jnntile.runtime.config().scheduler
+    default = jnntile.runtime.resolved_scheduler(jnntile.runtime.config())
     print(f"{'scheduler':>10} {'us per empty task':>18}")
     for scheduler in SCHEDULERS:
         jnntile.runtime.start(scheduler=scheduler)

@@ -107,7 +107,7 @@ def test_other_scheduler_runs_ops():
         np.testing.assert_allclose(gemm.matmul(a, a, trans_b=True).numpy(), x @ x.T)
     finally:
         jnntile.runtime.stop()
-        jnntile.runtime.configure(scheduler="lws", workers=2)
+        jnntile.runtime.configure(scheduler="auto", workers=2)
 
 
 def test_runtime_that_fails_to_start_gives_a_clear_error(tmp_path):
@@ -193,12 +193,25 @@ def test_the_whole_configuration_reaches_the_native_runtime():
     assert fields == {"workers", "cuda_workers", "scheduler", "memory_limit_mb", "gpu_memory_limit_mb", "swap_dir",
                       "swap_size_mb", "swap_backend", "watchdog_s", "placement", "tf32", "pin_host_memory",
                       "distributed"}
-    assert (native.workers, native.scheduler, native.memory_limit_mb) == (config.workers, config.scheduler,
-                                                                          config.memory_limit_mb)
+    assert (native.workers, native.memory_limit_mb) == (config.workers, config.memory_limit_mb)
+    assert native.scheduler == jnntile.runtime.resolved_scheduler(config)
     assert (native.swap_dir, native.swap_size_mb, native.watchdog_s) == ("/tmp/x", 64, 7.5)
     assert native.swap_backend.name == "unistd" and native.placement.name == "cpu" and native.tf32
     assert native.gpu_memory_limit_mb == 123
     assert jnntile.runtime._native(dataclasses.replace(config, swap_dir=None), 0).swap_size_mb == 0
+
+
+@pytest.mark.parametrize("gpus, swap_dir, expected", [(1, None, "dmdas"), (1, "/tmp/x", "dmdas"),
+                                                       (0, None, "lws"), (0, "/tmp/x", "eager")])
+def test_auto_scheduler_is_resolved_from_the_gpus_and_the_swap(gpus, swap_dir, expected, monkeypatch):
+    """"auto": dmdas with a GPU; on CPUs, eager with disk swap (tasks in submission order, the order the
+    planner replays: fewer bytes to and from swap than lws, measured in jnntile.runtime.resolved_scheduler's
+    docstring), else lws. An explicit scheduler stays."""
+    monkeypatch.setattr(jnntile.runtime, "gpu_count", lambda: gpus)
+    config = dataclasses.replace(jnntile.runtime.config(), scheduler="auto", swap_dir=swap_dir, cuda_workers=-1)
+    assert jnntile.runtime.resolved_scheduler(config) == expected
+    assert jnntile.runtime._native(config, gpu_limit_mb=0).scheduler == expected
+    assert jnntile.runtime.resolved_scheduler(dataclasses.replace(config, scheduler="ws")) == "ws"
 
 
 @pytest.mark.parametrize("gpu_mb, user_limit_mb, expected", [(80000, 0, "cuda"), (80000, 500, "any"), (0, 0, "any")])
