@@ -282,13 +282,15 @@ def resolved_scheduler(config: RuntimeConfig) -> str:
     eager: its one queue runs tasks in the order they were submitted, the order the memory planner replays, and
     lws's per-worker queues ran a worker ahead along one row of tiles while the weights it left behind went to
     swap and came back (GPT-2 medium's shape at 4 x 1024, tiles split on embd, heads and hidden, 600 MB + swap:
-    8554 MB read per step under lws, 6703 under eager, 6145 planned; 47.3 -> 44.8 s per step). On CPUs in RAM,
-    lws, the lowest per-task overhead of the work-stealing ones."""
+    8554 MB read per step under lws, 6703 under eager, 6145 planned; 47.3 -> 44.8 s per step). Only with Debian's
+    StarPU 1.3, where that was measured: the CUDA build's StarPU 1.4 run without a GPU under eager with swap
+    aborted at unregistration ("!local->nb_tasks_prefetch", tests/test_grad_accumulation.py's 1 MB limit), so
+    it keeps lws there. On CPUs in RAM, lws, the lowest per-task overhead of the work-stealing ones."""
     if config.scheduler != "auto":
         return config.scheduler
     if config.cuda_workers != 0 and gpu_count() > 0:
         return "dmdas"
-    return "eager" if config.swap_dir else "lws"
+    return "eager" if config.swap_dir and not HAS_CUDA else "lws"
 
 
 def resolved_placement(config: RuntimeConfig) -> str:

@@ -201,13 +201,15 @@ def test_the_whole_configuration_reaches_the_native_runtime():
     assert jnntile.runtime._native(dataclasses.replace(config, swap_dir=None), 0).swap_size_mb == 0
 
 
-@pytest.mark.parametrize("gpus, swap_dir, expected", [(1, None, "dmdas"), (1, "/tmp/x", "dmdas"),
-                                                       (0, None, "lws"), (0, "/tmp/x", "eager")])
-def test_auto_scheduler_is_resolved_from_the_gpus_and_the_swap(gpus, swap_dir, expected, monkeypatch):
-    """"auto": dmdas with a GPU; on CPUs, eager with disk swap (tasks in submission order, the order the
-    planner replays: fewer bytes to and from swap than lws, measured in jnntile.runtime.resolved_scheduler's
-    docstring), else lws. An explicit scheduler stays."""
+@pytest.mark.parametrize("gpus, swap_dir, cuda_build, expected", [
+    (1, None, True, "dmdas"), (1, "/tmp/x", True, "dmdas"), (0, None, False, "lws"), (0, "/tmp/x", False, "eager"),
+    (0, "/tmp/x", True, "lws")])
+def test_auto_scheduler_is_resolved_from_the_gpus_and_the_swap(gpus, swap_dir, cuda_build, expected, monkeypatch):
+    """"auto": dmdas with a GPU; on CPUs with Debian's StarPU, eager with disk swap (tasks in submission order,
+    the order the planner replays: fewer bytes to and from swap than lws, measured in
+    jnntile.runtime.resolved_scheduler's docstring), else lws. An explicit scheduler stays."""
     monkeypatch.setattr(jnntile.runtime, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(jnntile.runtime, "HAS_CUDA", cuda_build)
     config = dataclasses.replace(jnntile.runtime.config(), scheduler="auto", swap_dir=swap_dir, cuda_workers=-1)
     assert jnntile.runtime.resolved_scheduler(config) == expected
     assert jnntile.runtime._native(config, gpu_limit_mb=0).scheduler == expected
