@@ -200,7 +200,8 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     seconds = statistics.median(times)
     return {"config": p["model"], "batch": [B, T], "tiles": str(step.model.tiles),
             "runtime": jnntile.runtime.describe(), "settings": settings, "calibration_step_s": calibration_s,
-            "step_s": seconds, "steps": p["steps"], "tokens_per_s": B * T / seconds, "workers": _worker_shares(before, after),
+            "step_s": seconds, "steps": p["steps"], "tokens_per_s": B * T / seconds,
+            "workers": _worker_shares(before, after),
             "kernels_per_step": _kernels_per_step(before, after, p["steps"]),
             "bytes_per_step": _bytes_per_step(before, after, p["steps"]), "peak_bytes": _peaks(after)}
 
@@ -408,8 +409,9 @@ def print_train(result: dict) -> None:
     print("  steps while dmdas calibrates: " + ", ".join(f"{t:.2f}" for t in jn["calibration_step_s"]) + " s")
     print(f"  step {jn['step_s'] * 1e3:.1f} ms, tiles {jn['tiles']}")
     for kind, share in jn["workers"].items():
-        print(f"  {kind} workers: {share['tasks'] / jn['steps']:.0f} tasks and {share['busy_s'] / jn['steps'] * 1e3:.1f} "
-              f"ms busy per step ({share['task_share']:.0%} of tasks, {share['busy_share']:.0%} of busy time)")
+        per_step_ms = share['busy_s'] / jn['steps'] * 1e3
+        print(f"  {kind} workers: {share['tasks'] / jn['steps']:.0f} tasks and {per_step_ms:.1f} ms busy per step"
+              f" ({share['task_share']:.0%} of tasks, {share['busy_share']:.0%} of busy time)")
     print("  busiest kernels per step (CUDA workers, CPU workers):")
     for k in jn["kernels_per_step"]:
         print(f"    {k['kernel']:>24}: {k['cuda_tasks']:5.0f} tasks {k['cuda_s'] * 1e3:7.1f} ms, "
