@@ -34,7 +34,10 @@ struct AdamwStep {
   }
   // p after the step whose new moments are m and v.
   JNNTILE_HD float updated(float p, float m, float v) const {
-    float update = (m / bc1) / (sqrtf(v / bc2) + eps) + weight_decay * p;
+    // Products by the corrections' reciprocals (the loops hoist them): one division and one square root per
+    // element, where three divisions and a root kept the CPU loop on its divider (0.66 -> 0.35 ns per element
+    // in cache).
+    float update = (m * (1.0f / bc1)) / (sqrtf(v * (1.0f / bc2)) + eps) + weight_decay * p;
     return p - lr * update;
   }
   // The step of gradient scale * g, from the moments before (m, v) and after (m_out, v_out) the step of g:

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/cpu/lanes.h"
 #include "kernels/gemm.h"
 
 namespace jnntile {
@@ -11,51 +12,51 @@ using namespace attention;
 
 namespace {
 
-// One thread takes a whole row: nothing to combine.
+// One thread takes a whole row, reducing it in independent running values.
 struct SerialLanes {
   static constexpr int64_t lane = 0, count = 1;
-  static float max(float x) { return x; }
-  static double sum(double x) { return x; }
+  template <class Term>
+  static float max_of(int64_t n, Term term) { return lane_max(n, term); }
+  template <class Term>
+  static double sum_of(int64_t n, Term term) { return lane_sum(n, term); }
 };
 
 template <class Row, class... Args>
-void for_rows(int64_t rows, Args... args) {
-  for (int64_t row = 0; row < rows; ++row) Row::apply(SerialLanes{}, row, args...);
+void for_rows(int64_t begin, int64_t end, Args... args) {
+  for (int64_t row = begin; row < end; ++row) Row::apply(SerialLanes{}, row, args...);
 }
 
-// The products of a step over the nh heads of one batch row (see the table in
-// cuda/attention.cu), on the tile products' BLAS (oneMKL where loaded); x is
-// query-side (nq, d), y key-side (nk, d) per head, both with leading dimension
-// nh * d, s holds the (nq, nk) score blocks.
+// The products of a step for head h of one batch row (see the table in cuda/attention.cu), on the tile
+// products' BLAS (oneMKL where loaded); x is query-side (nq, d), y key-side (nk, d) per head, both with
+// leading dimension nh * d, s is the head's (nq, nk) score block.
 
 // s = alpha x y^T
-void score_gemm(const AttentionPair& p, float alpha, const float* x, const float* y, float* s) {
+void score_gemm(const AttentionPair& p, int64_t h, float alpha, const float* x, const float* y, float* s) {
   const int64_t ld = p.nh * p.d;
-  for (int64_t h = 0; h < p.nh; ++h)
-    cpu_sgemm(false, true, p.nq, p.nk, p.d, alpha, x + h * p.d, ld, y + h * p.d, ld, 0.0f, s + h * p.nq * p.nk, p.nk);
+  cpu_sgemm(false, true, p.nq, p.nk, p.d, alpha, x + h * p.d, ld, y + h * p.d, ld, 0.0f, s, p.nk);
 }
 
 // out (nq, d) = alpha s y + beta out
-void query_gemm(const AttentionPair& p, float alpha, const float* s, const float* y, float beta, float* out) {
+void query_gemm(const AttentionPair& p, int64_t h, float alpha, const float* s, const float* y, float beta,
+                float* out) {
   const int64_t ld = p.nh * p.d;
-  for (int64_t h = 0; h < p.nh; ++h)
-    cpu_sgemm(false, false, p.nq, p.d, p.nk, alpha, s + h * p.nq * p.nk, p.nk, y + h * p.d, ld, beta, out + h * p.d,
-              ld);
+  cpu_sgemm(false, false, p.nq, p.d, p.nk, alpha, s, p.nk, y + h * p.d, ld, beta, out + h * p.d, ld);
 }
 
 // out (nk, d) += alpha s^T x
-void key_gemm(const AttentionPair& p, float alpha, const float* s, const float* x, float* out) {
+void key_gemm(const AttentionPair& p, int64_t h, float alpha, const float* s, const float* x, float* out) {
   const int64_t ld = p.nh * p.d;
-  for (int64_t h = 0; h < p.nh; ++h)
-    cpu_sgemm(true, false, p.nk, p.d, p.nq, alpha, s + h * p.nq * p.nk, p.nk, x + h * p.d, ld, 1.0f, out + h * p.d,
-              ld);
+  cpu_sgemm(true, false, p.nk, p.d, p.nq, alpha, s, p.nk, x + h * p.d, ld, 1.0f, out + h * p.d, ld);
 }
 
-// Query rows per product where the causal mask cuts the pair: the rows of a diagonal pair see a growing
-// prefix of its keys, so each chunk of rows multiplies only the keys its last row sees: with 128-row chunks,
-// 5/8 of a 512 x 512 pair's products (GPT-2 124M at 1 x 1024, 2 workers: attention 1210 -> 986 ms per step;
-// 64-row chunks 1026 ms, the smaller products being slower).
-constexpr int64_t kCausalChunk = 128;
+// Query rows per chunk. A chunk's score blocks (one head's, 128 x 512 floats in the forward, twice that in the
+// backward) stay in a core's cache between its products and its pass over the rows: with all heads' blocks
+// of a 512 x 512 pair at once (24 MB in the backward), GPT-2 124M at 1 x 1024 spent 958 ms per step in
+// attention's steps, 753 with chunks of one head. Where the causal mask cuts the pair, the rows of a chunk see a
+// prefix of its keys, and each chunk multiplies only the keys its last row sees: 5/8 of a 512 x 512 pair's
+// products (attention 1210 -> 986 ms per step, 2 workers; 64-row chunks 1026 ms, the smaller products being
+// slower).
+constexpr int64_t kChunkRows = 128;
 
 // Cuts the query rows of one batch row of p into chunks and calls fn(chunk, r0) for each: `chunk` is a pair
 // of one batch row whose queries start at row r0 (its row_index and offsets are relative to that row) and
@@ -63,9 +64,8 @@ constexpr int64_t kCausalChunk = 128;
 // as they were.
 template <class Fn>
 void for_visible_chunks(const AttentionPair& p, Fn fn) {
-  const int64_t rows_per_chunk = visible_keys(p, 0) < p.nk ? kCausalChunk : p.nq;
-  for (int64_t r0 = 0; r0 < p.nq; r0 += rows_per_chunk) {
-    const int64_t rows = std::min(rows_per_chunk, p.nq - r0), keys = visible_keys(p, r0 + rows - 1);
+  for (int64_t r0 = 0; r0 < p.nq; r0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, p.nq - r0), keys = visible_keys(p, r0 + rows - 1);
     if (keys > 0) fn(AttentionPair{1, p.nh, rows, keys, p.d, p.q0 + r0, p.k0, p.scale}, r0);
   }
 }
@@ -79,22 +79,24 @@ void attention_forward_step<Device::Cpu>(bool first, const AttentionPair& p, con
     const int64_t kb = key_offset(p, b);
     for_visible_chunks(p, [&](const AttentionPair& c, int64_t r0) {
       const int64_t qb = query_offset(p, b) + r0 * p.nh * p.d, row0 = row_index(p, b, r0, 0);
-      score_gemm(c, p.scale, q + qb, k + kb, scratch);
-      for_rows<ForwardRow>(c.nh * c.nq, first, c, 0, scratch, o + qb, stats + 2 * row0);
-      // o = alpha o + P v; the first step overwrites o, whose tile was never written.
-      query_gemm(c, 1.0f, scratch, v + kb, first ? 0.0f : 1.0f, o + qb);
+      for (int64_t h = 0; h < c.nh; ++h) {
+        score_gemm(c, h, p.scale, q + qb, k + kb, scratch);
+        for_rows<ForwardRow>(h * c.nq, (h + 1) * c.nq, first, c, int64_t{0}, h, scratch, o + qb, stats + 2 * row0);
+        // o = alpha o + P v; the first step overwrites o, whose tile was never written.
+        query_gemm(c, h, 1.0f, scratch, v + kb, first ? 0.0f : 1.0f, o + qb);
+      }
     });
   }
 }
 
 template <>
 void attention_forward_finish<Device::Cpu>(int64_t rows, int64_t d, const float* stats, float* o, float* lse) {
-  for_rows<FinishRow>(rows, d, stats, o, lse);
+  for_rows<FinishRow>(0, rows, d, stats, o, lse);
 }
 
 template <>
 void attention_backward_delta<Device::Cpu>(int64_t rows, int64_t d, const float* o, const float* d_o, float* delta) {
-  for_rows<DeltaRow>(rows, d, o, d_o, delta);
+  for_rows<DeltaRow>(0, rows, d, o, d_o, delta);
 }
 
 template <>
@@ -105,13 +107,15 @@ void attention_backward_step<Device::Cpu>(const AttentionPair& p, const float* q
     const int64_t kb = key_offset(p, b);
     for_visible_chunks(p, [&](const AttentionPair& c, int64_t r0) {
       const int64_t qb = query_offset(p, b) + r0 * p.nh * p.d, row0 = row_index(p, b, r0, 0);
-      float *s = scratch, *dp = scratch + score_blocks_size(c);  // P and dP, then dS in place of dP
-      score_gemm(c, p.scale, q + qb, k + kb, s);
-      score_gemm(c, 1.0f, d_o + qb, v + kb, dp);
-      for_rows<BackwardRow>(c.nh * c.nq, c, 0, lse + row0, delta + row0, s, dp);
-      key_gemm(c, 1.0f, s, d_o + qb, dv + kb);
-      query_gemm(c, p.scale, dp, k + kb, 1.0f, dq + qb);
-      key_gemm(c, p.scale, dp, q + qb, dk + kb);
+      float *s = scratch, *dp = scratch + c.nq * c.nk;  // one head's P and dP, then dS in place of dP
+      for (int64_t h = 0; h < c.nh; ++h) {
+        score_gemm(c, h, p.scale, q + qb, k + kb, s);
+        score_gemm(c, h, 1.0f, d_o + qb, v + kb, dp);
+        for_rows<BackwardRow>(h * c.nq, (h + 1) * c.nq, c, int64_t{0}, h, lse + row0, delta + row0, s, dp);
+        key_gemm(c, h, 1.0f, s, d_o + qb, dv + kb);
+        query_gemm(c, h, p.scale, dp, k + kb, 1.0f, dq + qb);
+        key_gemm(c, h, p.scale, dp, q + qb, dk + kb);
+      }
     });
   }
 }

@@ -11,8 +11,18 @@ namespace {
 struct WarpLanes {
   int64_t lane;
   static constexpr int64_t count = cuda::kWarp;
-  __device__ float max(float x) const { return cuda::warp_reduce(x, [](float a, float b) { return fmaxf(a, b); }); }
-  __device__ double sum(double x) const { return cuda::warp_reduce(x, [](double a, double b) { return a + b; }); }
+  template <class Term>
+  __device__ float max_of(int64_t n, Term term) const {
+    float m = -INFINITY;
+    for (int64_t c = lane; c < n; c += count) m = fmaxf(m, term(c));
+    return cuda::warp_reduce(m, [](float a, float b) { return fmaxf(a, b); });
+  }
+  template <class Term>
+  __device__ double sum_of(int64_t n, Term term) const {
+    double acc = 0.0;
+    for (int64_t c = lane; c < n; c += count) acc += term(c);
+    return cuda::warp_reduce(acc, [](double a, double b) { return a + b; });
+  }
 };
 
 // One warp per row, grid-stride over the rows: `row` is the same on all lanes
@@ -86,7 +96,7 @@ void attention_forward_step<Device::Cuda>(bool first, const AttentionPair& p, co
   for (int64_t b = 0; b < p.nb; ++b) {
     const int64_t qb = query_offset(p, b), kb = key_offset(p, b);
     score_gemm(p, p.scale, q + qb, k + kb, scratch);
-    for_rows<ForwardRow>("attention_forward_step", p.nh * p.nq, first, p, b, scratch, o, stats);
+    for_rows<ForwardRow>("attention_forward_step", p.nh * p.nq, first, p, b, int64_t{0}, scratch, o, stats);
     query_gemm(p, 1.0f, scratch, v + kb, first ? 0.0f : 1.0f, o + qb);
   }
 }
@@ -110,7 +120,7 @@ void attention_backward_step<Device::Cuda>(const AttentionPair& p, const float* 
     const int64_t qb = query_offset(p, b), kb = key_offset(p, b);
     score_gemm(p, p.scale, q + qb, k + kb, s);
     score_gemm(p, 1.0f, d_o + qb, v + kb, dp);
-    for_rows<BackwardRow>("attention_backward_step", p.nh * p.nq, p, b, lse, delta, s, dp);
+    for_rows<BackwardRow>("attention_backward_step", p.nh * p.nq, p, b, int64_t{0}, lse, delta, s, dp);
     key_gemm(p, 1.0f, s, d_o + qb, dv + kb);
     query_gemm(p, p.scale, dp, k + kb, 1.0f, dq + qb);
     key_gemm(p, p.scale, dp, q + qb, dk + kb);
