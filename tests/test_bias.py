@@ -109,6 +109,46 @@ def test_linear(tiling, jit, with_bias):
     check_value_and_grads(loss, reference, tensors, arrays, jit)
 
 
+@pytest.mark.parametrize("tiling", LINEAR_TILINGS)
+def test_linear_bfloat16(tiling):
+    """x and W bfloat16, b float32: the product summed in float32 over the K tiles, the bias added to it in
+    float32 by the last K tile's task, rounded once; db summed from bfloat16 dy in float."""
+    x_shape, x_tile, w_shape, w_tile = LINEAR_TILINGS[tiling]
+
+    def reference(x, w, b):
+        product = jnp.tensordot(x.astype(jnp.float32), w.astype(jnp.float32), axes=1)
+        return (product + b).astype(jnp.bfloat16)
+
+    check_op(linear, reference, [normal(x_shape, 0), normal(w_shape, 1), normal(w_shape[1:], 2)],
+             [x_tile, w_tile, w_tile[1:]], jit=True, dtype=["bfloat16", "bfloat16", "float32"], tol=BFLOAT16_TOL)
+
+
+def test_linear_with_the_weight_out_first_and_two_input_axes():
+    """W stored (N, C1, C2) as torch stores a Linear's weight, contracting x's last two axes, uneven tiles."""
+    x_np, w_np, b_np = normal((3, 4, 2, 5), 0), normal((6, 2, 5), 1), normal((6,), 2)
+
+    def op(x, w, b):
+        return linear(x, w, b, ndim=2, trans_b=True)
+
+    def reference(x, w, b):
+        return jnp.tensordot(x, w, axes=((2, 3), (1, 2))) + b
+
+    check_op(op, reference, [x_np, w_np, b_np], [(2, 3, 1, 3), (4, 1, 3), (4,)], jit=True)
+
+
+def test_a_bias_shared_by_two_layers_sums_both_gradients():
+    """The second layer's bias gradient adds to the first's (the first wrote it: it held nothing yet)."""
+    x_np, w1_np, w2_np, b_np = normal((4, 6), 0), normal((6, 6), 1), normal((6, 6), 2), normal((6,), 3)
+
+    def op(x, w1, w2, b):
+        return linear(linear(x, w1, b), w2, b)
+
+    def reference(x, w1, w2, b):
+        return (x @ w1 + b) @ w2 + b
+
+    check_op(op, reference, [x_np, w1_np, w2_np, b_np], [(2, 3), (3, 3), (3, 3), (3,)], jit=False)
+
+
 def test_bad_inputs():
     x = jnntile.zeros((4, 6), tile_shape=(2, 3))
     with pytest.raises(ValueError, match=r"b of shape \(5,\) must equal the trailing axes of x \(4, 6\)"):

@@ -139,7 +139,7 @@ def test_micro_batches_under_a_small_limit_with_swap(one_big_batch, small_limit_
     from jnntile import memory
 
     plan = memory.plan(CONFIG, B, T, grad_accum_steps=N)
-    assert plan.peak > 3 * 2**20 and plan.verdict(1, 64).startswith("needs")  # 3x the 1 MB limit
+    assert plan.peak > 2 * 2**20 and plan.verdict(1, 64).startswith("needs")  # over twice the 1 MB limit
     losses, params = _train(N)
     assert jnntile.runtime.stats()["bytes_moved"]["RAM->DISK"] > plan.state, "the state went through the swap"
     assert rel_err(losses, one_big_batch[0]) < 1e-6

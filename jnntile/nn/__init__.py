@@ -125,11 +125,9 @@ class Linear(nnx.Module):
                            tuple(out_tiles)) if use_bias else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        y = gemm.matmul(x, compute_copy(self.weight.get_value(), self.dtype), ndim=self.in_ndim,
-                        trans_b=self.weight_out_first)
-        if self.bias is not None:
-            y = bias_ops.add_bias(y, self.bias.get_value())
-        return y
+        return bias_ops.linear(x, compute_copy(self.weight.get_value(), self.dtype),
+                               None if self.bias is None else self.bias.get_value(), ndim=self.in_ndim,
+                               trans_b=self.weight_out_first)
 
 
 class LoRA(nnx.Module):

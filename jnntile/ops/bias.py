@@ -3,15 +3,16 @@
 `add_bias(x, b)` broadcasts `b` over the leading axes of `x`: `b` has the
 trailing axes of `x` (usually one, `(N,)` for `x` `(..., N)`) and the same
 tiles on them. `linear(x, w, b)` is `matmul(x, w)` contracting the last axis of
-`x` with the first of `w`, then `add_bias` with `b` shaped like `w`'s output
-axes, so a fused projection `w: (C, 3, H, D)` gives `(..., 3, H, D)`.
+`x` with the first of `w`, plus `b` shaped like `w`'s output axes (added by
+the product's own tasks), so a fused projection `w: (C, 3, H, D)` gives
+`(..., 3, H, D)`.
 """
 
 from __future__ import annotations
 
 from jnntile import tensor as tensor_mod
+from jnntile.ops import gemm
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release
-from jnntile.ops.gemm import matmul
 from jnntile.tensor import Tensor
 
 
@@ -33,13 +34,18 @@ def _forward(x, b, zero_grad):
     return Tensor(token, out), (x, b, Tensor(token, out))
 
 
+def backward_call(out: Tensor, g: Tensor, grad_x, b: Tensor, tokens):
+    """The token of the call that adds out's gradient into grad_x (a handle, or None) and sums it into b's
+    gradient, each written instead where it holds nothing yet."""
+    grad_b = grad_target(b)
+    (fresh_x, fresh_b), written = fresh_targets(grad_x, grad_b)
+    return call("add_bias_backward", [tensor_mod.grad_handle(out.handle), grad_x, grad_b],
+                [out.token, g.token, *tokens], writes=written, fresh_dx=fresh_x, fresh_db=fresh_b)
+
+
 def _backward(residuals, g):
     x, b, out = residuals
-    grad_x = grad_target(x)
-    (fresh_x,), written = fresh_targets(grad_x)  # dx = dy where dx holds nothing yet
-    token = call("add_bias_backward", [tensor_mod.grad_handle(out.handle), grad_x, grad_target(b)],
-                 [out.token, g.token, x.token, b.token], writes=written, fresh_dx=fresh_x)
-    token = release(token, out)
+    token = release(backward_call(out, g, grad_target(x), b, [x.token, b.token]), out)
     return x.with_token(token), b.with_token(token)
 
 
@@ -52,13 +58,40 @@ def add_bias(x: Tensor, b: Tensor) -> Tensor:
     return _add_bias(x, b)
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """x @ w (+ b): x (..., C) tiled (..., tc), w (C, N..) tiled (tc, tn..), b (N..) tiled (tn..).
+def _linear_forward(x, w, b, params, zero_grad):
+    trans_a, trans_b, alpha, ndim, batch_ndim = params
+    shape, tile_shape = gemm.layout(x, w, trans_a, trans_b, ndim, batch_ndim)
+    out = tensor_mod.new_handle(shape, x.dtype, tile_shape)
+    token = call("gemm", [x.handle, w.handle, out, b.handle], [x.token, w.token, b.token],
+                 zero_grads=[out] if zero_grad else [], trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=0.0,
+                 ndim=ndim, batch_ndim=batch_ndim)
+    return Tensor(token, out), (x, w, b, Tensor(token, out))
 
-    The result is (..., N..) tiled (..., tn..).
+
+def _linear_backward(params, residuals, g):
+    x, w, b, out = residuals
+    product = gemm.backward_call(params, x, w, out, g)
+    token = release(backward_call(out, g, None, b, [product, b.token]), out)
+    return x.with_token(token), w.with_token(token), b.with_token(token)
+
+
+_linear = differentiable(_linear_forward, _linear_backward, nondiff_argnums=(3,), name="linear")
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, ndim: int = 1, trans_b: bool = False) -> Tensor:
+    """x @ w (+ b): x (..., C..) tiled (..., tc..), w (C.., N..) tiled (tc.., tn..) (`trans_b`: (N.., C..)),
+    b (N..) tiled (tn..); `ndim` counts the C axes.
+
+    The result is (..., N..) tiled (..., tn..). The bias is added by the product's own tasks, not by a pass of
+    its own over the result, and its gradient needs no copy of the result's.
     """
-    if b is not None and (b.shape != w.shape[1:] or b.tile_shape != w.tile_shape[1:]):
+    if b is None:
+        return gemm.matmul(x, w, trans_b=trans_b, ndim=ndim)
+    out_axes = slice(0, w.ndim - ndim) if trans_b else slice(ndim, w.ndim)
+    if b.shape != w.shape[out_axes] or b.tile_shape != w.tile_shape[out_axes]:
         raise ValueError(f"linear: b (shape {b.shape}, tile_shape {b.tile_shape}) must match w's output axes "
-                         f"(shape {w.shape[1:]}, tile_shape {w.tile_shape[1:]})")
-    y = matmul(x, w)
-    return y if b is None else add_bias(y, b)
+                         f"(shape {w.shape[out_axes]}, tile_shape {w.tile_shape[out_axes]})")
+    if b.dtype != "float32":
+        raise TypeError(f"linear: b must be float32 (a bias stays a float32 master), got {b!r}")
+    gemm.layout(x, w, False, trans_b, ndim, 0)
+    return _linear(x, w, b, (False, bool(trans_b), 1.0, int(ndim), 0))

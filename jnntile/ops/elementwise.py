@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import accumulate, call, differentiable, grad_target, release, tile_bytes
+from jnntile.ops._ffi import accumulate, call, differentiable, fresh_targets, grad_target, release, tile_bytes
 from jnntile.tensor import Tensor
 
 # name: (code in xla_ffi/kernels/cpu/elementwise.h, jnp reference)
@@ -55,8 +55,10 @@ def _unary_forward(x, code, zero_grad):
 
 def _unary_backward(code, residuals, g):
     x, out = residuals
-    token = call("unary_backward", [x.handle, tensor_mod.grad_handle(out.handle), grad_target(x)],
-                 [out.token, g.token, x.token], op=code)
+    grad_x = grad_target(x)
+    (fresh,), written = fresh_targets(grad_x)  # dx = dy f'(x) where dx holds nothing yet
+    token = call("unary_backward", [x.handle, tensor_mod.grad_handle(out.handle), grad_x],
+                 [out.token, g.token, x.token], writes=written, fresh=fresh, op=code)
     return (x.with_token(release(token, out)),)
 
 

@@ -13,7 +13,7 @@ from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, r
 from jnntile.tensor import Tensor
 
 
-def _layout(a: Tensor, b: Tensor, trans_a, trans_b, ndim, batch_ndim):
+def layout(a: Tensor, b: Tensor, trans_a, trans_b, ndim, batch_ndim):
     """Shape and tile shape of the result; raises naming the mismatch."""
     if a.dtype not in tensor_mod.FLOAT_DTYPES or b.dtype != a.dtype:
         raise TypeError(f"matmul needs two float32 or two bfloat16 tensors, got {a.dtype} and {b.dtype}")
@@ -44,30 +44,34 @@ def _layout(a: Tensor, b: Tensor, trans_a, trans_b, ndim, batch_ndim):
 def matmul(a: Tensor, b: Tensor, *, trans_a=False, trans_b=False, alpha=1.0, ndim=1,
            batch_ndim=0) -> Tensor:
     """alpha * op(a) @ op(b) as a new tensor; differentiable in a and b."""
-    _layout(a, b, trans_a, trans_b, ndim, batch_ndim)
+    layout(a, b, trans_a, trans_b, ndim, batch_ndim)
     return _matmul(a, b, (bool(trans_a), bool(trans_b), float(alpha), int(ndim), int(batch_ndim)))
 
 
 def _forward(a, b, params, zero_grad):
     trans_a, trans_b, alpha, ndim, batch_ndim = params
-    shape, tile_shape = _layout(a, b, trans_a, trans_b, ndim, batch_ndim)
+    shape, tile_shape = layout(a, b, trans_a, trans_b, ndim, batch_ndim)
     out = tensor_mod.new_handle(shape, a.dtype, tile_shape)  # products accumulate in float32 either way
     token = call("gemm", [a.handle, b.handle, out], [a.token, b.token], zero_grads=[out] if zero_grad else [],
                  trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=0.0, ndim=ndim, batch_ndim=batch_ndim)
     return Tensor(token, out), (a, b, Tensor(token, out))
 
 
-def _backward(params, residuals, g):
-    a, b, out = residuals
+def backward_call(params, a: Tensor, b: Tensor, out: Tensor, g: Tensor):
+    """The token of the call that adds out's gradient g through the product into a's and b's gradients."""
     trans_a, trans_b, alpha, ndim, batch_ndim = params
     grad_a, grad_b = grad_target(a), grad_target(b)
     # A gradient still at zero is written by the product, not filled and added to (one pass over its tiles).
     (fresh_a, fresh_b), written = fresh_targets(grad_a, grad_b)
     # Invariant 1: the backward call consumes the forward token (out.token).
-    token = call("gemm_backward", [a.handle, b.handle, grad_a, grad_b, tensor_mod.grad_handle(out.handle)],
-                 [out.token, g.token, a.token, b.token], writes=written, fresh_a=fresh_a, fresh_b=fresh_b,
-                 trans_a=trans_a, trans_b=trans_b, alpha=alpha, ndim=ndim, batch_ndim=batch_ndim)
-    token = release(token, out)  # this was the last use of out and its gradient
+    return call("gemm_backward", [a.handle, b.handle, grad_a, grad_b, tensor_mod.grad_handle(out.handle)],
+                [out.token, g.token, a.token, b.token], writes=written, fresh_a=fresh_a, fresh_b=fresh_b,
+                trans_a=trans_a, trans_b=trans_b, alpha=alpha, ndim=ndim, batch_ndim=batch_ndim)
+
+
+def _backward(params, residuals, g):
+    a, b, out = residuals
+    token = release(backward_call(params, a, b, out, g), out)  # this was the last use of out and its gradient
     return a.with_token(token), b.with_token(token)
 
 

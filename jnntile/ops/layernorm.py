@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release, tile_bytes
+from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release, tile_bytes
 from jnntile.tensor import Tensor
 
 
@@ -53,10 +53,14 @@ def _forward(x, weight, bias, eps, zero_grad):
 def _backward(eps, residuals, g):
     x, weight, bias, stats, y = residuals
     centered = bias is not None
+    grad_params = [h for h in (grad_target(weight), grad_target(bias) if centered else None) if h is not None]
+    # The parameters' gradients are written, not filled and added to, when all of them hold nothing yet.
+    fresh = bool(grad_params) and all(fresh_targets(*grad_params)[0])
     token = call("layer_norm_backward",
                  [x.handle, weight.handle, stats.handle, tensor_mod.grad_handle(y.handle), grad_target(x),
                   grad_target(weight), grad_target(bias) if centered else None],
-                 [y.token, g.token, x.token, weight.token] + ([bias.token] if centered else []), centered=centered)
+                 [y.token, g.token, x.token, weight.token] + ([bias.token] if centered else []), centered=centered,
+                 writes=grad_params if fresh else [], fresh_params=fresh)
     token = release(token, y, stats)  # the saved (mean, rstd) too
     return x.with_token(token), weight.with_token(token), bias.with_token(token) if centered else None
 

@@ -10,9 +10,9 @@ namespace jnntile {
 template <Device D>
 void add_bias(FloatType type, int64_t rows, int64_t n, const void* x, const float* b, void* out);
 
-// dy: (rows, n)  db: (n,);  db += sum over rows of dy, accumulated in double
-// in a fixed order (rows in order on the CPU, interleaved row lanes on the GPU).
+// dy: (rows, n)  db: (n,);  db += sum over rows of dy (db = ... with `overwrite`: db holds nothing yet),
+// accumulated in double in a fixed order (rows in order on the CPU, interleaved row lanes on the GPU).
 template <Device D>
-void bias_grad(FloatType type, int64_t rows, int64_t n, const void* dy, float* db);
+void bias_grad(FloatType type, int64_t rows, int64_t n, bool overwrite, const void* dy, float* db);
 
 }  // namespace jnntile

@@ -15,14 +15,17 @@ constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCoeff = 0.044715f;
 
 // Each function: value f(x) and derivative f'(x).
+//
+// GELU's tanh form, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), is computed as x sigmoid(2u)
+// (the same function: 1 + tanh(u) = 2 sigmoid(2u)): one exponential and one division, with no cancellation
+// to guard against, where tanh_approx also needs a sign, a series and a select (0.95 -> 0.66 ns per element
+// forward on one core in 256-bit vectors, 1.17 -> 0.87 backward).
 struct GeluTanh {
-  static JNNTILE_HD float f(float x) {
-    float t = tanh_approx(kSqrt2OverPi * (x + kGeluCoeff * x * x * x));
-    return 0.5f * x * (1.0f + t);
-  }
+  static JNNTILE_HD float u(float x) { return kSqrt2OverPi * (x + kGeluCoeff * x * x * x); }
+  static JNNTILE_HD float f(float x) { return x / (1.0f + exp_approx(-2.0f * u(x))); }
   static JNNTILE_HD float df(float x) {
-    float t = tanh_approx(kSqrt2OverPi * (x + kGeluCoeff * x * x * x));
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * x * x);
+    const float s = 1.0f / (1.0f + exp_approx(-2.0f * u(x)));  // sigmoid(2u) = 0.5 (1 + tanh(u))
+    return s + 2.0f * x * s * (1.0f - s) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * x * x);
   }
 };
 struct Relu {
@@ -55,7 +58,9 @@ struct Silu {
   }
 };
 
-// y = f(x) and dx += dy * f'(x) on one element of float32 or bfloat16 tiles, computed in float.
+// y = f(x) and dx += dy * f'(x) (dx = ... with `overwrite`: dx holds nothing yet) on one element of float32
+// or bfloat16 tiles, computed in float. The CPU passes `overwrite` as a std::bool_constant: a flag tested per
+// element kept its bfloat16 loop from vectorising (5.5 ms per GELU backward task of GPT-2 124M, not 1.1).
 template <class F>
 struct Forward {
   template <class T>
@@ -65,9 +70,9 @@ struct Forward {
 };
 template <class F>
 struct Backward {
-  template <class T>
-  static JNNTILE_HD void apply(int64_t i, const T* x, const T* dy, T* dx) {
-    dx[i] = from_float<T>(to_float(dx[i]) + to_float(dy[i]) * F::df(to_float(x[i])));
+  template <class T, class Flag>
+  static JNNTILE_HD void apply(int64_t i, Flag overwrite, const T* x, const T* dy, T* dx) {
+    dx[i] = from_float<T>((overwrite ? 0.0f : to_float(dx[i])) + to_float(dy[i]) * F::df(to_float(x[i])));
   }
 };
 
@@ -104,8 +109,9 @@ struct Accumulate {
 
 // Tiles of `type` (x, y, dy, dx and out alike, but for accumulate's source).
 template <Device D> void unary_forward(Unary op, FloatType type, int64_t n, const void* x, void* y);
-// dx += dy * f'(x)
-template <Device D> void unary_backward(Unary op, FloatType type, int64_t n, const void* x, const void* dy, void* dx);
+// dx += dy * f'(x)  (dx = dy * f'(x) with `overwrite`)
+template <Device D>
+void unary_backward(Unary op, FloatType type, int64_t n, bool overwrite, const void* x, const void* dy, void* dx);
 // out = a * x + b * y   (y may be null: out = a * x)
 template <Device D> void axpby(FloatType type, int64_t n, float a, const void* x, float b, const void* y, void* out);
 // out += a * x (out = a * x with `overwrite`), x of x_type, out of out_type

@@ -148,9 +148,10 @@ void layernorm_backward_dx(FloatType type, int64_t rows, int64_t n, int64_t c, b
                            const float* stats, const float* w, const void* dy, const double* sums, void* dx);
 
 // dw += sum over rows of dy * xhat, db += sum over rows of dy (either may be
-// null), each column summed in double over the rows in order.
+// null; = instead of += with `overwrite`: they hold nothing yet), each column
+// summed in double over the rows in order.
 template <Device D>
-void layernorm_backward_params(FloatType type, int64_t rows, int64_t n, const void* x, const float* stats,
-                               const void* dy, float* dw, float* db);
+void layernorm_backward_params(FloatType type, int64_t rows, int64_t n, bool overwrite, const void* x,
+                               const float* stats, const void* dy, float* dw, float* db);
 
 }  // namespace jnntile

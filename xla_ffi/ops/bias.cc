@@ -4,7 +4,8 @@
 // axes of x with the same tiles (one axis for a Linear layer, several for a
 // fused projection such as (3, H, D)). One task per x tile. The backward adds
 // dy into dx per tile (parallel) and sums dy over the leading axes into db:
-// one RW chain per b tile over the x tiles that share it.
+// one chain per b tile over the x tiles that share it. (A linear layer adds its
+// bias in its product's tasks, ops/gemm.cc, and uses only the db half here.)
 #include <algorithm>
 
 #include "kernels/bias.h"
@@ -18,7 +19,7 @@ struct BiasArgs {
   FloatType type;  // of x, out, dy and dx; b and db are float32
   int64_t rows;    // product of the leading extents of the x tile
   int64_t n;       // elements of the b tile
-  bool overwrite;  // dx holds nothing yet: dx = dy
+  bool overwrite;  // dx (db) holds nothing yet: dx = dy (db = the sum)
 };
 
 template <Device D>
@@ -34,7 +35,7 @@ void dx_kernel(void** buffers, const BiasArgs& a) {
 
 template <Device D>
 void db_kernel(void** buffers, const BiasArgs& a) {
-  bias_grad<D>(a.type, a.rows, a.n, tile_ptr<void>(buffers[0]), tile_ptr<float>(buffers[1]));
+  bias_grad<D>(a.type, a.rows, a.n, a.overwrite, tile_ptr<void>(buffers[0]), tile_ptr<float>(buffers[1]));
 }
 
 // x's float type; b must be float32 with the trailing axes and tiles of x.
@@ -72,7 +73,7 @@ void bias_submit(const OpCall& call) {
 JNNTILE_OP(add_bias, bias_submit);
 
 // ids [dy, dx or -1, db or -1]: dx += dy (dx = dy with attr fresh_dx: its zero-fill was pending); db += sum of
-// dy over the leading axes.
+// dy over the leading axes (with attr fresh_db, the first task of each db tile's chain writes it).
 void bias_backward_submit(const OpCall& call) {
   const TiledTensor& dy = call.tensor(0);
   FloatType type = float_type(dy, "add_bias backward");
@@ -91,11 +92,15 @@ void bias_backward_submit(const OpCall& call) {
   if (call.ids[2] >= 0) {
     const TiledTensor& db = call.tensor(2);
     check_layout(dy, db, "add_bias backward");
+    bool fresh = attr<int64_t>(call.attrs, "fresh_db") != 0;
+    std::vector<bool> written(db.num_tiles(), !fresh);
     // Tiles of dy in row-major order: the chain on each db tile follows the leading axes.
     for (int64_t t = 0; t < dy.num_tiles(); ++t) {
       int64_t bt = bias_tile(dy, db, t), n = db.tile_numel(bt);
-      submit_task(db_cl, {{dy.tiles[t], STARPU_R}, {db.tiles[bt], STARPU_RW}},
-                  BiasArgs{type, dy.tile_numel(t) / n, n, false}, double(dy.tile_numel(t)));
+      bool overwrite = !written[bt];
+      written[bt] = true;
+      submit_task(db_cl, {{dy.tiles[t], STARPU_R}, {db.tiles[bt], overwrite ? STARPU_W : STARPU_RW}},
+                  BiasArgs{type, dy.tile_numel(t) / n, n, overwrite}, double(dy.tile_numel(t)));
     }
   }
 }

@@ -19,6 +19,7 @@ struct UnaryArgs {
   Unary op;
   FloatType type;
   int64_t n;
+  bool overwrite;  // backward: dx holds nothing yet
 };
 
 template <Device D>
@@ -28,7 +29,7 @@ void unary_kernel(void** buffers, const UnaryArgs& a) {
 
 template <Device D>
 void unary_backward_kernel(void** buffers, const UnaryArgs& a) {
-  unary_backward<D>(a.op, a.type, a.n, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]),
+  unary_backward<D>(a.op, a.type, a.n, a.overwrite, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]),
                     tile_ptr<void>(buffers[2]));
 }
 
@@ -40,12 +41,12 @@ void unary_submit(const OpCall& call) {
   auto op = Unary(attr<int64_t>(call.attrs, "op"));
   static starpu_codelet* cl = JNNTILE_CODELET(UnaryArgs, unary_kernel, "unary");
   for (int64_t t = 0; t < x.num_tiles(); ++t)
-    submit_task(cl, {{x.tiles[t], STARPU_R}, {y.tiles[t], STARPU_W}}, UnaryArgs{op, type, x.tile_numel(t)},
+    submit_task(cl, {{x.tiles[t], STARPU_R}, {y.tiles[t], STARPU_W}}, UnaryArgs{op, type, x.tile_numel(t), false},
                 double(x.tile_numel(t)));
 }
 JNNTILE_OP(unary, unary_submit);
 
-// ids [x, dy, dx]: dx += dy * f'(x)
+// ids [x, dy, dx]: dx += dy * f'(x) (dx = ... with attr fresh: its zero-fill was pending)
 void unary_backward_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &dy = call.tensor(1), &dx = call.tensor(2);
   FloatType type = same_float_type({&x, &dy, &dx}, "unary op backward");
@@ -53,9 +54,10 @@ void unary_backward_submit(const OpCall& call) {
   check_same_tiling(x, dx, "unary op backward");
   auto op = Unary(attr<int64_t>(call.attrs, "op"));
   static starpu_codelet* cl = JNNTILE_CODELET(UnaryArgs, unary_backward_kernel, "unary_backward");
+  bool fresh = attr<int64_t>(call.attrs, "fresh") != 0;
   for (int64_t t = 0; t < x.num_tiles(); ++t)
-    submit_task(cl, {{x.tiles[t], STARPU_R}, {dy.tiles[t], STARPU_R}, {dx.tiles[t], STARPU_RW}},
-                UnaryArgs{op, type, x.tile_numel(t)}, 2.0 * x.tile_numel(t));
+    submit_task(cl, {{x.tiles[t], STARPU_R}, {dy.tiles[t], STARPU_R}, {dx.tiles[t], fresh ? STARPU_W : STARPU_RW}},
+                UnaryArgs{op, type, x.tile_numel(t), fresh}, 2.0 * x.tile_numel(t));
 }
 JNNTILE_OP(unary_backward, unary_backward_submit);
 

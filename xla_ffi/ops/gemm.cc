@@ -4,7 +4,11 @@
 // transposed), B is [batch][K..][N..] (or [batch][N..][K..]), C is
 // [batch][M..][N..]; `ndim` is the number of contraction axes K. Every C tile
 // gets one task per K tile; the first is write-only when beta == 0 (DESIGN
-// invariant 3), the rest accumulate.
+// invariant 3), the rest accumulate. A bias (the trailing N.. axes of C, float32)
+// is added by each C tile's last task, to the tile it has just written: a
+// linear layer's y = x W + b in one task per tile instead of two, and no pass of
+// its own over y (nor over dy in the backward: dx of the bias was a copy of dy).
+#include "kernels/bias.h"
 #include "kernels/gemm.h"
 #include "ops/data.h"
 #include "task.h"
@@ -17,14 +21,17 @@ struct GemmArgs {
   bool trans_a, trans_b;
   int64_t batch, m, n, k;
   float alpha, beta;
+  bool bias;  // C += bias (n floats) after the product
 };
 
-// buffers: A, B, C, and scratch when an operand is bfloat16
+// buffers: A, B, C, the bias tile when adding one, and scratch when an operand is bfloat16
 template <Device D>
 void gemm_kernel(void** buffers, const GemmArgs& g) {
-  float* scratch = g.types.all_f32() ? nullptr : tile_ptr<float>(buffers[3]);
+  float* scratch = g.types.all_f32() ? nullptr : tile_ptr<float>(buffers[g.bias ? 4 : 3]);
+  void* c = tile_ptr<void>(buffers[2]);
   gemm<D>(g.types, g.trans_a, g.trans_b, g.batch, g.m, g.n, g.k, g.alpha, tile_ptr<void>(buffers[0]),
-          tile_ptr<void>(buffers[1]), g.beta, tile_ptr<void>(buffers[2]), scratch);
+          tile_ptr<void>(buffers[1]), g.beta, c, scratch);
+  if (g.bias) add_bias<D>(g.types.c, g.batch * g.m, g.n, c, tile_ptr<float>(buffers[3]), c);
 }
 
 Index slice(const Index& v, int start, int count) {
@@ -68,7 +75,7 @@ void require_match(const Index& s1, const Index& t1, const Index& s2, const Inde
 }  // namespace
 
 void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool trans_a, bool trans_b,
-                float alpha, float beta, int ndim, int batch_ndim) {
+                float alpha, float beta, int ndim, int batch_ndim, const TiledTensor* bias = nullptr) {
   int m_ndim = A.ndim() - batch_ndim - ndim;
   int n_ndim = B.ndim() - batch_ndim - ndim;
   if (m_ndim < 0 || n_ndim < 0 || C.ndim() != batch_ndim + m_ndim + n_ndim)
@@ -87,6 +94,12 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
   require_match(b_n, b_nt, c.cols, c.cols_tiles, "column axes of B and C", B, C);
   require_match(a.batch, a.batch_tiles, c.batch, c.batch_tiles, "batch axes of A and C", A, C);
   require_match(b.batch, b.batch_tiles, c.batch, c.batch_tiles, "batch axes of B and C", B, C);
+  if (bias != nullptr) {
+    float_type(*bias, "gemm bias");
+    require_match(bias->shape, bias->tile_shape, c.cols, c.cols_tiles, "bias and the column axes of C", *bias, C);
+    if (bias->dtype != DType::F32)
+      throw std::invalid_argument("gemm: the bias must be float32 (a float32 master): " + bias->describe());
+  }
 
   static starpu_codelet* cl = JNNTILE_CODELET(GemmArgs, gemm_kernel, "gemm");
   GemmTypes types{float_type(A, "gemm"), float_type(B, "gemm"), float_type(C, "gemm")};
@@ -116,16 +129,18 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       Index b_coord = trans_b ? concat({bat, nc, kc}) : concat({bat, kc, nc});
       Index a_ext = A.tile_extent(a_coord);
       int64_t k = product(slice(a_ext, batch_ndim + (trans_a ? 0 : m_ndim), ndim));
-      bool first = kt == 0;
+      bool first = kt == 0, last_with_bias = bias != nullptr && kt == k_tiles - 1;
       float tile_beta = first ? beta : 1.0f;
       starpu_data_access_mode c_mode = (first && beta == 0.0f) ? STARPU_W : STARPU_RW;
       std::vector<Buffer> buffers{{A.tile(a_coord), STARPU_R}, {B.tile(b_coord), STARPU_R}, {c_tile, c_mode}};
+      if (last_with_bias) buffers.push_back({bias->tile(nc), STARPU_R});
       starpu_data_handle_t scratch = nullptr;
       if (!tile_types.all_f32()) {
         scratch = temporary_vector(gemm_scratch_floats(tile_types, batch, m, n, k), sizeof(float));
         buffers.push_back({scratch, STARPU_SCRATCH});
       }
-      submit_task(cl, buffers, GemmArgs{tile_types, trans_a, trans_b, batch, m, n, k, alpha, tile_beta},
+      submit_task(cl, buffers,
+                  GemmArgs{tile_types, trans_a, trans_b, batch, m, n, k, alpha, tile_beta, last_with_bias},
                   2.0 * batch * m * n * k);
       if (scratch != nullptr) starpu_data_unregister_submit(scratch);
       for (int ax = ndim - 1; ax >= 0; --ax) {  // next K tile
@@ -142,11 +157,12 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
 
 namespace {
 
+// ids [A, B, C] or [A, B, C, bias]
 void gemm_submit(const OpCall& call) {
   gemm_tiles(call.tensor(0), call.tensor(1), call.tensor(2), attr<int64_t>(call.attrs, "trans_a") != 0,
        attr<int64_t>(call.attrs, "trans_b") != 0, float(attr<double>(call.attrs, "alpha")),
        float(attr<double>(call.attrs, "beta")), int(attr<int64_t>(call.attrs, "ndim")),
-       int(attr<int64_t>(call.attrs, "batch_ndim")));
+       int(attr<int64_t>(call.attrs, "batch_ndim")), call.ids.size() > 3 ? &call.tensor(3) : nullptr);
 }
 JNNTILE_OP(gemm, gemm_submit);
 

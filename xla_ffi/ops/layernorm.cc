@@ -40,6 +40,7 @@ struct ParamsArgs {
   FloatType type;
   int64_t rows, n;
   bool has_dw, has_db;
+  bool overwrite;  // dw and db hold nothing yet: the first row tile's task writes them
 };
 
 // buffers: x, partial
@@ -97,7 +98,8 @@ template <Device D>
 void backward_params_kernel(void** buffers, const ParamsArgs& a) {
   float* dw = a.has_dw ? tile_ptr<float>(buffers[3]) : nullptr;
   float* db = a.has_db ? tile_ptr<float>(buffers[a.has_dw ? 4 : 3]) : nullptr;
-  layernorm_backward_params<D>(a.type, a.rows, a.n, tile_ptr<void>(buffers[0]), tile_ptr<float>(buffers[1]),
+  layernorm_backward_params<D>(a.type, a.rows, a.n, a.overwrite, tile_ptr<void>(buffers[0]),
+                               tile_ptr<float>(buffers[1]),
                                tile_ptr<void>(buffers[2]), dw, db);
 }
 
@@ -175,7 +177,8 @@ void layernorm_submit(const OpCall& call) {
 }
 JNNTILE_OP(layer_norm, layernorm_submit);
 
-// ids [x, w, stats, dy, dx or -1, dw or -1, db or -1]; attr centered: accumulates the gradients that are given.
+// ids [x, w, stats, dy, dx or -1, dw or -1, db or -1]; attr centered: accumulates the gradients that are given
+// (attr fresh_params: dw and db hold nothing yet, their zero-fills were pending: written instead).
 void layernorm_backward_submit(const OpCall& call) {
   const TiledTensor &x = call.tensor(0), &w = call.tensor(1), &stats = call.tensor(2), &dy = call.tensor(3);
   const bool centered = attr<int64_t>(call.attrs, "centered") != 0;
@@ -183,6 +186,7 @@ void layernorm_backward_submit(const OpCall& call) {
   check_stats(x, stats, "layer_norm backward");
   check_like_x(x, dy, "layer_norm backward");
   bool has_dx = call.ids[4] >= 0, has_dw = call.ids[5] >= 0, has_db = call.ids[6] >= 0;
+  bool fresh_params = attr<int64_t>(call.attrs, "fresh_params") != 0;
   if (has_dx) check_like_x(x, call.tensor(4), "layer_norm backward");
   if (has_dw) check_layout(x, call.tensor(5), "layer_norm backward");
   if (has_db) check_layout(x, call.tensor(6), "layer_norm backward");
@@ -220,10 +224,13 @@ void layernorm_backward_submit(const OpCall& call) {
     if (has_dw || has_db) {
       for (int64_t k = 0; k < l.k_tiles; ++k) {
         int64_t t = lead * l.k_tiles + k;
+        bool overwrite = fresh_params && lead == 0;
+        starpu_data_access_mode mode = overwrite ? STARPU_W : STARPU_RW;
         std::vector<Buffer> buffers{{x.tiles[t], STARPU_R}, {stats.tiles[lead], STARPU_R}, {dy.tiles[t], STARPU_R}};
-        if (has_dw) buffers.push_back({call.tensor(5).tiles[k], STARPU_RW});
-        if (has_db) buffers.push_back({call.tensor(6).tiles[k], STARPU_RW});
-        submit_task(params_cl, buffers, ParamsArgs{l.type, rows, l.width(k), has_dw, has_db}, 5.0 * rows * l.width(k));
+        if (has_dw) buffers.push_back({call.tensor(5).tiles[k], mode});
+        if (has_db) buffers.push_back({call.tensor(6).tiles[k], mode});
+        submit_task(params_cl, buffers, ParamsArgs{l.type, rows, l.width(k), has_dw, has_db, overwrite},
+                    5.0 * rows * l.width(k));
       }
     }
   }

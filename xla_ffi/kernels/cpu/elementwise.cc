@@ -1,5 +1,7 @@
 #include "kernels/elementwise.h"
 
+#include <type_traits>
+
 namespace jnntile {
 namespace {
 
@@ -23,11 +25,16 @@ void unary_forward<Device::Cpu>(Unary op, FloatType type, int64_t n, const void*
 }
 
 template <>
-void unary_backward<Device::Cpu>(Unary op, FloatType type, int64_t n, const void* x, const void* dy, void* dx) {
+void unary_backward<Device::Cpu>(Unary op, FloatType type, int64_t n, bool overwrite, const void* x, const void* dy,
+                                 void* dx) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
-    unary::dispatch<Loop, unary::Backward>(op, n, static_cast<const T*>(x), static_cast<const T*>(dy),
-                                           static_cast<T*>(dx));
+    auto run = [&](auto flag) {
+      unary::dispatch<Loop, unary::Backward>(op, n, flag, static_cast<const T*>(x), static_cast<const T*>(dy),
+                                             static_cast<T*>(dx));
+    };
+    if (overwrite) run(std::true_type{});
+    else run(std::false_type{});
   });
 }
 

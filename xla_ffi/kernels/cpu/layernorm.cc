@@ -109,7 +109,7 @@ void layernorm_backward_dx<Device::Cpu>(FloatType type, int64_t rows, int64_t n,
 // Rows outer, columns inner: the tile is read once, in memory order; each
 // column still sums its rows in order, as the GPU's thread per column does.
 template <>
-void layernorm_backward_params<Device::Cpu>(FloatType type, int64_t rows, int64_t n, const void* x,
+void layernorm_backward_params<Device::Cpu>(FloatType type, int64_t rows, int64_t n, bool overwrite, const void* x,
                                             const float* stats, const void* dy, float* dw, float* db) {
   std::vector<double> sum_dw(n, 0.0), sum_db(n, 0.0);
   visit_float(type, [&](auto t) {
@@ -123,8 +123,8 @@ void layernorm_backward_params<Device::Cpu>(FloatType type, int64_t rows, int64_
     }
   });
   for (int64_t j = 0; j < n; ++j) {
-    if (dw) dw[j] += float(sum_dw[j]);
-    if (db) db[j] += float(sum_db[j]);
+    if (dw) dw[j] = (overwrite ? 0.0f : dw[j]) + float(sum_dw[j]);
+    if (db) db[j] = (overwrite ? 0.0f : db[j]) + float(sum_db[j]);
   }
 }
 

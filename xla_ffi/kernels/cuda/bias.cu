@@ -18,7 +18,7 @@ constexpr int kGradColumns = 32, kGradRowLanes = 16;
 // lanes' sums are added in lane order, so no float atomics and the same bits
 // every run; 16 lanes give a tile of few columns 16 times more warps.
 template <class T>
-__global__ void bias_grad_kernel(int64_t rows, int64_t n, const T* dy, float* db) {
+__global__ void bias_grad_kernel(int64_t rows, int64_t n, bool overwrite, const T* dy, float* db) {
   __shared__ double lane_sums[kGradRowLanes][kGradColumns];
   int64_t j = blockIdx.x * int64_t(kGradColumns) + threadIdx.x;
   double sum = 0.0;
@@ -29,7 +29,7 @@ __global__ void bias_grad_kernel(int64_t rows, int64_t n, const T* dy, float* db
   if (threadIdx.y == 0 && j < n) {
     double total = 0.0;
     for (int k = 0; k < kGradRowLanes; ++k) total += lane_sums[k][threadIdx.x];
-    db[j] += float(total);
+    db[j] = (overwrite ? 0.0f : db[j]) + float(total);
   }
 }
 
@@ -47,12 +47,12 @@ void add_bias<Device::Cuda>(FloatType type, int64_t rows, int64_t n, const void*
 }
 
 template <>
-void bias_grad<Device::Cuda>(FloatType type, int64_t rows, int64_t n, const void* dy, float* db) {
+void bias_grad<Device::Cuda>(FloatType type, int64_t rows, int64_t n, bool overwrite, const void* dy, float* db) {
   unsigned blocks = unsigned((n + kGradColumns - 1) / kGradColumns);
   visit_float(type, [&](auto t) {
     using T = decltype(t);
     bias_grad_kernel<<<blocks, dim3(kGradColumns, kGradRowLanes), 0, cuda::stream()>>>(
-        rows, n, static_cast<const T*>(dy), db);
+        rows, n, overwrite, static_cast<const T*>(dy), db);
   });
   cuda::check_launch("add_bias_db");
 }

@@ -31,10 +31,11 @@ void unary_forward<Device::Cuda>(Unary op, FloatType type, int64_t n, const void
 }
 
 template <>
-void unary_backward<Device::Cuda>(Unary op, FloatType type, int64_t n, const void* x, const void* dy, void* dx) {
+void unary_backward<Device::Cuda>(Unary op, FloatType type, int64_t n, bool overwrite, const void* x,
+                                  const void* dy, void* dx) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
-    unary::dispatch<Launch, unary::Backward>(op, n, static_cast<const T*>(x), static_cast<const T*>(dy),
+    unary::dispatch<Launch, unary::Backward>(op, n, overwrite, static_cast<const T*>(x), static_cast<const T*>(dy),
                                              static_cast<T*>(dx));
   });
 }

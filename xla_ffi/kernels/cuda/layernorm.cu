@@ -80,8 +80,8 @@ constexpr int kParamWarps = 32;
 // warps' sums in order. A thread per column alone (n = 768: 3 blocks on an
 // H100's 132 SMs) took 1 ms per 4096-row tile.
 template <class T>
-__global__ void backward_params_kernel(int64_t rows, int64_t n, const T* x, const float* stats, const T* dy,
-                                       float* dw, float* db) {
+__global__ void backward_params_kernel(int64_t rows, int64_t n, bool overwrite, const T* x, const float* stats,
+                                       const T* dy, float* dw, float* db) {
   __shared__ double warp_dw[kParamWarps][kWarp], warp_db[kParamWarps][kWarp];
   const int lane = cuda::lane(), warp = int(threadIdx.x) / kWarp;
   for (int64_t j0 = blockIdx.x * int64_t(kWarp); j0 < n; j0 += int64_t(gridDim.x) * kWarp) {
@@ -99,8 +99,8 @@ __global__ void backward_params_kernel(int64_t rows, int64_t n, const T* x, cons
         sum_dw += warp_dw[w][lane];
         sum_db += warp_db[w][lane];
       }
-      if (dw) dw[j] += float(sum_dw);
-      if (db) db[j] += float(sum_db);
+      if (dw) dw[j] = (overwrite ? 0.0f : dw[j]) + float(sum_dw);
+      if (db) db[j] = (overwrite ? 0.0f : db[j]) + float(sum_db);
     }
     __syncthreads();  // before the next columns overwrite the sums
   }
@@ -171,12 +171,12 @@ void layernorm_backward_dx<Device::Cuda>(FloatType type, int64_t rows, int64_t n
 }
 
 template <>
-void layernorm_backward_params<Device::Cuda>(FloatType type, int64_t rows, int64_t n, const void* x,
+void layernorm_backward_params<Device::Cuda>(FloatType type, int64_t rows, int64_t n, bool overwrite, const void* x,
                                              const float* stats, const void* dy, float* dw, float* db) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
     backward_params_kernel<<<cuda::blocks_for(n, kWarp), kParamWarps * kWarp, 0, cuda::stream()>>>(
-        rows, n, static_cast<const T*>(x), stats, static_cast<const T*>(dy), dw, db);
+        rows, n, overwrite, static_cast<const T*>(x), stats, static_cast<const T*>(dy), dw, db);
   });
   cuda::check_launch("layernorm_backward_params");
 }
