@@ -9,7 +9,7 @@ both, and they are separate tiles) and returns silu(gate) * up, (..., I) tiled
 from __future__ import annotations
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release, tile_bytes
+from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release, tile_bytes
 from jnntile.tensor import Tensor
 
 
@@ -21,8 +21,10 @@ def _forward(x, zero_grad):
 
 def _backward(residuals, g):
     x, y = residuals
-    token = call("swiglu_backward", [x.handle, tensor_mod.grad_handle(y.handle), grad_target(x)],
-                 [y.token, g.token, x.token])
+    grad_x = grad_target(x)
+    (fresh,), written = fresh_targets(grad_x)  # written instead of added to where it holds nothing yet
+    token = call("swiglu_backward", [x.handle, tensor_mod.grad_handle(y.handle), grad_x],
+                 [y.token, g.token, x.token], writes=written, fresh=fresh)
     return (x.with_token(release(token, y)),)
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, release
+from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release
 from jnntile.tensor import Tensor
 
 MAX_HEAD_DIM = 512  # kernels/rotary.h: kRotaryMaxHalf frequencies travel with each task
@@ -36,8 +36,10 @@ def _forward(x, pos, inv_freq, rotated_parts, zero_grad):
 
 def _backward(inv_freq, rotated_parts, residuals, g):
     x, pos, y = residuals
-    token = call("rotary_backward", [tensor_mod.grad_handle(y.handle), grad_target(x)], [y.token, g.token, x.token],
-                 inputs=[pos], inv_freq=inv_freq, rotated_parts=rotated_parts)
+    grad_x = grad_target(x)
+    (fresh,), written = fresh_targets(grad_x)  # written instead of added to where it holds nothing yet
+    token = call("rotary_backward", [tensor_mod.grad_handle(y.handle), grad_x], [y.token, g.token, x.token],
+                 inputs=[pos], writes=written, fresh=fresh, inv_freq=inv_freq, rotated_parts=rotated_parts)
     token = release(token, y)
     # The position is an integer: its cotangent is the empty float0 kind.
     return x.with_token(token), np.zeros(np.shape(pos), dtype=jax.dtypes.float0)

@@ -20,6 +20,7 @@ struct RotaryTile {
   int64_t nb, nt, nh, d;  // tile extents: batch rows, sequence rows, heads, head dimension
   int64_t pos0;           // sequence position of the tile's first row
   bool rotate;            // false: a part that is copied (forward) or passed on (backward)
+  bool overwrite;         // backward: dx holds nothing yet (= instead of +=)
   float inv_freq[kRotaryMaxHalf];
 };
 
@@ -32,6 +33,12 @@ JNNTILE_HD int64_t numel(const RotaryTile& t) { return t.nb * t.nt * t.nh * t.d;
 JNNTILE_HD float angle(const RotaryTile& t, int64_t i) {
   const int64_t half = t.d / 2, row = i / (t.nh * t.d) % t.nt, c = i % t.d % half;
   return float(t.pos0 + row) * t.inv_freq[c];
+}
+
+// What a backward adds dy's share to: dx's value, or 0 where dx holds nothing yet.
+template <class T>
+JNNTILE_HD float backward_base(const RotaryTile& t, const T* dx, int64_t i) {
+  return t.overwrite ? 0.0f : to_float(dx[i]);
 }
 
 // The pair (a, b) = (x[c], x[c + D/2]) turned by +angle (forward) or -angle (backward, the transpose).
@@ -47,7 +54,7 @@ JNNTILE_HD void turn(float a, float b, float cos_a, float sin_a, float& out_a, f
 template <Device D>
 void rotary_forward(FloatType type, const RotaryTile& t, const void* x, void* y);
 
-// dx += dy turned back (or dx += dy where !t.rotate).
+// dx += dy turned back (or dx += dy where !t.rotate); = with t.overwrite.
 template <Device D>
 void rotary_backward(FloatType type, const RotaryTile& t, const void* dy, void* dx);
 

@@ -12,6 +12,7 @@ namespace {
 struct Args {
   FloatType type;  // of x, y and their gradients
   int64_t n;       // elements in the tile
+  bool overwrite;  // backward: grad(x) holds nothing yet
 };
 
 // buffers: gate, up, y
@@ -23,8 +24,8 @@ void forward_kernel(void** buffers, const Args& a) {
 // buffers: gate, up, dy, dgate, dup
 template <Device D>
 void backward_kernel(void** buffers, const Args& a) {
-  swiglu_backward<D>(a.type, a.n, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]), tile_ptr<void>(buffers[2]),
-                     tile_ptr<void>(buffers[3]), tile_ptr<void>(buffers[4]));
+  swiglu_backward<D>(a.type, a.n, a.overwrite, tile_ptr<void>(buffers[0]), tile_ptr<void>(buffers[1]),
+                     tile_ptr<void>(buffers[2]), tile_ptr<void>(buffers[3]), tile_ptr<void>(buffers[4]));
 }
 
 // The gate (half 0) or up (half 1) tile of x for tile `index` of y.
@@ -56,12 +57,12 @@ void swiglu_submit(const OpCall& call) {
   for (int64_t t = 0; t < y.num_tiles(); ++t) {
     const int64_t n = y.tile_numel(t);
     submit_task(cl, {{half_tile(x, y, t, 0), STARPU_R}, {half_tile(x, y, t, 1), STARPU_R}, {y.tiles[t], STARPU_W}},
-                Args{type, n}, 6.0 * n);
+                Args{type, n, false}, 6.0 * n);
   }
 }
 JNNTILE_OP(swiglu, swiglu_submit);
 
-// ids [x, dy, dx or -1]: grad(x) += the backward.
+// ids [x, dy, dx or -1]: grad(x) += the backward (= with attr fresh: its zero-fill was pending).
 void swiglu_backward_submit(const OpCall& call) {
   if (call.ids[2] < 0) return;
   const TiledTensor &x = call.tensor(0), &dy = call.tensor(1), &dx = call.tensor(2);
@@ -69,12 +70,14 @@ void swiglu_backward_submit(const OpCall& call) {
   check_same_tiling(x, dx, "swiglu backward");
   if (dx.dtype != x.dtype) throw std::invalid_argument("swiglu backward: dx must have x's dtype: " + dx.describe());
   static starpu_codelet* cl = JNNTILE_CODELET(Args, backward_kernel, "swiglu_backward");
+  const bool fresh = attr<int64_t>(call.attrs, "fresh") != 0;
+  const starpu_data_access_mode mode = fresh ? STARPU_W : STARPU_RW;
   for (int64_t t = 0; t < dy.num_tiles(); ++t) {
     const int64_t n = dy.tile_numel(t);
     submit_task(cl,
                 {{half_tile(x, dy, t, 0), STARPU_R}, {half_tile(x, dy, t, 1), STARPU_R}, {dy.tiles[t], STARPU_R},
-                 {half_tile(dx, dy, t, 0), STARPU_RW}, {half_tile(dx, dy, t, 1), STARPU_RW}},
-                Args{type, n}, 12.0 * n);
+                 {half_tile(dx, dy, t, 0), mode}, {half_tile(dx, dy, t, 1), mode}},
+                Args{type, n, fresh}, 12.0 * n);
   }
 }
 JNNTILE_OP(swiglu_backward, swiglu_backward_submit);

@@ -28,7 +28,8 @@ void backward_kernel(void** buffers, const RotaryArgs& a) {
 
 // Calls submit(tile index, RotaryArgs) for every tile of x, after checking the layout and the attributes.
 template <class Submit>
-void for_each_tile(const OpCall& call, const TiledTensor& x, const TiledTensor& y, const char* op, Submit submit) {
+void for_each_tile(const OpCall& call, const TiledTensor& x, const TiledTensor& y, const char* op, Submit submit,
+                   bool overwrite = false) {
   if ((x.dtype != DType::F32 && x.dtype != DType::BF16) || x.ndim() != 5 || x.tile_shape[2] != 1 ||
       x.tile_shape[4] != x.shape[4] || x.shape[4] % 2 != 0)
     throw std::invalid_argument(std::string(op) + ": x must be float32 or bfloat16 (B, T, P, H, D) with an even D, "
@@ -44,6 +45,7 @@ void for_each_tile(const OpCall& call, const TiledTensor& x, const TiledTensor& 
                                 std::to_string(kRotaryMaxHalf) + ": " + x.describe());
   const int64_t pos = int64_t(call.input_scalar(0));
   RotaryTile t{};
+  t.overwrite = overwrite;
   for (int64_t c = 0; c < half; ++c) t.inv_freq[c] = float(freqs.value()[c]);
   for (int64_t index = 0; index < x.num_tiles(); ++index) {
     const Index coord = x.tile_coord(index), ext = x.tile_extent(coord);
@@ -67,14 +69,19 @@ void rotary_submit(const OpCall& call) {
 }
 JNNTILE_OP(rotary, rotary_submit);
 
-// ids [dy, dx or -1], inputs [pos]: dx += dy turned back.
+// ids [dy, dx or -1], inputs [pos]: dx += dy turned back (= with attr fresh: its zero-fill was pending).
 void rotary_backward_submit(const OpCall& call) {
   if (call.ids[1] < 0) return;
   const TiledTensor &dy = call.tensor(0), &dx = call.tensor(1);
   static starpu_codelet* cl = JNNTILE_CODELET(RotaryArgs, backward_kernel, "rotary_backward");
-  for_each_tile(call, dy, dx, "rotary backward", [&](int64_t index, const RotaryArgs& a) {
-    submit_task(cl, {{dy.tiles[index], STARPU_R}, {dx.tiles[index], STARPU_RW}}, a, 6.0 * rotary::numel(a.tile));
-  });
+  const bool fresh = attr<int64_t>(call.attrs, "fresh") != 0;
+  for_each_tile(
+      call, dy, dx, "rotary backward",
+      [&](int64_t index, const RotaryArgs& a) {
+        submit_task(cl, {{dy.tiles[index], STARPU_R}, {dx.tiles[index], fresh ? STARPU_W : STARPU_RW}}, a,
+                    6.0 * rotary::numel(a.tile));
+      },
+      fresh);
 }
 JNNTILE_OP(rotary_backward, rotary_backward_submit);
 

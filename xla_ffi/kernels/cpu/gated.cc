@@ -1,5 +1,7 @@
 #include "kernels/gated.h"
 
+#include <type_traits>
+
 namespace jnntile {
 
 template <>
@@ -13,18 +15,22 @@ void swiglu_forward<Device::Cpu>(FloatType type, int64_t n, const void* gate, co
 }
 
 template <>
-void swiglu_backward<Device::Cpu>(FloatType type, int64_t n, const void* gate, const void* up, const void* dy,
-                                  void* dgate, void* dup) {
+void swiglu_backward<Device::Cpu>(FloatType type, int64_t n, bool overwrite, const void* gate, const void* up,
+                                  const void* dy, void* dgate, void* dup) {
   visit_float(type, [&](auto tag) {
     using T = decltype(tag);
     const T *g = static_cast<const T*>(gate), *u = static_cast<const T*>(up), *d = static_cast<const T*>(dy);
     T *dg = static_cast<T*>(dgate), *du = static_cast<T*>(dup);
-    for (int64_t i = 0; i < n; ++i) {
-      float dg_i = to_float(dg[i]), du_i = to_float(du[i]);
-      gated::backward(to_float(g[i]), to_float(u[i]), to_float(d[i]), dg_i, du_i);
-      dg[i] = from_float<T>(dg_i);
-      du[i] = from_float<T>(du_i);
-    }
+    auto run = [&](auto flag) {
+      for (int64_t i = 0; i < n; ++i) {
+        float dg_i = flag ? 0.0f : to_float(dg[i]), du_i = flag ? 0.0f : to_float(du[i]);
+        gated::backward(to_float(g[i]), to_float(u[i]), to_float(d[i]), dg_i, du_i);
+        dg[i] = from_float<T>(dg_i);
+        du[i] = from_float<T>(du_i);
+      }
+    };
+    if (overwrite) run(std::true_type{});
+    else run(std::false_type{});
   });
 }
 

@@ -53,14 +53,15 @@ void rotary_backward<Device::Cpu>(FloatType type, const RotaryTile& t, const voi
     const T* dyt = static_cast<const T*>(dy);
     T* dxt = static_cast<T*>(dx);
     if (!t.rotate) {
-      for (int64_t i = 0; i < rotary::numel(t); ++i) dxt[i] = from_float<T>(to_float(dxt[i]) + to_float(dyt[i]));
+      for (int64_t i = 0; i < rotary::numel(t); ++i)
+        dxt[i] = from_float<T>(rotary::backward_base(t, dxt, i) + to_float(dyt[i]));
       return;
     }
     for_each_pair(t, [&](int64_t i, int64_t j, float cos_a, float sin_a) {
       float a, b;
       rotary::turn(to_float(dyt[i]), to_float(dyt[j]), cos_a, -sin_a, a, b);
-      dxt[i] = from_float<T>(to_float(dxt[i]) + a);
-      dxt[j] = from_float<T>(to_float(dxt[j]) + b);
+      dxt[i] = from_float<T>(rotary::backward_base(t, dxt, i) + a);
+      dxt[j] = from_float<T>(rotary::backward_base(t, dxt, j) + b);
     });
   });
 }

@@ -35,8 +35,8 @@ __global__ void backward_kernel(RotaryTile t, const T* dy, T* dx) {
       sincosf(rotary::angle(t, i), &sin_a, &cos_a);
       rotary::turn(to_float(dy[i]), to_float(dy[j]), cos_a, -sin_a, a, b);
     }
-    dx[i] = from_float<T>(to_float(dx[i]) + a);
-    dx[j] = from_float<T>(to_float(dx[j]) + b);
+    dx[i] = from_float<T>(rotary::backward_base(t, dx, i) + a);
+    dx[j] = from_float<T>(rotary::backward_base(t, dx, j) + b);
   }
 }
 
