@@ -25,11 +25,13 @@ the cache tiles up to pos + T, so a step costs O(pos).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops._ffi import call, differentiable, grad_target, on_host, release, tile_bytes
+from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, on_host, release, tile_bytes
 from jnntile.tensor import Tensor
 
 
@@ -71,10 +73,14 @@ def _forward(qkv: Tensor, zero_grad: bool):
 
 def _backward(residuals, g):
     qkv, out, lse = residuals
+    grad_qkv = grad_target(qkv)
+    # A bfloat16 gradient that holds nothing yet is written whole from float32 sums that start at zero (no
+    # fill); a float32 one is accumulated into, chunk by chunk, and keeps its fill.
+    (fresh,), written = fresh_targets(grad_qkv) if qkv.dtype == "bfloat16" else ((0,), [])
     # Invariant 1: out.token (the forward, which also wrote lse) orders this call.
     token = call("attention_backward",
-                 [qkv.handle, out.handle, lse.handle, tensor_mod.grad_handle(out.handle), grad_target(qkv)],
-                 [out.token, g.token, qkv.token])
+                 [qkv.handle, out.handle, lse.handle, tensor_mod.grad_handle(out.handle), grad_qkv],
+                 [out.token, g.token, qkv.token], writes=written, fresh=fresh)
     # The backward read out and lse: they, and out's gradient, are dead now.
     return (qkv.with_token(release(token, out, lse)),)
 
@@ -82,11 +88,13 @@ def _backward(residuals, g):
 def _footprint(name, inputs, outputs, scratch):
     """A backward step: per member of a group of G query heads q, dout, dq, lse and delta tiles; k, v, dk and
     dv; the probabilities and their gradient (tile_seq x tile_seq per head of a batch row, kernels/attention.h),
-    reused by the members."""
+    reused by the members; in bfloat16 also the float32 copies of the tiles it reads (q and dout per member, k
+    and v) in its scratch."""
     (qkv,), (out,), (lse,) = inputs, outputs, scratch
     groups = qkv.shape[2] - 2
     tt, th = qkv.tile_shape[1], qkv.tile_shape[3]
-    return ((3 * groups + 4) * tile_bytes(out) + 2 * groups * tile_bytes(lse) + 2 * th * tt * tt * 4,
+    widened = (2 * groups + 2) * math.prod(out.tile_shape) * 4 if qkv.dtype == "bfloat16" else 0
+    return ((3 * groups + 4) * tile_bytes(out) + 2 * groups * tile_bytes(lse) + 2 * th * tt * tt * 4 + widened,
             "attention backward step")
 
 

@@ -26,11 +26,12 @@
 // (tt, tt) blocks, twice in the backward, reused by the group members), so
 // memory does not grow with T^2.
 //
-// bfloat16 qkv, out and their gradients: the kernels compute on float32 tiles, so the op widens each
-// bfloat16 tile it reads into a float32 temporary once, and computes each tile it writes or accumulates
-// (out, dqkv) in a float32 temporary rounded back once at the end (Float32Tiles), as a bfloat16 product
-// sums in float32 across K tiles (ops/gemm.cc). Stored activations stay bfloat16; the float32 copies
-// live during the op only.
+// bfloat16 qkv, out and their gradients: the kernels compute on float32, so each task widens the bfloat16
+// tiles it only reads into its scratch (after the score blocks, `Widened`), and the op computes each tile
+// it writes or accumulates (out, dqkv) in a float32 temporary rounded back once at the end (Float32Tiles),
+// as a bfloat16 product sums in float32 across K tiles (ops/gemm.cc). Stored activations stay bfloat16;
+// the float32 copies live during a task or the op only. (Widening the read tiles in tasks of their own
+// took 24 convert tasks per layer of SmolLM's shape at 4 x 256, 48 us each and as much submission.)
 //
 // Incremental decoding (no backward): a key/value cache (B, T_max, 2, H, D)
 // tiled (tb, tc, 1, th, D) holds the keys (axis 2 index 0) and values (1) of the
@@ -55,11 +56,12 @@ namespace jnntile {
 namespace {
 
 // float32 stand-ins for the tiles of a tensor: the tiles themselves when it is float32; for a bfloat16
-// tensor, a float32 temporary per tile used, widened from the tile on first use when `read`, rounded back
-// into the tile by finish() when `write`.
+// tensor, a float32 temporary per tile used, which starts as `start` says (widened from the tile, zeros, or
+// unwritten) and is rounded back into the tile by finish() when `write`.
+enum class Start { Widened, Zeros, Unwritten };
 class Float32Tiles {
  public:
-  Float32Tiles(const TiledTensor& t, bool read, bool write) : t_(t), read_(read), write_(write) {}
+  Float32Tiles(const TiledTensor& t, Start start, bool write) : t_(t), start_(start), write_(write) {}
   Float32Tiles(const Float32Tiles&) = delete;
   ~Float32Tiles() { STARPU_ASSERT_MSG(temps_.empty(), "Float32Tiles: finish() was not called"); }
 
@@ -69,7 +71,9 @@ class Float32Tiles {
     auto found = temps_.find(linear);
     if (found != temps_.end()) return found->second;
     starpu_data_handle_t temp = temporary_vector(t_.tile_numel(linear), sizeof(float));
-    if (read_) submit_convert(t_.tiles[linear], FloatType::BF16, temp, FloatType::F32, t_.tile_numel(linear));
+    if (start_ == Start::Widened)
+      submit_convert(t_.tiles[linear], FloatType::BF16, temp, FloatType::F32, t_.tile_numel(linear));
+    if (start_ == Start::Zeros) submit_zeros(temp, t_.tile_numel(linear));
     temps_.emplace(linear, temp);
     return temp;
   }
@@ -85,28 +89,60 @@ class Float32Tiles {
 
  private:
   const TiledTensor& t_;
-  const bool read_, write_;
+  const Start start_;
+  const bool write_;
   std::map<int64_t, starpu_data_handle_t> temps_;
 };
 
+// The float32 view of the tiles a task only reads: a float32 tile as it is, a bfloat16 one widened into the
+// task's scratch, from `space` on (CPU or GPU alike, in the task's stream).
+template <Device D>
+class Widened {
+ public:
+  explicit Widened(float* space) : next_(space) {}
+  float* operator()(void* buffer, FloatType type, int64_t n) {
+    if (type == FloatType::F32) return tile_ptr<float>(buffer);
+    float* widened = next_;
+    next_ += n;
+    convert<D>(n, FloatType::BF16, tile_ptr<void>(buffer), FloatType::F32, widened);
+    return widened;
+  }
+
+ private:
+  float* next_;
+};
+
+// Scratch floats for widening a step's read tiles: G query-side tiles `per_query` times, key and value.
+int64_t widened_floats(const AttentionPair& p, int64_t groups, FloatType q_type, FloatType kv_type,
+                       int64_t per_query) {
+  const int64_t q = p.nb * p.nq * p.nh * p.d, kv = p.nb * p.nk * p.nh * p.d;
+  return (q_type == FloatType::BF16 ? per_query * groups * q : 0) + (kv_type == FloatType::BF16 ? 2 * kv : 0);
+}
+
 struct StepArgs {
   bool first;
-  int64_t groups;  // G query tiles per key/value tile
+  int64_t groups;               // G query tiles per key/value tile
+  FloatType q_type, kv_type;    // of the q tiles and of the k and v tiles (a cache's are float32)
   AttentionPair pair;
 };
 
 // buffers: q_g (G), k_j, v_j, out_g (G), stats_g (G), scratch
 template <Device D>
 void forward_step_kernel(void** buffers, const StepArgs& a) {
-  const int64_t G = a.groups;
+  const int64_t G = a.groups, q = a.pair.nb * a.pair.nq * a.pair.nh * a.pair.d;
+  const int64_t kv = a.pair.nb * a.pair.nk * a.pair.nh * a.pair.d;
+  float* scratch = tile_ptr<float>(buffers[3 * G + 2]);
+  Widened<D> widen(scratch + attention::forward_scratch_size(a.pair));
+  float *k = widen(buffers[G], a.kv_type, kv), *v = widen(buffers[G + 1], a.kv_type, kv);
   auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   for (int64_t g = 0; g < G; ++g)
-    attention_forward_step<D>(a.first, a.pair, at(g), at(G), at(G + 1), at(G + 2 + g), at(2 * G + 2 + g),
-                              at(3 * G + 2));
+    attention_forward_step<D>(a.first, a.pair, widen(buffers[g], a.q_type, q), k, v, at(G + 2 + g),
+                              at(2 * G + 2 + g), scratch);
 }
 
 struct RowsArgs {
   int64_t rows, d;
+  FloatType type;  // delta: of out and dout
 };
 
 // buffers: stats_i, out_i, lse_i
@@ -116,26 +152,34 @@ void forward_finish_kernel(void** buffers, const RowsArgs& a) {
                               tile_ptr<float>(buffers[2]));
 }
 
-// buffers: out_i, dout_i, delta_i
+// buffers: out_i, dout_i, delta_i, and scratch where out is bfloat16
 template <Device D>
 void backward_delta_kernel(void** buffers, const RowsArgs& a) {
-  attention_backward_delta<D>(a.rows, a.d, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
+  Widened<D> widen(a.type == FloatType::BF16 ? tile_ptr<float>(buffers[3]) : nullptr);
+  float* out = widen(buffers[0], a.type, a.rows * a.d);
+  attention_backward_delta<D>(a.rows, a.d, out, widen(buffers[1], a.type, a.rows * a.d),
                               tile_ptr<float>(buffers[2]));
 }
 
 struct BackwardArgs {
   int64_t groups;
+  FloatType type;  // of the q, k, v and dout tiles
   AttentionPair pair;
 };
 
 // buffers: q_g (G), k_j, v_j, dout_g (G), lse_g (G), delta_g (G), dq_g (G), dk_j, dv_j, scratch
 template <Device D>
 void backward_step_kernel(void** buffers, const BackwardArgs& a) {
-  const int64_t G = a.groups;
+  const int64_t G = a.groups, q = a.pair.nb * a.pair.nq * a.pair.nh * a.pair.d;
+  const int64_t kv = a.pair.nb * a.pair.nk * a.pair.nh * a.pair.d;
+  float* scratch = tile_ptr<float>(buffers[5 * G + 4]);
+  Widened<D> widen(scratch + attention::backward_scratch_size(a.pair));
+  float *k = widen(buffers[G], a.type, kv), *v = widen(buffers[G + 1], a.type, kv);
   auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   for (int64_t g = 0; g < G; ++g)
-    attention_backward_step<D>(a.pair, at(g), at(G), at(G + 1), at(G + 2 + g), at(2 * G + 2 + g),
-                               at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2), at(5 * G + 3), at(5 * G + 4));
+    attention_backward_step<D>(a.pair, widen(buffers[g], a.type, q), k, v, widen(buffers[G + 2 + g], a.type, q),
+                               at(2 * G + 2 + g), at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2),
+                               at(5 * G + 3), scratch);
 }
 
 // The tile grid shared by qkv, out and lse, checked once.
@@ -200,7 +244,8 @@ void attention_submit(const OpCall& call) {
   const TiledTensor &qkv = call.tensor(0), &out = call.tensor(1), &lse = call.tensor(2);
   const Layout l = check_layout(qkv, out, lse, "causal_attention");
   const int64_t G = l.groups;
-  Float32Tiles qkv32(qkv, true, false), out32(out, false, true);
+  const FloatType type = float_type(qkv, "causal_attention");
+  Float32Tiles out32(out, Start::Unwritten, true);
   static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
   static starpu_codelet* finish_cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
   for (int64_t ib = 0; ib < l.gb; ++ib)
@@ -215,30 +260,31 @@ void attention_submit(const OpCall& call) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
           std::vector<Buffer> buffers;
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv32.tile({ib, i, g, ih, 0}), STARPU_R});
-          buffers.push_back({qkv32.tile({ib, j, G, ih, 0}), STARPU_R});
-          buffers.push_back({qkv32.tile({ib, j, G + 1, ih, 0}), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
+          buffers.push_back({qkv.tile({ib, j, G, ih, 0}), STARPU_R});
+          buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({out32.tile(l.out_coord(ib, i, g, ih)), mode});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
-          starpu_data_handle_t scratch = temporary_vector(attention::forward_scratch_size(p), sizeof(float));
+          starpu_data_handle_t scratch = temporary_vector(
+              attention::forward_scratch_size(p) + widened_floats(p, G, type, type, 1), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
-          submit_task(step_cl, buffers, StepArgs{j == 0, G, p}, 4.0 * G * pair_flops(p));
+          submit_task(step_cl, buffers, StepArgs{j == 0, G, type, type, p}, 4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
         for (int64_t g = 0; g < G; ++g) {
           submit_task(finish_cl,
                       {{stats[g], STARPU_R}, {out32.tile(l.out_coord(ib, i, g, ih)), STARPU_RW},
                        {l.lse_tile(lse, ib, i, g, ih), STARPU_W}},
-                      RowsArgs{rows, l.d}, double(rows * l.d));
+                      RowsArgs{rows, l.d, FloatType::F32}, double(rows * l.d));
           starpu_data_unregister_submit(stats[g]);
         }
       }
-  qkv32.finish();
   out32.finish();
 }
 JNNTILE_OP(attention, attention_submit);
 
-// ids [qkv, out, lse, dout, dqkv or -1]: grad(qkv) += the attention backward.
+// ids [qkv, out, lse, dout, dqkv or -1]: grad(qkv) += the attention backward. Attr fresh: a bfloat16 dqkv holds
+// nothing yet (its zero-fill was pending), so its float32 sums start at zero, not widened from a fill.
 void attention_backward_submit(const OpCall& call) {
   if (call.ids.size() != 5) throw std::invalid_argument("causal_attention backward: needs 5 tensor ids");
   if (call.ids[4] < 0) return;  // nobody differentiates qkv
@@ -251,7 +297,12 @@ void attention_backward_submit(const OpCall& call) {
     throw std::invalid_argument("causal_attention backward: gradients must have their tensors' dtypes: " +
                                 dout.describe() + ", " + dqkv.describe());
   const int64_t G = l.groups;
-  Float32Tiles qkv32(qkv, true, false), out32(out, true, false), dout32(dout, true, false), dqkv32(dqkv, true, true);
+  const FloatType type = float_type(qkv, "causal_attention backward");
+  const bool fresh = attr<int64_t>(call.attrs, "fresh") != 0;
+  if (fresh && type != FloatType::BF16)
+    throw std::invalid_argument("causal_attention backward: only a bfloat16 dqkv can start fresh (its float32 "
+                                "sums start at zero); a float32 one is accumulated into");
+  Float32Tiles dqkv32(dqkv, fresh ? Start::Zeros : Start::Widened, true);
   static starpu_codelet* delta_cl = JNNTILE_CODELET(RowsArgs, backward_delta_kernel, "attention_backward_delta");
   static starpu_codelet* step_cl = JNNTILE_CODELET(BackwardArgs, backward_step_kernel, "attention_backward_step");
   for (int64_t ib = 0; ib < l.gb; ++ib)
@@ -263,31 +314,37 @@ void attention_backward_submit(const OpCall& call) {
         std::vector<starpu_data_handle_t> delta(G);
         for (int64_t g = 0; g < G; ++g) {
           delta[g] = temporary_vector(rows, sizeof(float));
-          submit_task(delta_cl,
-                      {{out32.tile(l.out_coord(ib, i, g, ih)), STARPU_R}, {dout32.tile(l.out_coord(ib, i, g, ih)), STARPU_R},
-                       {delta[g], STARPU_W}},
-                      RowsArgs{rows, l.d}, 2.0 * rows * l.d);
+          std::vector<Buffer> buffers{{out.tile(l.out_coord(ib, i, g, ih)), STARPU_R},
+                                      {dout.tile(l.out_coord(ib, i, g, ih)), STARPU_R}, {delta[g], STARPU_W}};
+          starpu_data_handle_t scratch = nullptr;
+          if (type == FloatType::BF16) {
+            scratch = temporary_vector(2 * rows * l.d, sizeof(float));
+            buffers.push_back({scratch, STARPU_SCRATCH});
+          }
+          submit_task(delta_cl, buffers, RowsArgs{rows, l.d, type}, 2.0 * rows * l.d);
+          if (scratch != nullptr) starpu_data_unregister_submit(scratch);
         }
         for (int64_t j = 0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           std::vector<Buffer> buffers;
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv32.tile({ib, i, g, ih, 0}), STARPU_R});
-          buffers.push_back({qkv32.tile({ib, j, G, ih, 0}), STARPU_R});
-          buffers.push_back({qkv32.tile({ib, j, G + 1, ih, 0}), STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({dout32.tile(l.out_coord(ib, i, g, ih)), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
+          buffers.push_back({qkv.tile({ib, j, G, ih, 0}), STARPU_R});
+          buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({dout.tile(l.out_coord(ib, i, g, ih)), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({l.lse_tile(lse, ib, i, g, ih), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({delta[g], STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv32.tile({ib, i, g, ih, 0}), STARPU_RW});
           buffers.push_back({dqkv32.tile({ib, j, G, ih, 0}), STARPU_RW});
           buffers.push_back({dqkv32.tile({ib, j, G + 1, ih, 0}), STARPU_RW});
-          starpu_data_handle_t scratch = temporary_vector(attention::backward_scratch_size(p), sizeof(float));
+          starpu_data_handle_t scratch = temporary_vector(
+              attention::backward_scratch_size(p) + widened_floats(p, G, type, type, 2), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
-          submit_task(step_cl, buffers, BackwardArgs{G, p}, 10.0 * G * pair_flops(p));
+          submit_task(step_cl, buffers, BackwardArgs{G, type, p}, 10.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
         for (starpu_data_handle_t handle : delta) starpu_data_unregister_submit(handle);
       }
-  for (Float32Tiles* tiles : {&qkv32, &out32, &dout32, &dqkv32}) tiles->finish();
+  dqkv32.finish();
 }
 JNNTILE_OP(attention_backward, attention_backward_submit);
 
@@ -361,7 +418,7 @@ void cache_write_submit(const OpCall& call) {
                               " continues a cache tile whose earlier positions hold nothing (never written, or "
                               "invalidated): write the positions in order from 0");
   const int64_t end = l.pos + l.t;
-  Float32Tiles qkv32(qkv, true, false);
+  Float32Tiles qkv32(qkv, Start::Widened, false);
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t j = l.pos / l.tc; j * l.tc < end; ++j) {  // the cache tiles the positions fall in
@@ -396,7 +453,8 @@ void cached_attention_submit(const OpCall& call) {
     throw std::invalid_argument("cached attention: " + why + ": qkv " + qkv.describe() + ", out " + out.describe());
   });
   const int64_t G = l.groups;
-  Float32Tiles qkv32(qkv, true, false), out32(out, false, true);
+  const FloatType type = float_type(qkv, "cached attention");
+  Float32Tiles out32(out, Start::Unwritten, true);
   auto out_tile = [&](int64_t ib, int64_t i, int64_t g, int64_t ih) {
     return out32.tile(group_axis ? Index{ib, i, g, ih, 0} : Index{ib, i, ih, 0});
   };
@@ -420,26 +478,26 @@ void cached_attention_submit(const OpCall& call) {
           const AttentionPair p{q_ext[0], q_ext[3], q_ext[1], k_ext[1], l.d, q0, j * l.tc, l.scale};
           starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
           std::vector<Buffer> buffers;
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv32.tile({ib, i, g, ih, 0}), STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
           buffers.push_back({cache.tile({ib, j, 0, ih, 0}), STARPU_R});
           buffers.push_back({cache.tile({ib, j, 1, ih, 0}), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({out_tile(ib, i, g, ih), mode});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
-          starpu_data_handle_t scratch = temporary_vector(attention::forward_scratch_size(p), sizeof(float));
+          starpu_data_handle_t scratch = temporary_vector(
+              attention::forward_scratch_size(p) + widened_floats(p, G, type, FloatType::F32, 1), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
-          submit_task(step_cl, buffers, StepArgs{j == 0, G, p}, 4.0 * G * pair_flops(p));
+          submit_task(step_cl, buffers, StepArgs{j == 0, G, type, FloatType::F32, p}, 4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
         for (int64_t g = 0; g < G; ++g) {
           // lse: the finish writes it, nobody reads it
           starpu_data_handle_t lse = temporary_vector(rows, sizeof(float));
           submit_task(finish_cl, {{stats[g], STARPU_R}, {out_tile(ib, i, g, ih), STARPU_RW}, {lse, STARPU_W}},
-                      RowsArgs{rows, l.d}, double(rows * l.d));
+                      RowsArgs{rows, l.d, FloatType::F32}, double(rows * l.d));
           starpu_data_unregister_submit(stats[g]);
           starpu_data_unregister_submit(lse);
         }
       }
-  qkv32.finish();
   out32.finish();
 }
 JNNTILE_OP(attention_cached, cached_attention_submit);

@@ -108,10 +108,14 @@ void fill_kernel(void** buffers, const FillArgs& a) {
   }
 }
 
-void fill_tensor(TiledTensor& t, double value) {
+starpu_codelet* fill_codelet() {
   static starpu_codelet* cl = JNNTILE_CODELET(FillArgs, fill_kernel, "fill");
+  return cl;
+}
+
+void fill_tensor(TiledTensor& t, double value) {
   for (int64_t tile = 0; tile < t.num_tiles(); ++tile)
-    submit_task(cl, {{t.tiles[tile], STARPU_W}}, FillArgs{t.dtype, value, t.tile_numel(tile)});
+    submit_task(fill_codelet(), {{t.tiles[tile], STARPU_W}}, FillArgs{t.dtype, value, t.tile_numel(tile)});
 }
 
 void fill_submit(const OpCall& call) { fill_tensor(call.tensor(0), attr<double>(call.attrs, "value")); }
@@ -166,6 +170,10 @@ void convert_kernel(void** buffers, const ConvertArgs& a) {
 }
 
 }  // namespace
+
+void submit_zeros(starpu_data_handle_t dst, int64_t n) {
+  submit_task(fill_codelet(), {{dst, STARPU_W}}, FillArgs{DType::F32, 0.0, n});
+}
 
 void submit_convert(starpu_data_handle_t src, FloatType from, starpu_data_handle_t dst, FloatType to, int64_t n) {
   static starpu_codelet* cl = JNNTILE_CODELET(ConvertArgs, convert_kernel, "convert");

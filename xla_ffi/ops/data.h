@@ -26,6 +26,8 @@ void read_to_host(int64_t id, void* data, int64_t nbytes, const TileBox& box = {
 // indices (copies to host arrays, random numbers, dropout masks).
 TileGeometry tile_geometry(const TiledTensor& t, int64_t linear);
 
+// Submits dst = n float32 zeros: one task, dst written whole.
+void submit_zeros(starpu_data_handle_t dst, int64_t n);
 // Submits dst = src converted (n elements, float types from and to): one task, dst written whole.
 void submit_convert(starpu_data_handle_t src, FloatType from, starpu_data_handle_t dst, FloatType to, int64_t n);
 }  // namespace jnntile
