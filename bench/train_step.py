@@ -3,7 +3,7 @@ machine, one run.
 
     .venv/bin/python bench/train_step.py [--configs tiny small 124M-4x256 124M-4x256-bf16 124M-1x1024
                                           124M-4x1024 124M-4x1024-remat llama-tiny smollm-135m] [--steps 10]
-                                         [--json] [--torch-python .venv-torch/bin/python]
+                                         [--json] [--profile] [--torch-python .venv-torch/bin/python]
 
 Both train with AdamW + global-norm clipping under `jax.jit`; the reference
 donates its parameters and optimizer state (best-practice plain JAX). Each
@@ -14,7 +14,10 @@ clipping (bench/torch_step.py, in PyTorch's own environment). Prints a
 table, or with --json one object per configuration:
 {"config": "124M 4x256", "jnntile_tokens_per_s": ..., "xla_tokens_per_s": ..., "ratio": ...}, plus, for
 jnntile, tasks per step, the median task duration (of every task since the
-process started) and each worker's idle fraction over the timed steps.
+process started), each worker's idle fraction over the timed steps, the busy
+time and tasks per step of each kernel (`codelets`) and the CPU time per step
+of the thread that runs the steps and submits their tasks; --profile prints
+the last two under each row.
 
 jnntile's matrix products (and attention's) run oneMKL where the `mkl` package
 is installed (`make setup` installs it on x86-64), else OpenBLAS; XLA runs its
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -72,17 +76,44 @@ def measure(name: str, which: str, steps: int) -> dict:
     step()
     jnntile.runtime.wait_all()
     before = jnntile.runtime.stats()
+    submit_cpu = _thread_cpu_s()
     started = time.perf_counter()
     times = step_seconds(step, steps, warmup=0)
     jnntile.runtime.wait_all()  # a step's optimizer tasks finish after its loss is read
     wall = time.perf_counter() - started
+    submit_cpu = _thread_cpu_s() - submit_cpu
     after = jnntile.runtime.stats()
     tasks = after["tasks_completed"] - before["tasks_completed"]
     busy = [w1["busy_s"] - w0["busy_s"] for w0, w1 in zip(before["workers"], after["workers"])]
+    codelets = {}
+    for kernel, totals in after["codelets"].items():
+        earlier = before["codelets"].get(kernel, {"tasks": 0, "seconds": 0.0})
+        if totals["tasks"] > earlier["tasks"]:
+            codelets[kernel] = {"tasks_per_step": (totals["tasks"] - earlier["tasks"]) / steps,
+                                "busy_ms_per_step": 1e3 * (totals["seconds"] - earlier["seconds"]) / steps}
     return {"tokens_per_s": batch * seq / statistics.median(times), "tiles": str(step.model.tiles),
             "tasks_per_step": tasks / steps, "median_task_ms": 1e3 * after["median_task_s"],
             "worker_idle_fraction": [round(1 - b / wall, 3) for b in busy],
+            "submit_cpu_ms_per_step": 1e3 * submit_cpu / steps, "codelets": codelets,
             "runtime": jnntile.runtime.describe(), "blas": jnntile.runtime.blas_core()}
+
+
+def _thread_cpu_s() -> float:
+    """CPU time of the calling thread: the one that runs the jitted steps and submits their tasks (the workers
+    are threads of their own)."""
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_utime + usage.ru_stime
+
+
+def print_profile(row: dict) -> None:
+    """Where a configuration's step went: busy time per kernel, the idle fractions and the submitting
+    thread's CPU time."""
+    busy = sum(c["busy_ms_per_step"] for c in row["codelets"].values())
+    print(f"    busy {busy:.0f} ms per step over the workers; submitting thread {row['submit_cpu_ms_per_step']:.0f} "
+          f"ms of CPU per step ({1e3 * row['submit_cpu_ms_per_step'] / row['tasks_per_step']:.0f} us per task)")
+    for kernel, c in sorted(row["codelets"].items(), key=lambda item: -item[1]["busy_ms_per_step"])[:12]:
+        print(f"    {kernel:>32} {c['tasks_per_step']:7.0f} tasks {c['busy_ms_per_step']:8.1f} ms "
+              f"{c['busy_ms_per_step'] / busy:6.1%}")
 
 
 def run_torch(python: str, name: str, steps: int) -> dict:
@@ -115,6 +146,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per configuration")
     parser.add_argument("--torch-python", help="the Python of an environment with torch and transformers (make "
                         "bench-torch makes .venv-torch): adds PyTorch's column")
+    parser.add_argument("--profile", action="store_true", help="after each configuration's row, jnntile's busy "
+                        "time per kernel and its submitting thread's CPU time per step")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -145,6 +178,8 @@ def main(argv=None) -> int:
             print(f"{row['config']:>17} {row['jnntile_tokens_per_s']:14.0f} {row['xla_tokens_per_s']:10.0f} "
                   f"{row['ratio']:6.2f} {torch_columns}{row['tasks_per_step']:11.0f} {row['median_task_ms']:8.2f}  "
                   f"{row['worker_idle_fraction']}", flush=True)
+            if args.profile:
+                print_profile(row)
     return 0
 
 
