@@ -58,6 +58,11 @@ JNNTILE_HD float* score_row(const AttentionPair& p, int64_t h0, int64_t row, flo
 // dP, which becomes dS.
 inline int64_t forward_scratch_size(const AttentionPair& p) { return score_blocks_size(p); }
 inline int64_t backward_scratch_size(const AttentionPair& p) { return 2 * score_blocks_size(p); }
+// The CPU's steps on bfloat16 operands: one float32 score block per step (two in the backward), of the pair's
+// size at most (it takes one head, and chunks of rows), then one in bfloat16 for P and dS as operands.
+inline int64_t cpu_bf16_scratch_size(const AttentionPair& p, bool backward) {
+  return (backward ? 2 : 1) * p.nq * p.nk + (p.nq * p.nk + 1) / 2;
+}
 
 // Offsets of head 0 of batch row b in a query-side and a key-side tile.
 inline int64_t query_offset(const AttentionPair& p, int64_t b) { return b * p.nq * p.nh * p.d; }
@@ -177,6 +182,18 @@ void attention_backward_delta(int64_t rows, int64_t d, const float* o, const flo
 template <Device D>
 void attention_backward_step(const AttentionPair& p, const float* q, const float* k, const float* v, const float* d_o,
                              const float* lse, const float* delta, float* dq, float* dk, float* dv, float* scratch);
+
+// The CPU's steps on bfloat16 q, k, v and do, where the CPU's BLAS multiplies bfloat16 (cpu_has_bf16_gemm:
+// oneMKL, AMX): the products take bfloat16 operands, P and dS rounded to bfloat16 as FlashAttention does, and
+// sum in float32; the row passes and o, stats, dq, dk, dv are float32 as in the steps above. Widening the
+// operands for the float32 steps instead left the products at 100-130 GFLOP/s on these thin shapes (head
+// dimension 64) where the bfloat16 ones run 190-350: attention's steps took 437 ms per step of SmolLM's shape
+// at 4 x 256, now 237-258 (GPT-2 124M: 276-296 -> 157-162). scratch: cpu_bf16_scratch_size(p, backward) floats.
+void attention_forward_step_cpu_bf16(bool first, const AttentionPair& p, const bfloat16* q, const bfloat16* k,
+                                     const bfloat16* v, float* o, float* stats, float* scratch);
+void attention_backward_step_cpu_bf16(const AttentionPair& p, const bfloat16* q, const bfloat16* k,
+                                      const bfloat16* v, const bfloat16* d_o, const float* lse, const float* delta,
+                                      float* dq, float* dk, float* dv, float* scratch);
 
 // Copies keys or values into the cache (attention::CacheCopy). `first`: the copy
 // starts at the cache tile's first row (dst_row == 0) and the tile is write-only:

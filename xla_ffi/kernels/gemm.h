@@ -24,6 +24,12 @@ void gemm(GemmTypes types, bool trans_a, bool trans_b, int64_t batch, int64_t m,
 void cpu_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
                const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
+// Whether the CPU multiplies bfloat16 operands as they are (oneMKL loaded); and that product, C float32 =
+// alpha op(A) op(B) + beta C summed in float32, with explicit leading dimensions (only where available).
+bool cpu_has_bf16_gemm();
+void cpu_bf16_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bfloat16* a,
+                   int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
 // Makes the CPU BLAS single-threaded: StarPU workers provide the parallelism.
 void gemm_single_threaded();
 // The name of the kernel family the CPU BLAS picked, e.g. "SkylakeX".

@@ -49,6 +49,7 @@
 #include <map>
 
 #include "kernels/attention.h"
+#include "kernels/gemm.h"
 #include "ops/data.h"
 #include "task.h"
 
@@ -119,6 +120,26 @@ int64_t widened_floats(const AttentionPair& p, int64_t groups, FloatType q_type,
   return (q_type == FloatType::BF16 ? per_query * groups * q : 0) + (kv_type == FloatType::BF16 ? 2 * kv : 0);
 }
 
+// Whether a step on a worker of kind D multiplies bfloat16 operands as they are: a CPU whose BLAS can
+// (attention_*_step_cpu_bf16), with q, k and v all bfloat16. Elsewhere the tiles are widened.
+template <Device D>
+bool bf16_operands(FloatType q_type, FloatType kv_type) {
+  if constexpr (D == Device::Cpu)
+    return q_type == FloatType::BF16 && kv_type == FloatType::BF16 && cpu_has_bf16_gemm();
+  return false;
+}
+
+// Scratch floats of a step: the score blocks and the widened tiles, or what the CPU's bfloat16 steps need,
+// whichever is larger (StarPU sizes the scratch before it picks the worker).
+int64_t step_scratch_floats(const AttentionPair& p, int64_t groups, FloatType q_type, FloatType kv_type,
+                            bool backward) {
+  int64_t floats = backward ? attention::backward_scratch_size(p) + widened_floats(p, groups, q_type, kv_type, 2)
+                            : attention::forward_scratch_size(p) + widened_floats(p, groups, q_type, kv_type, 1);
+  if (q_type == FloatType::BF16 && kv_type == FloatType::BF16)
+    floats = std::max(floats, attention::cpu_bf16_scratch_size(p, backward));
+  return floats;
+}
+
 struct StepArgs {
   bool first;
   int64_t groups;               // G query tiles per key/value tile
@@ -132,9 +153,16 @@ void forward_step_kernel(void** buffers, const StepArgs& a) {
   const int64_t G = a.groups, q = a.pair.nb * a.pair.nq * a.pair.nh * a.pair.d;
   const int64_t kv = a.pair.nb * a.pair.nk * a.pair.nh * a.pair.d;
   float* scratch = tile_ptr<float>(buffers[3 * G + 2]);
+  auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
+  if (bf16_operands<D>(a.q_type, a.kv_type)) {
+    auto bf16 = [&](int64_t index) { return tile_ptr<bfloat16>(buffers[index]); };
+    for (int64_t g = 0; g < G; ++g)
+      attention_forward_step_cpu_bf16(a.first, a.pair, bf16(g), bf16(G), bf16(G + 1), at(G + 2 + g),
+                                      at(2 * G + 2 + g), scratch);
+    return;
+  }
   Widened<D> widen(scratch + attention::forward_scratch_size(a.pair));
   float *k = widen(buffers[G], a.kv_type, kv), *v = widen(buffers[G + 1], a.kv_type, kv);
-  auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   for (int64_t g = 0; g < G; ++g)
     attention_forward_step<D>(a.first, a.pair, widen(buffers[g], a.q_type, q), k, v, at(G + 2 + g),
                               at(2 * G + 2 + g), scratch);
@@ -173,9 +201,16 @@ void backward_step_kernel(void** buffers, const BackwardArgs& a) {
   const int64_t G = a.groups, q = a.pair.nb * a.pair.nq * a.pair.nh * a.pair.d;
   const int64_t kv = a.pair.nb * a.pair.nk * a.pair.nh * a.pair.d;
   float* scratch = tile_ptr<float>(buffers[5 * G + 4]);
+  auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
+  if (bf16_operands<D>(a.type, a.type)) {
+    auto bf16 = [&](int64_t index) { return tile_ptr<bfloat16>(buffers[index]); };
+    for (int64_t g = 0; g < G; ++g)
+      attention_backward_step_cpu_bf16(a.pair, bf16(g), bf16(G), bf16(G + 1), bf16(G + 2 + g), at(2 * G + 2 + g),
+                                       at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2), at(5 * G + 3), scratch);
+    return;
+  }
   Widened<D> widen(scratch + attention::backward_scratch_size(a.pair));
   float *k = widen(buffers[G], a.type, kv), *v = widen(buffers[G + 1], a.type, kv);
-  auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   for (int64_t g = 0; g < G; ++g)
     attention_backward_step<D>(a.pair, widen(buffers[g], a.type, q), k, v, widen(buffers[G + 2 + g], a.type, q),
                                at(2 * G + 2 + g), at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2),
@@ -265,8 +300,7 @@ void attention_submit(const OpCall& call) {
           buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({out32.tile(l.out_coord(ib, i, g, ih)), mode});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
-          starpu_data_handle_t scratch = temporary_vector(
-              attention::forward_scratch_size(p) + widened_floats(p, G, type, type, 1), sizeof(float));
+          starpu_data_handle_t scratch = temporary_vector(step_scratch_floats(p, G, type, type, false), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
           submit_task(step_cl, buffers, StepArgs{j == 0, G, type, type, p}, 4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
@@ -336,8 +370,7 @@ void attention_backward_submit(const OpCall& call) {
           for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv32.tile({ib, i, g, ih, 0}), STARPU_RW});
           buffers.push_back({dqkv32.tile({ib, j, G, ih, 0}), STARPU_RW});
           buffers.push_back({dqkv32.tile({ib, j, G + 1, ih, 0}), STARPU_RW});
-          starpu_data_handle_t scratch = temporary_vector(
-              attention::backward_scratch_size(p) + widened_floats(p, G, type, type, 2), sizeof(float));
+          starpu_data_handle_t scratch = temporary_vector(step_scratch_floats(p, G, type, type, true), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
           submit_task(step_cl, buffers, BackwardArgs{G, type, p}, 10.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
@@ -483,8 +516,8 @@ void cached_attention_submit(const OpCall& call) {
           buffers.push_back({cache.tile({ib, j, 1, ih, 0}), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({out_tile(ib, i, g, ih), mode});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
-          starpu_data_handle_t scratch = temporary_vector(
-              attention::forward_scratch_size(p) + widened_floats(p, G, type, FloatType::F32, 1), sizeof(float));
+          starpu_data_handle_t scratch =
+              temporary_vector(step_scratch_floats(p, G, type, FloatType::F32, false), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
           submit_task(step_cl, buffers, StepArgs{j == 0, G, type, FloatType::F32, p}, 4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/lanes.h"
+#include "kernels/data.h"
 #include "kernels/gemm.h"
 
 namespace jnntile {
@@ -27,26 +29,48 @@ void for_rows(int64_t begin, int64_t end, Args... args) {
 }
 
 // The products of a step for head h of one batch row (see the table in cuda/attention.cu), on the tile
-// products' BLAS (oneMKL where loaded); x is query-side (nq, d), y key-side (nk, d) per head, both with
-// leading dimension nh * d, s is the head's (nq, nk) score block.
+// products' BLAS (oneMKL where loaded), with float32 or bfloat16 operands T (bfloat16: oneMKL's product,
+// summing in float32); x is query-side (nq, d), y key-side (nk, d) per head, both with leading dimension
+// nh * d, s is the head's (nq, nk) score block, in float32 (scores) or T (P or dS as an operand).
+
+template <class T>
+void product(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a, int64_t lda,
+             const T* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if constexpr (std::is_same_v<T, float>) cpu_sgemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  else cpu_bf16_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
 
 // s = alpha x y^T
-void score_gemm(const AttentionPair& p, int64_t h, float alpha, const float* x, const float* y, float* s) {
+template <class T>
+void score_gemm(const AttentionPair& p, int64_t h, float alpha, const T* x, const T* y, float* s) {
   const int64_t ld = p.nh * p.d;
-  cpu_sgemm(false, true, p.nq, p.nk, p.d, alpha, x + h * p.d, ld, y + h * p.d, ld, 0.0f, s, p.nk);
+  product(false, true, p.nq, p.nk, p.d, alpha, x + h * p.d, ld, y + h * p.d, ld, 0.0f, s, p.nk);
 }
 
 // out (nq, d) = alpha s y + beta out
-void query_gemm(const AttentionPair& p, int64_t h, float alpha, const float* s, const float* y, float beta,
-                float* out) {
+template <class T>
+void query_gemm(const AttentionPair& p, int64_t h, float alpha, const T* s, const T* y, float beta, float* out) {
   const int64_t ld = p.nh * p.d;
-  cpu_sgemm(false, false, p.nq, p.d, p.nk, alpha, s, p.nk, y + h * p.d, ld, beta, out + h * p.d, ld);
+  product(false, false, p.nq, p.d, p.nk, alpha, s, p.nk, y + h * p.d, ld, beta, out + h * p.d, ld);
 }
 
 // out (nk, d) += alpha s^T x
-void key_gemm(const AttentionPair& p, int64_t h, float alpha, const float* s, const float* x, float* out) {
+template <class T>
+void key_gemm(const AttentionPair& p, int64_t h, float alpha, const T* s, const T* x, float* out) {
   const int64_t ld = p.nh * p.d;
-  cpu_sgemm(true, false, p.nk, p.d, p.nq, alpha, s, p.nk, x + h * p.d, ld, 1.0f, out + h * p.d, ld);
+  product(true, false, p.nk, p.d, p.nq, alpha, s, p.nk, x + h * p.d, ld, 1.0f, out + h * p.d, ld);
+}
+
+// A float32 score block as a product's operand of type T: the block itself, or rounded to bfloat16 into
+// `space` (P and dS in bfloat16, as FlashAttention multiplies them; the row pass ran in float32).
+template <class T>
+const T* as_operand(const AttentionPair& c, const float* block, T* space) {
+  if constexpr (std::is_same_v<T, float>) {
+    return block;
+  } else {
+    convert<Device::Cpu>(c.nq * c.nk, FloatType::F32, block, FloatType::BF16, space);
+    return space;
+  }
 }
 
 // Query rows per chunk. A chunk's score blocks (one head's, 128 x 512 floats in the forward, twice that in the
@@ -70,23 +94,63 @@ void for_visible_chunks(const AttentionPair& p, Fn fn) {
   }
 }
 
+// Calls fn(chunk, h, qb, kb, row0) for head h of every visible chunk of every batch row of p (one head's
+// score block at a time): qb is the offset of the chunk's queries, kb that of its batch row's keys and values,
+// row0 the index of its first query row among the per-row values.
+template <class Fn>
+void for_head_chunks(const AttentionPair& p, Fn fn) {
+  for (int64_t b = 0; b < p.nb; ++b) {
+    const int64_t kb = key_offset(p, b);
+    for_visible_chunks(p, [&](const AttentionPair& c, int64_t r0) {
+      const int64_t qb = query_offset(p, b) + r0 * p.nh * p.d, row0 = row_index(p, b, r0, 0);
+      for (int64_t h = 0; h < c.nh; ++h) fn(c, h, qb, kb, row0);
+    });
+  }
+}
+
+// The forward step on operands of type T. scratch: a float32 score block of the pair's size, then (for
+// bfloat16) its bfloat16 copy.
+template <class T>
+void forward_step(bool first, const AttentionPair& p, const T* q, const T* k, const T* v, float* o, float* stats,
+                  float* scratch) {
+  T* rounded = reinterpret_cast<T*>(scratch + p.nq * p.nk);
+  for_head_chunks(p, [&](const AttentionPair& c, int64_t h, int64_t qb, int64_t kb, int64_t row0) {
+    score_gemm(c, h, p.scale, q + qb, k + kb, scratch);
+    for_rows<ForwardRow>(h * c.nq, (h + 1) * c.nq, first, c, int64_t{0}, h, scratch, o + qb, stats + 2 * row0);
+    // o = alpha o + P v; the first step overwrites o, whose tile was never written.
+    query_gemm(c, h, 1.0f, as_operand(c, scratch, rounded), v + kb, first ? 0.0f : 1.0f, o + qb);
+  });
+}
+
+// The backward step on operands of type T. scratch: two float32 score blocks of the pair's size (P and dP,
+// then dS in place of dP), then (for bfloat16) a bfloat16 one (P, then dS).
+template <class T>
+void backward_step(const AttentionPair& p, const T* q, const T* k, const T* v, const T* d_o, const float* lse,
+                   const float* delta, float* dq, float* dk, float* dv, float* scratch) {
+  float *s = scratch, *dp = scratch + p.nq * p.nk;
+  T* rounded = reinterpret_cast<T*>(scratch + 2 * p.nq * p.nk);
+  for_head_chunks(p, [&](const AttentionPair& c, int64_t h, int64_t qb, int64_t kb, int64_t row0) {
+    score_gemm(c, h, p.scale, q + qb, k + kb, s);
+    score_gemm(c, h, 1.0f, d_o + qb, v + kb, dp);
+    for_rows<BackwardRow>(h * c.nq, (h + 1) * c.nq, c, int64_t{0}, h, lse + row0, delta + row0, s, dp);
+    key_gemm(c, h, 1.0f, as_operand(c, s, rounded), d_o + qb, dv + kb);
+    const T* ds = as_operand(c, dp, rounded);
+    query_gemm(c, h, p.scale, ds, k + kb, 1.0f, dq + qb);
+    key_gemm(c, h, p.scale, ds, q + qb, dk + kb);
+  });
+}
+
 }  // namespace
 
 template <>
 void attention_forward_step<Device::Cpu>(bool first, const AttentionPair& p, const float* q, const float* k,
                                          const float* v, float* o, float* stats, float* scratch) {
-  for (int64_t b = 0; b < p.nb; ++b) {
-    const int64_t kb = key_offset(p, b);
-    for_visible_chunks(p, [&](const AttentionPair& c, int64_t r0) {
-      const int64_t qb = query_offset(p, b) + r0 * p.nh * p.d, row0 = row_index(p, b, r0, 0);
-      for (int64_t h = 0; h < c.nh; ++h) {
-        score_gemm(c, h, p.scale, q + qb, k + kb, scratch);
-        for_rows<ForwardRow>(h * c.nq, (h + 1) * c.nq, first, c, int64_t{0}, h, scratch, o + qb, stats + 2 * row0);
-        // o = alpha o + P v; the first step overwrites o, whose tile was never written.
-        query_gemm(c, h, 1.0f, scratch, v + kb, first ? 0.0f : 1.0f, o + qb);
-      }
-    });
-  }
+  forward_step(first, p, q, k, v, o, stats, scratch);
+}
+
+void attention_forward_step_cpu_bf16(bool first, const AttentionPair& p, const bfloat16* q, const bfloat16* k,
+                                     const bfloat16* v, float* o, float* stats, float* scratch) {
+  forward_step(first, p, q, k, v, o, stats, scratch);
 }
 
 template <>
@@ -103,21 +167,13 @@ template <>
 void attention_backward_step<Device::Cpu>(const AttentionPair& p, const float* q, const float* k, const float* v,
                                           const float* d_o, const float* lse, const float* delta, float* dq,
                                           float* dk, float* dv, float* scratch) {
-  for (int64_t b = 0; b < p.nb; ++b) {
-    const int64_t kb = key_offset(p, b);
-    for_visible_chunks(p, [&](const AttentionPair& c, int64_t r0) {
-      const int64_t qb = query_offset(p, b) + r0 * p.nh * p.d, row0 = row_index(p, b, r0, 0);
-      float *s = scratch, *dp = scratch + c.nq * c.nk;  // one head's P and dP, then dS in place of dP
-      for (int64_t h = 0; h < c.nh; ++h) {
-        score_gemm(c, h, p.scale, q + qb, k + kb, s);
-        score_gemm(c, h, 1.0f, d_o + qb, v + kb, dp);
-        for_rows<BackwardRow>(h * c.nq, (h + 1) * c.nq, c, int64_t{0}, h, lse + row0, delta + row0, s, dp);
-        key_gemm(c, h, 1.0f, s, d_o + qb, dv + kb);
-        query_gemm(c, h, p.scale, dp, k + kb, 1.0f, dq + qb);
-        key_gemm(c, h, p.scale, dp, q + qb, dk + kb);
-      }
-    });
-  }
+  backward_step(p, q, k, v, d_o, lse, delta, dq, dk, dv, scratch);
+}
+
+void attention_backward_step_cpu_bf16(const AttentionPair& p, const bfloat16* q, const bfloat16* k,
+                                      const bfloat16* v, const bfloat16* d_o, const float* lse, const float* delta,
+                                      float* dq, float* dk, float* dv, float* scratch) {
+  backward_step(p, q, k, v, d_o, lse, delta, dq, dk, dv, scratch);
 }
 
 template <>

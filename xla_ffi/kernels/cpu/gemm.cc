@@ -108,6 +108,15 @@ void cpu_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
         int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
 }
 
+bool cpu_has_bf16_gemm() { return mkl().bf16_gemm != nullptr; }
+
+void cpu_bf16_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bfloat16* a,
+                   int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  mkl().bf16_gemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(m),
+                  int(n), int(k), alpha, reinterpret_cast<const uint16_t*>(a), int(lda),
+                  reinterpret_cast<const uint16_t*>(b), int(ldb), beta, c, int(ldc));
+}
+
 void gemm_single_threaded() {
   openblas_set_num_threads(1);
   mkl();  // loaded at start, not in the first task
