@@ -11,6 +11,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // 1 where StarPU has CUDA and the CUDA kernels are built (CMakeLists.txt).
 #ifndef JNNTILE_CUDA
@@ -68,6 +69,14 @@ template <class Body>
 void visit_float(FloatType type, Body&& body) {
   if (type == FloatType::BF16) body(bfloat16{});
   else body(float{});
+}
+
+// Calls body(std::true_type{}) or body(std::false_type{}): a flag that a loop in the body tests per element
+// is then a constant of each instantiation (tested at run time, it can keep the loop from vectorising).
+template <class Body>
+void visit_flag(bool flag, Body&& body) {
+  if (flag) body(std::true_type{});
+  else body(std::false_type{});
 }
 
 }  // namespace jnntile

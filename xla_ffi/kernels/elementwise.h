@@ -59,8 +59,9 @@ struct Silu {
 };
 
 // y = f(x) and dx += dy * f'(x) (dx = ... with `overwrite`: dx holds nothing yet) on one element of float32
-// or bfloat16 tiles, computed in float. The CPU passes `overwrite` as a std::bool_constant: a flag tested per
-// element kept its bfloat16 loop from vectorising (5.5 ms per GELU backward task of GPT-2 124M, not 1.1).
+// or bfloat16 tiles, computed in float. The CPU passes `overwrite` as a std::bool_constant (visit_flag): a flag
+// tested per element kept its bfloat16 loop from vectorising (5.5 ms per GELU backward task of GPT-2 124M, not
+// 1.1).
 template <class F>
 struct Forward {
   template <class T>

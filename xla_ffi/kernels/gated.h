@@ -32,7 +32,8 @@ JNNTILE_HD void backward(float gate, float up, float dy, float& dgate, float& du
 template <Device D>
 void swiglu_forward(FloatType type, int64_t n, const void* gate, const void* up, void* y);
 
-// dgate += ..., dup += ... over n elements (gated::backward); = with `overwrite` (they hold nothing yet).
+// dgate += ..., dup += ... over n elements (gated::backward); = with `overwrite` (they hold nothing yet; the
+// CPU loop takes it through visit_flag).
 template <Device D>
 void swiglu_backward(FloatType type, int64_t n, bool overwrite, const void* gate, const void* up, const void* dy,
                      void* dgate, void* dup);

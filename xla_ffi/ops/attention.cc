@@ -113,11 +113,15 @@ class Widened {
   float* next_;
 };
 
+// Elements of a pair's query-side tile (q, out, dout) and key-side tile (k, v).
+int64_t query_tile_size(const AttentionPair& p) { return p.nb * p.nq * p.nh * p.d; }
+int64_t key_tile_size(const AttentionPair& p) { return p.nb * p.nk * p.nh * p.d; }
+
 // Scratch floats for widening a step's read tiles: G query-side tiles `per_query` times, key and value.
 int64_t widened_floats(const AttentionPair& p, int64_t groups, FloatType q_type, FloatType kv_type,
                        int64_t per_query) {
-  const int64_t q = p.nb * p.nq * p.nh * p.d, kv = p.nb * p.nk * p.nh * p.d;
-  return (q_type == FloatType::BF16 ? per_query * groups * q : 0) + (kv_type == FloatType::BF16 ? 2 * kv : 0);
+  return (q_type == FloatType::BF16 ? per_query * groups * query_tile_size(p) : 0) +
+         (kv_type == FloatType::BF16 ? 2 * key_tile_size(p) : 0);
 }
 
 // Whether a step on a worker of kind D multiplies bfloat16 operands as they are: a CPU whose BLAS can
@@ -150,8 +154,7 @@ struct StepArgs {
 // buffers: q_g (G), k_j, v_j, out_g (G), stats_g (G), scratch
 template <Device D>
 void forward_step_kernel(void** buffers, const StepArgs& a) {
-  const int64_t G = a.groups, q = a.pair.nb * a.pair.nq * a.pair.nh * a.pair.d;
-  const int64_t kv = a.pair.nb * a.pair.nk * a.pair.nh * a.pair.d;
+  const int64_t G = a.groups;
   float* scratch = tile_ptr<float>(buffers[3 * G + 2]);
   auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   if (bf16_operands<D>(a.q_type, a.kv_type)) {
@@ -161,6 +164,7 @@ void forward_step_kernel(void** buffers, const StepArgs& a) {
                                       at(2 * G + 2 + g), scratch);
     return;
   }
+  const int64_t q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
   Widened<D> widen(scratch + attention::forward_scratch_size(a.pair));
   float *k = widen(buffers[G], a.kv_type, kv), *v = widen(buffers[G + 1], a.kv_type, kv);
   for (int64_t g = 0; g < G; ++g)
@@ -198,8 +202,7 @@ struct BackwardArgs {
 // buffers: q_g (G), k_j, v_j, dout_g (G), lse_g (G), delta_g (G), dq_g (G), dk_j, dv_j, scratch
 template <Device D>
 void backward_step_kernel(void** buffers, const BackwardArgs& a) {
-  const int64_t G = a.groups, q = a.pair.nb * a.pair.nq * a.pair.nh * a.pair.d;
-  const int64_t kv = a.pair.nb * a.pair.nk * a.pair.nh * a.pair.d;
+  const int64_t G = a.groups;
   float* scratch = tile_ptr<float>(buffers[5 * G + 4]);
   auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   if (bf16_operands<D>(a.type, a.type)) {
@@ -209,6 +212,7 @@ void backward_step_kernel(void** buffers, const BackwardArgs& a) {
                                        at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2), at(5 * G + 3), scratch);
     return;
   }
+  const int64_t q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
   Widened<D> widen(scratch + attention::backward_scratch_size(a.pair));
   float *k = widen(buffers[G], a.type, kv), *v = widen(buffers[G + 1], a.type, kv);
   for (int64_t g = 0; g < G; ++g)

@@ -95,7 +95,6 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
   require_match(a.batch, a.batch_tiles, c.batch, c.batch_tiles, "batch axes of A and C", A, C);
   require_match(b.batch, b.batch_tiles, c.batch, c.batch_tiles, "batch axes of B and C", B, C);
   if (bias != nullptr) {
-    float_type(*bias, "gemm bias");
     require_match(bias->shape, bias->tile_shape, c.cols, c.cols_tiles, "bias and the column axes of C", *bias, C);
     if (bias->dtype != DType::F32)
       throw std::invalid_argument("gemm: the bias must be float32 (a float32 master): " + bias->describe());

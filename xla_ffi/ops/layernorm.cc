@@ -99,8 +99,7 @@ void backward_params_kernel(void** buffers, const ParamsArgs& a) {
   float* dw = a.has_dw ? tile_ptr<float>(buffers[3]) : nullptr;
   float* db = a.has_db ? tile_ptr<float>(buffers[a.has_dw ? 4 : 3]) : nullptr;
   layernorm_backward_params<D>(a.type, a.rows, a.n, a.overwrite, tile_ptr<void>(buffers[0]),
-                               tile_ptr<float>(buffers[1]),
-                               tile_ptr<void>(buffers[2]), dw, db);
+                               tile_ptr<float>(buffers[1]), tile_ptr<void>(buffers[2]), dw, db);
 }
 
 // The tiling shared by x, a (C,) parameter and the stats tensor.

@@ -1,7 +1,5 @@
 #include "kernels/elementwise.h"
 
-#include <type_traits>
-
 namespace jnntile {
 namespace {
 
@@ -29,12 +27,10 @@ void unary_backward<Device::Cpu>(Unary op, FloatType type, int64_t n, bool overw
                                  void* dx) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
-    auto run = [&](auto flag) {
+    visit_flag(overwrite, [&](auto flag) {
       unary::dispatch<Loop, unary::Backward>(op, n, flag, static_cast<const T*>(x), static_cast<const T*>(dy),
                                              static_cast<T*>(dx));
-    };
-    if (overwrite) run(std::true_type{});
-    else run(std::false_type{});
+    });
   });
 }
 

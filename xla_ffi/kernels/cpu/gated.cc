@@ -1,7 +1,5 @@
 #include "kernels/gated.h"
 
-#include <type_traits>
-
 namespace jnntile {
 
 template <>
@@ -21,16 +19,14 @@ void swiglu_backward<Device::Cpu>(FloatType type, int64_t n, bool overwrite, con
     using T = decltype(tag);
     const T *g = static_cast<const T*>(gate), *u = static_cast<const T*>(up), *d = static_cast<const T*>(dy);
     T *dg = static_cast<T*>(dgate), *du = static_cast<T*>(dup);
-    auto run = [&](auto flag) {
+    visit_flag(overwrite, [&](auto flag) {
       for (int64_t i = 0; i < n; ++i) {
         float dg_i = flag ? 0.0f : to_float(dg[i]), du_i = flag ? 0.0f : to_float(du[i]);
         gated::backward(to_float(g[i]), to_float(u[i]), to_float(d[i]), dg_i, du_i);
         dg[i] = from_float<T>(dg_i);
         du[i] = from_float<T>(du_i);
       }
-    };
-    if (overwrite) run(std::true_type{});
-    else run(std::false_type{});
+    });
   });
 }
 

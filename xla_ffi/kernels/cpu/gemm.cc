@@ -59,7 +59,7 @@ void openblas_sgemm(int order, int op_a, int op_b, int m, int n, int k, float al
 }
 
 bool mkl_bf16(GemmTypes types) {
-  return types.a == FloatType::BF16 && types.b == FloatType::BF16 && mkl().bf16_gemm != nullptr;
+  return types.a == FloatType::BF16 && types.b == FloatType::BF16 && cpu_has_bf16_gemm();
 }
 
 }  // namespace
@@ -91,9 +91,8 @@ void gemm<Device::Cpu>(GemmTypes types, bool trans_a, bool trans_b, int64_t batc
   int lda = trans_a ? m : k, ldb = trans_b ? k : n;
   for (int64_t i = 0; i < batch; ++i) {
     if (bf16)
-      mkl().bf16_gemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n,
-                      k, alpha, static_cast<const uint16_t*>(a_in) + i * m * k, lda,
-                      static_cast<const uint16_t*>(b_in) + i * k * n, ldb, beta, c32 + i * m * n, n);
+      cpu_bf16_gemm(trans_a, trans_b, m, n, k, alpha, static_cast<const bfloat16*>(a_in) + i * m * k, lda,
+                    static_cast<const bfloat16*>(b_in) + i * k * n, ldb, beta, c32 + i * m * n, n);
     else
       cpu_sgemm(trans_a, trans_b, m, n, k, alpha, static_cast<const float*>(a_in) + i * m * k, lda,
                 static_cast<const float*>(b_in) + i * k * n, ldb, beta, c32 + i * m * n, n);
