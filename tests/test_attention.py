@@ -9,7 +9,7 @@ from conftest import causal_attention_reference as reference
 from conftest import rel_err
 
 import jnntile
-from jnntile.ops import attention, gemm, reduce
+from jnntile.ops import attention, elementwise, gemm, reduce
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
 pytestmark = pytest.mark.usefixtures("placement")
@@ -103,6 +103,24 @@ def test_bfloat16(tiling, groups):
 
     check_op(attention.causal_attention, mixed_reference, [qkv], [TILINGS[tiling]], jit=True, dtype="bfloat16",
              tol=BFLOAT16_TOL)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tiling", ["one_tile", "uneven_seq", "batch_uneven_heads_seq"])
+def test_gradient_of_qkv_used_twice(tiling, dtype):
+    """The first attention's backward finds dqkv holding nothing and zeroes each tile where it touches it
+    first; the second one adds to it (bfloat16: each of its steps widens a tile it touches first into float32
+    sums and rounds them into the tile where it touches it last)."""
+    qkv, _ = make_data(seed=6)
+
+    def mixed_reference(z):
+        return (2.0 * reference(z.astype(jnp.float32))).astype(z.dtype)
+
+    def twice(x):
+        return elementwise.add(attention.causal_attention(x), attention.causal_attention(x))
+
+    check_op(twice, mixed_reference, [qkv], [TILINGS[tiling]], jit=True, dtype=dtype,
+             tol=BFLOAT16_TOL if dtype == "bfloat16" else 1e-5)
 
 
 def test_grouped_query_attention_equals_multi_head_attention_over_repeated_keys_and_values():

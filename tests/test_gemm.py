@@ -78,10 +78,18 @@ def test_batched(rng, jit, trans_b):
              [(3, 2, 4), b_tiles], jit=jit)
 
 
-def test_same_input_twice_accumulates_both_gradients(rng):
-    # d/dA sum((A @ A) * W) needs both uses of A: the gradients must add up.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_same_input_twice_accumulates_both_gradients(rng, dtype):
+    """d/dA sum((A @ A) * W) needs both uses of A: the gradients must add up. In bfloat16 the second
+    product's tiles (three K tiles each) start from the first one's rounded values, widened by their first
+    task, and sum in float32 until their last task rounds them."""
     a = rng.standard_normal((5, 5)).astype(np.float32)
-    check_op(lambda x: gemm.matmul(x, x), lambda x: x @ x, [a], [(2, 2)], jit=True)
+
+    def reference(x):
+        return jnp.matmul(x, x, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    check_op(lambda x: gemm.matmul(x, x), reference, [a], [(2, 2)], jit=True, dtype=dtype,
+             tol=BFLOAT16_TOL if dtype == "bfloat16" else 1e-5)
 
 
 def test_mismatched_inner_axes():

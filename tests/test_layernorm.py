@@ -23,6 +23,9 @@ TILINGS = {
     "vector_x": ((10,), (4,)),
     # Rows longer than a GPU warp (32), C tiles 40 + 40 + 20.
     "long_rows": ((3, 100), (2, 40)),
+    # C whole (one task per leading tile in the forward and for dx), leading tiles uneven.
+    "whole_rows": ((3, 5, 10), (2, 2, 10)),
+    "whole_long_rows": ((3, 100), (2, 100)),
 }
 
 

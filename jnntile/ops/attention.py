@@ -74,9 +74,9 @@ def _forward(qkv: Tensor, zero_grad: bool):
 def _backward(residuals, g):
     qkv, out, lse = residuals
     grad_qkv = grad_target(qkv)
-    # A bfloat16 gradient that holds nothing yet is written whole from float32 sums that start at zero (no
-    # fill); a float32 one is accumulated into, chunk by chunk, and keeps its fill.
-    (fresh,), written = fresh_targets(grad_qkv) if qkv.dtype == "bfloat16" else ((0,), [])
+    # A gradient that holds nothing yet is not filled: the first step to touch each of its tiles zeroes it (a
+    # bfloat16 one: its float32 sums) before adding to it.
+    (fresh,), written = fresh_targets(grad_qkv)
     # Invariant 1: out.token (the forward, which also wrote lse) orders this call.
     token = call("attention_backward",
                  [qkv.handle, out.handle, lse.handle, tensor_mod.grad_handle(out.handle), grad_qkv],
@@ -88,13 +88,16 @@ def _backward(residuals, g):
 def _footprint(name, inputs, outputs, scratch):
     """A backward step: per member of a group of G query heads q, dout, dq, lse and delta tiles; k, v, dk and
     dv; the probabilities and their gradient (tile_seq x tile_seq per head of a batch row, kernels/attention.h),
-    reused by the members; in bfloat16 also the float32 copies of the tiles it reads (q and dout per member, k
-    and v) in its scratch."""
+    reused by the members; in bfloat16 also, in its scratch, the float32 copies of the tiles it reads (q and
+    dout per member, k and v) or the bfloat16 copies of the probabilities and their gradient, whichever is
+    larger (ops/attention.cc: step_scratch_floats)."""
     (qkv,), (out,), (lse,) = inputs, outputs, scratch
     groups = qkv.shape[2] - 2
     tt, th = qkv.tile_shape[1], qkv.tile_shape[3]
-    widened = (2 * groups + 2) * math.prod(out.tile_shape) * 4 if qkv.dtype == "bfloat16" else 0
-    return ((3 * groups + 4) * tile_bytes(out) + 2 * groups * tile_bytes(lse) + 2 * th * tt * tt * 4 + widened,
+    extra = 0
+    if qkv.dtype == "bfloat16":
+        extra = max((2 * groups + 2) * math.prod(out.tile_shape) * 4, th * tt * tt * 2)
+    return ((3 * groups + 4) * tile_bytes(out) + 2 * groups * tile_bytes(lse) + 2 * th * tt * tt * 4 + extra,
             "attention backward step")
 
 

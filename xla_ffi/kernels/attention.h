@@ -12,10 +12,12 @@
 // A step works one batch row at a time in a scratch of score blocks, one
 // (nq, nk) block per head: matrix products (BLAS / cuBLAS), then a pass over
 // the rows of the blocks (row `row` is query r = row % nq of head
-// h = row / nq) with the row bodies below. The GPU takes all nh heads of the
-// batch row at once (the scratch holds nh blocks, h0 = 0); the CPU one head at a
-// time in a scratch of one block (h0 = h), which its cache keeps, and cuts the
-// query rows into chunks, each a pair of its own with the keys it sees
+// h = row / nq) with the row bodies below. Both cut the query rows into chunks,
+// each a pair of its own with the keys it sees (for_visible_chunks). The GPU
+// takes all nh heads of the batch row at once (the scratch holds nh blocks,
+// h0 = 0) and cuts only a pair the causal mask cuts, in four chunks
+// (cuda/attention.cu); the CPU takes one head at a time in a scratch of one
+// block (h0 = h), which its cache keeps, in chunks of 128 rows
 // (cpu/attention.cc). The
 // CPU runs a row body on one thread, the GPU on a warp; `Lanes` says which
 // share of the row a thread takes: columns lane, lane + count, ..., and
@@ -58,10 +60,11 @@ JNNTILE_HD float* score_row(const AttentionPair& p, int64_t h0, int64_t row, flo
 // dP, which becomes dS.
 inline int64_t forward_scratch_size(const AttentionPair& p) { return score_blocks_size(p); }
 inline int64_t backward_scratch_size(const AttentionPair& p) { return 2 * score_blocks_size(p); }
-// The CPU's steps on bfloat16 operands: one float32 score block per step (two in the backward), of the pair's
-// size at most (it takes one head, and chunks of rows), then one in bfloat16 for P and dS as operands.
-inline int64_t cpu_bf16_scratch_size(const AttentionPair& p, bool backward) {
-  return (backward ? 2 : 1) * p.nq * p.nk + (p.nq * p.nk + 1) / 2;
+// The steps on bfloat16 operands: the float32 score blocks of `heads` heads (the CPU takes one at a time, the
+// GPU all), twice in the backward, then as many in bfloat16 for P and dS as operands.
+inline int64_t bf16_scratch_size(const AttentionPair& p, bool backward, int64_t heads) {
+  const int64_t blocks = heads * p.nq * p.nk;
+  return (backward ? 2 : 1) * blocks + (blocks + 1) / 2;
 }
 
 // Offsets of head 0 of batch row b in a query-side and a key-side tile.
@@ -78,6 +81,19 @@ JNNTILE_HD int64_t row_index(const AttentionPair& p, int64_t b, int64_t r, int64
 JNNTILE_HD int64_t visible_keys(const AttentionPair& p, int64_t r) {
   int64_t n = p.q0 + r - p.k0 + 1;
   return n < p.nk ? n : p.nk;
+}
+
+// Cuts the query rows of one batch row of p into chunks of `chunk_rows` and calls fn(chunk, r0) for each:
+// `chunk` is a pair of one batch row whose queries start at row r0 (its row_index and offsets are relative to
+// that row) and whose keys are the prefix its last row sees, so where the causal mask cuts the pair each
+// chunk multiplies only the keys it may see. A chunk that sees no key is skipped: a step leaves such rows as
+// they were.
+template <class Fn>
+void for_visible_chunks(const AttentionPair& p, int64_t chunk_rows, Fn fn) {
+  for (int64_t r0 = 0; r0 < p.nq; r0 += chunk_rows) {
+    const int64_t rows = p.nq - r0 < chunk_rows ? p.nq - r0 : chunk_rows, keys = visible_keys(p, r0 + rows - 1);
+    if (keys > 0) fn(AttentionPair{1, p.nh, rows, keys, p.d, p.q0 + r0, p.k0, p.scale}, r0);
+  }
 }
 
 // dS = P * (dP - delta), the softmax backward of one score.
@@ -183,17 +199,20 @@ template <Device D>
 void attention_backward_step(const AttentionPair& p, const float* q, const float* k, const float* v, const float* d_o,
                              const float* lse, const float* delta, float* dq, float* dk, float* dv, float* scratch);
 
-// The CPU's steps on bfloat16 q, k, v and do, where the CPU's BLAS multiplies bfloat16 (cpu_has_bf16_gemm:
-// oneMKL, AMX): the products take bfloat16 operands, P and dS rounded to bfloat16 as FlashAttention does, and
-// sum in float32; the row passes and o, stats, dq, dk, dv are float32 as in the steps above. Widening the
-// operands for the float32 steps instead left the products at 100-130 GFLOP/s on these thin shapes (head
-// dimension 64) where the bfloat16 ones run 190-350: attention's steps took 437 ms per step of SmolLM's shape
-// at 4 x 256, now 237-258 (GPT-2 124M: 276-296 -> 157-162). scratch: cpu_bf16_scratch_size(p, backward) floats.
-void attention_forward_step_cpu_bf16(bool first, const AttentionPair& p, const bfloat16* q, const bfloat16* k,
-                                     const bfloat16* v, float* o, float* stats, float* scratch);
-void attention_backward_step_cpu_bf16(const AttentionPair& p, const bfloat16* q, const bfloat16* k,
-                                      const bfloat16* v, const bfloat16* d_o, const float* lse, const float* delta,
-                                      float* dq, float* dk, float* dv, float* scratch);
+// The steps on bfloat16 q, k, v and do, on the GPU (cuBLAS) and on a CPU whose BLAS multiplies bfloat16
+// (cpu_has_bf16_gemm: oneMKL, AMX): the products take bfloat16 operands, P and dS rounded to bfloat16 as
+// FlashAttention does, and sum in float32; the row passes and o, stats, dq, dk, dv are float32 as in the
+// steps above. Widening the operands for the float32 steps instead left the CPU's products at 100-130
+// GFLOP/s on these thin shapes (head dimension 64) where the bfloat16 ones run 190-350: attention's steps
+// took 437 ms per step of SmolLM's shape at 4 x 256, now 237-258 (GPT-2 124M: 276-296 -> 157-162).
+// scratch: bf16_scratch_size(p, backward, heads) floats, heads 1 on the CPU and p.nh on the GPU.
+template <Device D>
+void attention_forward_step_bf16(bool first, const AttentionPair& p, const bfloat16* q, const bfloat16* k,
+                                 const bfloat16* v, float* o, float* stats, float* scratch);
+template <Device D>
+void attention_backward_step_bf16(const AttentionPair& p, const bfloat16* q, const bfloat16* k, const bfloat16* v,
+                                  const bfloat16* d_o, const float* lse, const float* delta, float* dq, float* dk,
+                                  float* dv, float* scratch);
 
 // Copies keys or values into the cache (attention::CacheCopy). `first`: the copy
 // starts at the cache tile's first row (dst_row == 0) and the tile is write-only:

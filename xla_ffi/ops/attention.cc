@@ -26,12 +26,15 @@
 // (tt, tt) blocks, twice in the backward, reused by the group members), so
 // memory does not grow with T^2.
 //
-// bfloat16 qkv, out and their gradients: the kernels compute on float32, so each task widens the bfloat16
-// tiles it only reads into its scratch (after the score blocks, `Widened`), and the op computes each tile
-// it writes or accumulates (out, dqkv) in a float32 temporary rounded back once at the end (Float32Tiles),
-// as a bfloat16 product sums in float32 across K tiles (ops/gemm.cc). Stored activations stay bfloat16;
-// the float32 copies live during a task or the op only. (Widening the read tiles in tasks of their own
-// took 24 convert tasks per layer of SmolLM's shape at 4 x 256, 48 us each and as much submission.)
+// bfloat16 qkv, out and their gradients: on a GPU, and on a CPU whose BLAS multiplies bfloat16 (oneMKL), the
+// steps multiply the bfloat16 tiles as they are (attention_*_step_bf16); elsewhere each task widens the
+// bfloat16 tiles it only reads into its scratch (after the score blocks, `Widened`). Each tile the op writes
+// or accumulates (out, dqkv) sums in a float32 temporary (Float32Tiles), as a bfloat16 product sums in
+// float32 across K tiles (ops/gemm.cc), which the tasks themselves start and round: the forward's first
+// step writes out's, its finish rounds it into out; the first backward step to touch a dqkv tile zeroes its
+// sums or widens the tile, the last rounds them (SumsEnds). Stored activations stay bfloat16; the float32
+// copies live during a task or the op only. (Widening and rounding in tasks of their own took 24 convert
+// tasks per layer of SmolLM's shape at 4 x 256, 48 us each and as much submission.)
 //
 // Incremental decoding (no backward): a key/value cache (B, T_max, 2, H, D)
 // tiled (tb, tc, 1, th, D) holds the keys (axis 2 index 0) and values (1) of the
@@ -47,6 +50,7 @@
 #include <functional>
 
 #include <map>
+#include <utility>
 
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
@@ -57,12 +61,12 @@ namespace jnntile {
 namespace {
 
 // float32 stand-ins for the tiles of a tensor: the tiles themselves when it is float32; for a bfloat16
-// tensor, a float32 temporary per tile used, which starts as `start` says (widened from the tile, zeros, or
-// unwritten) and is rounded back into the tile by finish() when `write`.
-enum class Start { Widened, Zeros, Unwritten };
+// tensor, a float32 temporary per tile used, widened from the tile (Start::Widened) or left for the tasks to
+// start (Start::Unwritten: the first task to touch it writes it whole, and the last rounds it into the tile).
+enum class Start { Widened, Unwritten };
 class Float32Tiles {
  public:
-  Float32Tiles(const TiledTensor& t, Start start, bool write) : t_(t), start_(start), write_(write) {}
+  Float32Tiles(const TiledTensor& t, Start start) : t_(t), start_(start) {}
   Float32Tiles(const Float32Tiles&) = delete;
   ~Float32Tiles() { STARPU_ASSERT_MSG(temps_.empty(), "Float32Tiles: finish() was not called"); }
 
@@ -74,24 +78,19 @@ class Float32Tiles {
     starpu_data_handle_t temp = temporary_vector(t_.tile_numel(linear), sizeof(float));
     if (start_ == Start::Widened)
       submit_convert(t_.tiles[linear], FloatType::BF16, temp, FloatType::F32, t_.tile_numel(linear));
-    if (start_ == Start::Zeros) submit_zeros(temp, t_.tile_numel(linear));
     temps_.emplace(linear, temp);
     return temp;
   }
 
   // After every task on the tiles has been submitted.
   void finish() {
-    for (auto [linear, temp] : temps_) {
-      if (write_) submit_convert(temp, FloatType::F32, t_.tiles[linear], FloatType::BF16, t_.tile_numel(linear));
-      starpu_data_unregister_submit(temp);
-    }
+    for (auto [linear, temp] : temps_) starpu_data_unregister_submit(temp);
     temps_.clear();
   }
 
  private:
   const TiledTensor& t_;
   const Start start_;
-  const bool write_;
   std::map<int64_t, starpu_data_handle_t> temps_;
 };
 
@@ -124,23 +123,23 @@ int64_t widened_floats(const AttentionPair& p, int64_t groups, FloatType q_type,
          (kv_type == FloatType::BF16 ? 2 * key_tile_size(p) : 0);
 }
 
-// Whether a step on a worker of kind D multiplies bfloat16 operands as they are: a CPU whose BLAS can
-// (attention_*_step_cpu_bf16), with q, k and v all bfloat16. Elsewhere the tiles are widened.
+// Whether a step on a worker of kind D multiplies bfloat16 operands as they are (attention_*_step_bf16): with
+// q, k and v all bfloat16, on a GPU, or on a CPU whose BLAS can. Elsewhere the tiles are widened.
 template <Device D>
 bool bf16_operands(FloatType q_type, FloatType kv_type) {
-  if constexpr (D == Device::Cpu)
-    return q_type == FloatType::BF16 && kv_type == FloatType::BF16 && cpu_has_bf16_gemm();
-  return false;
+  if (q_type != FloatType::BF16 || kv_type != FloatType::BF16) return false;
+  if constexpr (D == Device::Cpu) return cpu_has_bf16_gemm();
+  return true;
 }
 
-// Scratch floats of a step: the score blocks and the widened tiles, or what the CPU's bfloat16 steps need,
-// whichever is larger (StarPU sizes the scratch before it picks the worker).
+// Scratch floats of a step: the score blocks and the widened tiles, or what the bfloat16 steps need (the
+// GPU's: all heads' blocks), whichever is larger (StarPU sizes the scratch before it picks the worker).
 int64_t step_scratch_floats(const AttentionPair& p, int64_t groups, FloatType q_type, FloatType kv_type,
                             bool backward) {
   int64_t floats = backward ? attention::backward_scratch_size(p) + widened_floats(p, groups, q_type, kv_type, 2)
                             : attention::forward_scratch_size(p) + widened_floats(p, groups, q_type, kv_type, 1);
   if (q_type == FloatType::BF16 && kv_type == FloatType::BF16)
-    floats = std::max(floats, attention::cpu_bf16_scratch_size(p, backward));
+    floats = std::max(floats, attention::bf16_scratch_size(p, backward, p.nh));
   return floats;
 }
 
@@ -160,8 +159,8 @@ void forward_step_kernel(void** buffers, const StepArgs& a) {
   if (bf16_operands<D>(a.q_type, a.kv_type)) {
     auto bf16 = [&](int64_t index) { return tile_ptr<bfloat16>(buffers[index]); };
     for (int64_t g = 0; g < G; ++g)
-      attention_forward_step_cpu_bf16(a.first, a.pair, bf16(g), bf16(G), bf16(G + 1), at(G + 2 + g),
-                                      at(2 * G + 2 + g), scratch);
+      attention_forward_step_bf16<D>(a.first, a.pair, bf16(g), bf16(G), bf16(G + 1), at(G + 2 + g),
+                                     at(2 * G + 2 + g), scratch);
     return;
   }
   const int64_t q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
@@ -177,11 +176,25 @@ struct RowsArgs {
   FloatType type;  // delta: of out and dout
 };
 
-// buffers: stats_i, out_i, lse_i
+// buffers: stats_i, out_i (float32), lse_i, and the bfloat16 out_i it is rounded into when a.type is bfloat16
 template <Device D>
 void forward_finish_kernel(void** buffers, const RowsArgs& a) {
-  attention_forward_finish<D>(a.rows, a.d, tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-                              tile_ptr<float>(buffers[2]));
+  float* out = tile_ptr<float>(buffers[1]);
+  attention_forward_finish<D>(a.rows, a.d, tile_ptr<float>(buffers[0]), out, tile_ptr<float>(buffers[2]));
+  if (a.type == FloatType::BF16)
+    convert<D>(a.rows * a.d, FloatType::F32, out, FloatType::BF16, tile_ptr<void>(buffers[3]));
+}
+
+// Submits the finish of query tile `coord` of out: its float32 sums (out32's tile) normalised, its lse
+// written, and a bfloat16 out rounded from the sums in the same task (out32 then never writes it back: a
+// conversion task per tile was 24 of GPT-2 124M's tasks per step at 4 x 256).
+void submit_finish(const TiledTensor& out, Float32Tiles& out32, const Index& coord, starpu_data_handle_t stats,
+                   starpu_data_handle_t lse, int64_t rows, int64_t d) {
+  static starpu_codelet* cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
+  const FloatType type = float_type(out, "causal_attention");
+  std::vector<Buffer> buffers{{stats, STARPU_R}, {out32.tile(coord), STARPU_RW}, {lse, STARPU_W}};
+  if (type == FloatType::BF16) buffers.push_back({out.tile(coord), STARPU_W});
+  submit_task(cl, buffers, RowsArgs{rows, d, type}, double(rows * d));
 }
 
 // buffers: out_i, dout_i, delta_i, and scratch where out is bfloat16
@@ -193,23 +206,52 @@ void backward_delta_kernel(void** buffers, const RowsArgs& a) {
                               tile_ptr<float>(buffers[2]));
 }
 
+// How a backward step treats the float32 sums of the gradient tiles it adds to (dq_g, or dk_j and dv_j): the
+// first step to touch a tile starts its sums (at zero where dqkv holds nothing yet, else widened from a
+// bfloat16 tile) and, where dqkv is bfloat16, the last rounds them into the tile, in the same tasks as their
+// products (a fill and a conversion task per tile were 144 of GPT-2 124M's 2,193 tasks per step in bfloat16
+// at 4 x 256). A float32 dqkv is its own sums.
+enum class SumsStart : uint8_t { Continue, Zeros, Widened };
+struct SumsEnds {
+  SumsStart start = SumsStart::Continue;
+  bool round = false;
+  // Whether the step's task takes the bfloat16 tiles, and how.
+  bool takes_tiles() const { return start == SumsStart::Widened || round; }
+  starpu_data_access_mode tiles_mode() const {
+    return start == SumsStart::Widened ? (round ? STARPU_RW : STARPU_R) : STARPU_W;
+  }
+  starpu_data_access_mode sums_mode() const { return start == SumsStart::Continue ? STARPU_RW : STARPU_W; }
+};
+
+template <Device D>
+void start_sums(const SumsEnds& ends, int64_t n, const void* tile, float* sums) {
+  if (ends.start == SumsStart::Zeros) fill<D>(n, 0.0f, sums);
+  if (ends.start == SumsStart::Widened) convert<D>(n, FloatType::BF16, tile, FloatType::F32, sums);
+}
+
+template <Device D>
+void end_sums(const SumsEnds& ends, int64_t n, const float* sums, void* tile) {
+  if (ends.round) convert<D>(n, FloatType::F32, sums, FloatType::BF16, tile);
+}
+
 struct BackwardArgs {
   int64_t groups;
   FloatType type;  // of the q, k, v and dout tiles
+  SumsEnds dq, dkv;
   AttentionPair pair;
 };
 
-// buffers: q_g (G), k_j, v_j, dout_g (G), lse_g (G), delta_g (G), dq_g (G), dk_j, dv_j, scratch
+// The step itself, on the float32 gradient tiles (buffers as in backward_step_kernel below).
 template <Device D>
-void backward_step_kernel(void** buffers, const BackwardArgs& a) {
+void backward_steps(void** buffers, const BackwardArgs& a) {
   const int64_t G = a.groups;
   float* scratch = tile_ptr<float>(buffers[5 * G + 4]);
   auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   if (bf16_operands<D>(a.type, a.type)) {
     auto bf16 = [&](int64_t index) { return tile_ptr<bfloat16>(buffers[index]); };
     for (int64_t g = 0; g < G; ++g)
-      attention_backward_step_cpu_bf16(a.pair, bf16(g), bf16(G), bf16(G + 1), bf16(G + 2 + g), at(2 * G + 2 + g),
-                                       at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2), at(5 * G + 3), scratch);
+      attention_backward_step_bf16<D>(a.pair, bf16(g), bf16(G), bf16(G + 1), bf16(G + 2 + g), at(2 * G + 2 + g),
+                                      at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2), at(5 * G + 3), scratch);
     return;
   }
   const int64_t q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
@@ -219,6 +261,24 @@ void backward_step_kernel(void** buffers, const BackwardArgs& a) {
     attention_backward_step<D>(a.pair, widen(buffers[g], a.type, q), k, v, widen(buffers[G + 2 + g], a.type, q),
                                at(2 * G + 2 + g), at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2),
                                at(5 * G + 3), scratch);
+}
+
+// buffers: q_g (G), k_j, v_j, dout_g (G), lse_g (G), delta_g (G), dq_g (G), dk_j, dv_j (float32: the tiles or
+// their sums), scratch, then the bfloat16 dq_g (G) where a.dq.takes_tiles() and dk_j, dv_j where
+// a.dkv.takes_tiles().
+template <Device D>
+void backward_step_kernel(void** buffers, const BackwardArgs& a) {
+  const int64_t G = a.groups, q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
+  int64_t next = 5 * G + 5;
+  void** dq_tiles = a.dq.takes_tiles() ? buffers + std::exchange(next, next + G) : nullptr;
+  void** dkv_tiles = a.dkv.takes_tiles() ? buffers + next : nullptr;
+  auto tile = [](void** tiles, int64_t index) { return tiles == nullptr ? nullptr : tile_ptr<void>(tiles[index]); };
+  auto sums = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
+  for (int64_t g = 0; g < G; ++g) start_sums<D>(a.dq, q, tile(dq_tiles, g), sums(4 * G + 2 + g));
+  for (int64_t x = 0; x < 2; ++x) start_sums<D>(a.dkv, kv, tile(dkv_tiles, x), sums(5 * G + 2 + x));
+  backward_steps<D>(buffers, a);
+  for (int64_t g = 0; g < G; ++g) end_sums<D>(a.dq, q, sums(4 * G + 2 + g), tile(dq_tiles, g));
+  for (int64_t x = 0; x < 2; ++x) end_sums<D>(a.dkv, kv, sums(5 * G + 2 + x), tile(dkv_tiles, x));
 }
 
 // The tile grid shared by qkv, out and lse, checked once.
@@ -284,9 +344,8 @@ void attention_submit(const OpCall& call) {
   const Layout l = check_layout(qkv, out, lse, "causal_attention");
   const int64_t G = l.groups;
   const FloatType type = float_type(qkv, "causal_attention");
-  Float32Tiles out32(out, Start::Unwritten, true);
+  Float32Tiles out32(out, Start::Unwritten);  // the first steps write it, the finish tasks round it
   static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
-  static starpu_codelet* finish_cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
@@ -310,10 +369,7 @@ void attention_submit(const OpCall& call) {
           starpu_data_unregister_submit(scratch);
         }
         for (int64_t g = 0; g < G; ++g) {
-          submit_task(finish_cl,
-                      {{stats[g], STARPU_R}, {out32.tile(l.out_coord(ib, i, g, ih)), STARPU_RW},
-                       {l.lse_tile(lse, ib, i, g, ih), STARPU_W}},
-                      RowsArgs{rows, l.d, FloatType::F32}, double(rows * l.d));
+          submit_finish(out, out32, l.out_coord(ib, i, g, ih), stats[g], l.lse_tile(lse, ib, i, g, ih), rows, l.d);
           starpu_data_unregister_submit(stats[g]);
         }
       }
@@ -321,8 +377,8 @@ void attention_submit(const OpCall& call) {
 }
 JNNTILE_OP(attention, attention_submit);
 
-// ids [qkv, out, lse, dout, dqkv or -1]: grad(qkv) += the attention backward. Attr fresh: a bfloat16 dqkv holds
-// nothing yet (its zero-fill was pending), so its float32 sums start at zero, not widened from a fill.
+// ids [qkv, out, lse, dout, dqkv or -1]: grad(qkv) += the attention backward. Attr fresh: dqkv holds nothing
+// yet (its zero-fill was pending), so its tiles (a bfloat16 one's float32 sums) start at zero, not from a fill.
 void attention_backward_submit(const OpCall& call) {
   if (call.ids.size() != 5) throw std::invalid_argument("causal_attention backward: needs 5 tensor ids");
   if (call.ids[4] < 0) return;  // nobody differentiates qkv
@@ -337,10 +393,13 @@ void attention_backward_submit(const OpCall& call) {
   const int64_t G = l.groups;
   const FloatType type = float_type(qkv, "causal_attention backward");
   const bool fresh = attr<int64_t>(call.attrs, "fresh") != 0;
-  if (fresh && type != FloatType::BF16)
-    throw std::invalid_argument("causal_attention backward: only a bfloat16 dqkv can start fresh (its float32 "
-                                "sums start at zero); a float32 one is accumulated into");
-  Float32Tiles dqkv32(dqkv, fresh ? Start::Zeros : Start::Widened, true);
+  Float32Tiles dqkv32(dqkv, Start::Unwritten);  // the steps start and round the sums of a bfloat16 dqkv
+  // The steps of query tile i touch dq_i from key tile 0 to i, and dk_j, dv_j in query tiles j to gt - 1.
+  // A float32 dqkv is its own sums: zeroed where it is fresh, never widened nor rounded.
+  auto ends = [&](bool first, bool last) {
+    if (type != FloatType::BF16) return SumsEnds{first && fresh ? SumsStart::Zeros : SumsStart::Continue, false};
+    return SumsEnds{first ? (fresh ? SumsStart::Zeros : SumsStart::Widened) : SumsStart::Continue, last};
+  };
   static starpu_codelet* delta_cl = JNNTILE_CODELET(RowsArgs, backward_delta_kernel, "attention_backward_delta");
   static starpu_codelet* step_cl = JNNTILE_CODELET(BackwardArgs, backward_step_kernel, "attention_backward_step");
   for (int64_t ib = 0; ib < l.gb; ++ib)
@@ -371,12 +430,17 @@ void attention_backward_submit(const OpCall& call) {
           for (int64_t g = 0; g < G; ++g) buffers.push_back({dout.tile(l.out_coord(ib, i, g, ih)), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({l.lse_tile(lse, ib, i, g, ih), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({delta[g], STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv32.tile({ib, i, g, ih, 0}), STARPU_RW});
-          buffers.push_back({dqkv32.tile({ib, j, G, ih, 0}), STARPU_RW});
-          buffers.push_back({dqkv32.tile({ib, j, G + 1, ih, 0}), STARPU_RW});
+          const SumsEnds dq = ends(j == 0, j == i), dkv = ends(i == j, i == l.gt - 1);
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv32.tile({ib, i, g, ih, 0}), dq.sums_mode()});
+          buffers.push_back({dqkv32.tile({ib, j, G, ih, 0}), dkv.sums_mode()});
+          buffers.push_back({dqkv32.tile({ib, j, G + 1, ih, 0}), dkv.sums_mode()});
           starpu_data_handle_t scratch = temporary_vector(step_scratch_floats(p, G, type, type, true), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
-          submit_task(step_cl, buffers, BackwardArgs{G, type, p}, 10.0 * G * pair_flops(p));
+          if (dq.takes_tiles())
+            for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv.tile({ib, i, g, ih, 0}), dq.tiles_mode()});
+          if (dkv.takes_tiles())
+            for (int64_t x = G; x < G + 2; ++x) buffers.push_back({dqkv.tile({ib, j, x, ih, 0}), dkv.tiles_mode()});
+          submit_task(step_cl, buffers, BackwardArgs{G, type, dq, dkv, p}, 10.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
         for (starpu_data_handle_t handle : delta) starpu_data_unregister_submit(handle);
@@ -455,7 +519,7 @@ void cache_write_submit(const OpCall& call) {
                               " continues a cache tile whose earlier positions hold nothing (never written, or "
                               "invalidated): write the positions in order from 0");
   const int64_t end = l.pos + l.t;
-  Float32Tiles qkv32(qkv, Start::Widened, false);
+  Float32Tiles qkv32(qkv, Start::Widened);
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t j = l.pos / l.tc; j * l.tc < end; ++j) {  // the cache tiles the positions fall in
@@ -491,16 +555,15 @@ void cached_attention_submit(const OpCall& call) {
   });
   const int64_t G = l.groups;
   const FloatType type = float_type(qkv, "cached attention");
-  Float32Tiles out32(out, Start::Unwritten, true);
-  auto out_tile = [&](int64_t ib, int64_t i, int64_t g, int64_t ih) {
-    return out32.tile(group_axis ? Index{ib, i, g, ih, 0} : Index{ib, i, ih, 0});
+  Float32Tiles out32(out, Start::Unwritten);  // the first steps write it, the finish tasks round it
+  auto out_coord = [&](int64_t ib, int64_t i, int64_t g, int64_t ih) {
+    return group_axis ? Index{ib, i, g, ih, 0} : Index{ib, i, ih, 0};
   };
   // The cache tiles up to the last position hold keys and values.
   require_cache_written(cache, l, 0, (l.pos + l.t - 1) / l.tc + 1,
                         "cached attention: the cache holds nothing at some of the positions 0 .. " +
                             std::to_string(l.pos + l.t - 1) + ": write them with the cache write first");
   static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
-  static starpu_codelet* finish_cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
@@ -518,7 +581,7 @@ void cached_attention_submit(const OpCall& call) {
           for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
           buffers.push_back({cache.tile({ib, j, 0, ih, 0}), STARPU_R});
           buffers.push_back({cache.tile({ib, j, 1, ih, 0}), STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({out_tile(ib, i, g, ih), mode});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({out32.tile(out_coord(ib, i, g, ih)), mode});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
           starpu_data_handle_t scratch =
               temporary_vector(step_scratch_floats(p, G, type, FloatType::F32, false), sizeof(float));
@@ -529,8 +592,7 @@ void cached_attention_submit(const OpCall& call) {
         for (int64_t g = 0; g < G; ++g) {
           // lse: the finish writes it, nobody reads it
           starpu_data_handle_t lse = temporary_vector(rows, sizeof(float));
-          submit_task(finish_cl, {{stats[g], STARPU_R}, {out_tile(ib, i, g, ih), STARPU_RW}, {lse, STARPU_W}},
-                      RowsArgs{rows, l.d, FloatType::F32}, double(rows * l.d));
+          submit_finish(out, out32, out_coord(ib, i, g, ih), stats[g], lse, rows, l.d);
           starpu_data_unregister_submit(stats[g]);
           starpu_data_unregister_submit(lse);
         }

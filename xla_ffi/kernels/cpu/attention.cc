@@ -82,18 +82,6 @@ const T* as_operand(const AttentionPair& c, const float* block, T* space) {
 // slower).
 constexpr int64_t kChunkRows = 128;
 
-// Cuts the query rows of one batch row of p into chunks and calls fn(chunk, r0) for each: `chunk` is a pair
-// of one batch row whose queries start at row r0 (its row_index and offsets are relative to that row) and
-// whose keys are the prefix its last row sees. A chunk that sees no key is skipped: a step leaves such rows
-// as they were.
-template <class Fn>
-void for_visible_chunks(const AttentionPair& p, Fn fn) {
-  for (int64_t r0 = 0; r0 < p.nq; r0 += kChunkRows) {
-    const int64_t rows = std::min(kChunkRows, p.nq - r0), keys = visible_keys(p, r0 + rows - 1);
-    if (keys > 0) fn(AttentionPair{1, p.nh, rows, keys, p.d, p.q0 + r0, p.k0, p.scale}, r0);
-  }
-}
-
 // Calls fn(chunk, h, qb, kb, row0) for head h of every visible chunk of every batch row of p (one head's
 // score block at a time): qb is the offset of the chunk's queries, kb that of its batch row's keys and values,
 // row0 the index of its first query row among the per-row values.
@@ -101,7 +89,7 @@ template <class Fn>
 void for_head_chunks(const AttentionPair& p, Fn fn) {
   for (int64_t b = 0; b < p.nb; ++b) {
     const int64_t kb = key_offset(p, b);
-    for_visible_chunks(p, [&](const AttentionPair& c, int64_t r0) {
+    for_visible_chunks(p, kChunkRows, [&](const AttentionPair& c, int64_t r0) {
       const int64_t qb = query_offset(p, b) + r0 * p.nh * p.d, row0 = row_index(p, b, r0, 0);
       for (int64_t h = 0; h < c.nh; ++h) fn(c, h, qb, kb, row0);
     });
@@ -148,8 +136,10 @@ void attention_forward_step<Device::Cpu>(bool first, const AttentionPair& p, con
   forward_step(first, p, q, k, v, o, stats, scratch);
 }
 
-void attention_forward_step_cpu_bf16(bool first, const AttentionPair& p, const bfloat16* q, const bfloat16* k,
-                                     const bfloat16* v, float* o, float* stats, float* scratch) {
+template <>
+void attention_forward_step_bf16<Device::Cpu>(bool first, const AttentionPair& p, const bfloat16* q,
+                                              const bfloat16* k, const bfloat16* v, float* o, float* stats,
+                                              float* scratch) {
   forward_step(first, p, q, k, v, o, stats, scratch);
 }
 
@@ -170,9 +160,11 @@ void attention_backward_step<Device::Cpu>(const AttentionPair& p, const float* q
   backward_step(p, q, k, v, d_o, lse, delta, dq, dk, dv, scratch);
 }
 
-void attention_backward_step_cpu_bf16(const AttentionPair& p, const bfloat16* q, const bfloat16* k,
-                                      const bfloat16* v, const bfloat16* d_o, const float* lse, const float* delta,
-                                      float* dq, float* dk, float* dv, float* scratch) {
+template <>
+void attention_backward_step_bf16<Device::Cpu>(const AttentionPair& p, const bfloat16* q, const bfloat16* k,
+                                               const bfloat16* v, const bfloat16* d_o, const float* lse,
+                                               const float* delta, float* dq, float* dk, float* dv,
+                                               float* scratch) {
   backward_step(p, q, k, v, d_o, lse, delta, dq, dk, dv, scratch);
 }
 
