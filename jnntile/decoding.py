@@ -51,7 +51,7 @@ from jnntile.ops import _ffi
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import data as data_ops
 from jnntile.ops import embedding as embedding_ops
-from jnntile.tensor import Tensor
+from jnntile.tensor import Tensor, pack
 
 DEFAULT_PREFILL_CHUNK = 32
 
@@ -143,8 +143,11 @@ class Decoder:
         self._prefill = jax.jit(functools.partial(self._program, logits=False))
         self._step = jax.jit(functools.partial(self._program, logits=True))
 
-    def _program(self, state, layers, ids, pos, *, logits: bool):
-        """The model over positions pos .. of `ids`: new caches, and the last position's logits if asked."""
+    def _program(self, packed_state, layers, ids, pos, *, logits: bool):
+        """The model over positions pos .. of `ids`: new caches, and the last position's logits if asked.
+        packed_state: the model's state behind one token (jnntile.tensor.Packed: a call per token would
+        otherwise dispatch each weight's token)."""
+        state = packed_state.unpack()
         model = nnx.merge(self._graphdef, state)
         with _ffi.step_scope() as step:
             keep = {t.handle for t in nn.tensors(state)} | {c.handle for c in layers}
@@ -172,7 +175,7 @@ class Decoder:
         end = max(lengths) + max_new_tokens - 1  # positions the model reads: the last sample is not fed back
         tokens = [list(p) for p in prompts]
         generators = [np.random.default_rng([seed, b]) for b in range(len(prompts))]
-        state = nnx.state(self.model)
+        state = pack(nnx.state(self.model))
         layers = self.cache.layers
         chunk = self.prefill_chunk
         for pos in range(0, self.prefill_length(lengths), chunk):

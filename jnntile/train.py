@@ -40,6 +40,7 @@ import jnntile
 from jnntile import checkpoint, decoding, distributed, flags, lora, memory, nn, optim
 from jnntile import data as data_mod
 from jnntile.models import families
+from jnntile.tensor import pack
 
 DEFAULTS = dict(model="tiny", batch_size=8, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
                 weight_decay=0.1, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
@@ -237,22 +238,29 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
         return jnntile.value_and_grad(lambda p: loss_fn(_merged(graphdef, p, frozen), idx, targets, dropout_seed),
                                       accumulate=grads, scale=scale, on_final=on_final)(params)
 
+    # The parameters, the optimizer state and the frozen weights cross each jitted call packed behind one
+    # token (jnntile.tensor.Packed: JAX's dispatch would take 40-50 ms per step over their leaves).
+
     # The micro-batches before the last: compiled twice, without earlier gradients and with them.
-    add_gradients = jax.jit(gradients)
+    @jax.jit
+    def add_gradients(packed, grads, idx, targets, dropout_seed):
+        params, frozen = packed.unpack()
+        return gradients(params, grads, idx, targets, dropout_seed, frozen)
 
     # The last micro-batch and the update in one program: a step without accumulation stays the one
     # program it was, and the update's tasks are submitted right after the last backward's (or in it).
     @functools.partial(jax.jit, static_argnames="setting")
-    def last_and_update(params, opt_state, grads, idx, targets, dropout_seed, frozen, setting):
+    def last_and_update(packed, grads, idx, targets, dropout_seed, setting):
+        params, opt_state, frozen = packed.unpack()
         fused = optim.fused_update(tx, opt_state, params, setting)
         on_final = fused if fused is not None and fused.mode != "after" else None
         loss, grads = gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=on_final)
         if fused is None:
             grads, _ = summed.update(grads, summed.init(params), params)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, None
+            return pack((optax.apply_updates(params, updates), opt_state)), loss, None
         updates, opt_state = fused.finish(grads)
-        return optax.apply_updates(params, updates), opt_state, loss, fused.norm
+        return pack((optax.apply_updates(params, updates), opt_state)), loss, fused.norm
 
     # The global norm of the step before: under "auto", a step after one whose norm clipped updates after the
     # backward instead of speculating (the same bits; a speculative update that clips moves more bytes, and
@@ -262,19 +270,24 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     def train_step(params, opt_state, idx, targets, dropout_seeds, frozen=None):
         grads, losses = None, []
         for k in range(grad_accum_steps - 1):
-            loss, grads = add_gradients(params, grads, idx[k], targets[k], dropout_seeds[k], frozen)
+            loss, grads = add_gradients(pack((params, frozen)), grads, idx[k], targets[k], dropout_seeds[k])
             losses.append(loss)
         setting = fused_update
         if setting == "auto" and last_norm[0] is not None and optim.speculates(tx, setting):
             setting = "off" if optim.clipped(tx, last_norm[0]) else setting
-        params, opt_state, loss, last_norm[0] = last_and_update(params, opt_state, grads, idx[-1], targets[-1],
-                                                                dropout_seeds[-1], frozen, setting)
+        packed, loss, last_norm[0] = last_and_update(pack((params, opt_state, frozen)), grads, idx[-1],
+                                                     targets[-1], dropout_seeds[-1], setting)
+        params, opt_state = packed.unpack()
         losses.append(loss)
         return params, opt_state, losses[0] if grad_accum_steps == 1 else jnp.mean(jnp.stack(losses))
 
     @jax.jit
-    def eval_step(params, idx, targets, frozen=None):
+    def eval_packed(packed, idx, targets):
+        params, frozen = packed.unpack()
         return jnntile.to_array(loss_fn(_merged(graphdef, params, frozen), idx, targets, None))
+
+    def eval_step(params, idx, targets, frozen=None):
+        return eval_packed(pack((params, frozen)), idx, targets)
 
     return train_step, eval_step
 

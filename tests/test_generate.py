@@ -35,6 +35,7 @@ from jnntile.models.gpt2.config import GPT2Config
 from jnntile.models.gpt2.hf import load_hf
 from jnntile.ops import attention
 from jnntile.ops import data as data_ops
+from jnntile.tensor import pack
 
 FIXTURE = Path(__file__).parent / "data" / "hf_tiny_gpt2"
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,7 +221,7 @@ def test_cache_path_logits_equal_full_forward(weights, dtype):
     dtype="bfloat16" (bfloat16 activations and weight copies, a float32 cache) to bfloat16 rounding."""
     decoder = _decoder(weights, dict(TILINGS["uneven tiles"], dtype=dtype), prefill_chunk=3)
     tokens = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (3, MAX_LEN)).astype(np.int32)
-    state, caches = nnx.state(decoder.model), decoder.cache.layers
+    state, caches = pack(nnx.state(decoder.model)), decoder.cache.layers
     caches = decoder._prefill(state, caches, tokens[:, :3], np.int32(0))
     logits = []
     for pos in range(3, MAX_LEN):
