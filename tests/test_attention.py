@@ -108,9 +108,10 @@ def test_bfloat16(tiling, groups):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tiling", ["one_tile", "uneven_seq", "batch_uneven_heads_seq"])
 def test_gradient_of_qkv_used_twice(tiling, dtype):
-    """The first attention's backward finds dqkv holding nothing and zeroes each tile where it touches it
-    first; the second one adds to it (bfloat16: each of its steps widens a tile it touches first into float32
-    sums and rounds them into the tile where it touches it last)."""
+    """The second attention's backward adds to the dqkv the first one wrote. In bfloat16 the first one's
+    steps start each tile's float32 sums at zero (dqkv holds nothing yet: no fill), the second one's widen
+    each tile they touch first, and both round the sums into the tile where they touch it last; in float32
+    both accumulate into the filled gradient."""
     qkv, _ = make_data(seed=6)
 
     def mixed_reference(z):

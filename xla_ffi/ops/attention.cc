@@ -206,11 +206,10 @@ void backward_delta_kernel(void** buffers, const RowsArgs& a) {
                               tile_ptr<float>(buffers[2]));
 }
 
-// How a backward step treats the float32 sums of the gradient tiles it adds to (dq_g, or dk_j and dv_j): the
-// first step to touch a tile starts its sums (at zero where dqkv holds nothing yet, else widened from a
-// bfloat16 tile) and, where dqkv is bfloat16, the last rounds them into the tile, in the same tasks as their
-// products (a fill and a conversion task per tile were 144 of GPT-2 124M's 2,193 tasks per step in bfloat16
-// at 4 x 256). A float32 dqkv is its own sums.
+// How a backward step treats the float32 sums of the gradient tiles it adds to (dq_g, or dk_j and dv_j) where
+// dqkv is bfloat16: the first step to touch a tile starts its sums (at zero where dqkv holds nothing yet, else
+// widened from the tile) and the last rounds them into the tile, in the same tasks as their products (a fill
+// and a conversion task per tile were 144 of GPT-2 124M's 2,193 tasks per step in bfloat16 at 4 x 256).
 enum class SumsStart : uint8_t { Continue, Zeros, Widened };
 struct SumsEnds {
   SumsStart start = SumsStart::Continue;
@@ -377,8 +376,8 @@ void attention_submit(const OpCall& call) {
 }
 JNNTILE_OP(attention, attention_submit);
 
-// ids [qkv, out, lse, dout, dqkv or -1]: grad(qkv) += the attention backward. Attr fresh: dqkv holds nothing
-// yet (its zero-fill was pending), so its tiles (a bfloat16 one's float32 sums) start at zero, not from a fill.
+// ids [qkv, out, lse, dout, dqkv or -1]: grad(qkv) += the attention backward. Attr fresh: a bfloat16 dqkv holds
+// nothing yet (its zero-fill was pending), so its float32 sums start at zero, not widened from a fill.
 void attention_backward_submit(const OpCall& call) {
   if (call.ids.size() != 5) throw std::invalid_argument("causal_attention backward: needs 5 tensor ids");
   if (call.ids[4] < 0) return;  // nobody differentiates qkv
@@ -393,11 +392,14 @@ void attention_backward_submit(const OpCall& call) {
   const int64_t G = l.groups;
   const FloatType type = float_type(qkv, "causal_attention backward");
   const bool fresh = attr<int64_t>(call.attrs, "fresh") != 0;
+  if (fresh && type != FloatType::BF16)
+    throw std::invalid_argument("causal_attention backward: only a bfloat16 dqkv can start fresh (its float32 "
+                                "sums start at zero); a float32 one is accumulated into");
   Float32Tiles dqkv32(dqkv, Start::Unwritten);  // the steps start and round the sums of a bfloat16 dqkv
-  // The steps of query tile i touch dq_i from key tile 0 to i, and dk_j, dv_j in query tiles j to gt - 1.
-  // A float32 dqkv is its own sums: zeroed where it is fresh, never widened nor rounded.
+  // The steps of query tile i touch dq_i from key tile 0 to i, and dk_j, dv_j in query tiles j to gt - 1. A
+  // float32 dqkv is its own sums, accumulated into.
   auto ends = [&](bool first, bool last) {
-    if (type != FloatType::BF16) return SumsEnds{first && fresh ? SumsStart::Zeros : SumsStart::Continue, false};
+    if (type != FloatType::BF16) return SumsEnds{};
     return SumsEnds{first ? (fresh ? SumsStart::Zeros : SumsStart::Widened) : SumsStart::Continue, last};
   };
   static starpu_codelet* delta_cl = JNNTILE_CODELET(RowsArgs, backward_delta_kernel, "attention_backward_delta");

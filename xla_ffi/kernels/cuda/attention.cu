@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <type_traits>
 
 #include "kernels/attention.h"
@@ -120,11 +121,13 @@ const T* as_operand(const AttentionPair& c, const float* blocks, T* space) {
 }
 
 // Query rows per chunk: a pair the causal mask cuts (a diagonal one) in four chunks, which multiply 5/8 of
-// its products; one the mask leaves whole in one, as each chunk costs launches of its own (in bfloat16 five
-// in the forward and eight in the backward, each over all heads of the batch row).
+// its products, of 128 rows at least; one the mask leaves whole in one. Each chunk costs launches of its own
+// (in bfloat16 five in the forward and eight in the backward, each over all heads of the batch row), which
+// smaller chunks would not repay.
 int64_t chunk_rows(const AttentionPair& p) {
+  constexpr int64_t kMinChunkRows = 128;
   if (visible_keys(p, 0) >= p.nk) return p.nq;
-  return (p.nq + 3) / 4;
+  return std::max((p.nq + 3) / 4, kMinChunkRows);
 }
 
 // Calls fn(chunk, qb, kb, row0) for every visible chunk of every batch row of p: qb is the offset of the
