@@ -263,17 +263,16 @@ def pack(tree) -> Packed:
     """`tree` with its Tensors (exactly Tensor, not Gradient) behind one token: inside a jitted function the
     sum of their tokens, outside one of them once all are ready (see Packed)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: type(x) is Tensor)
-    tensors = [x for x in leaves if type(x) is Tensor]
-    if not tensors:
+    handles = tuple(x.handle if type(x) is Tensor else None for x in leaves)
+    tokens = list({id(x.token): x.token for x, h in zip(leaves, handles) if h is not None}.values())
+    if not tokens:
         raise ValueError("pack: the tree holds no Tensor")
-    tokens = list({id(t.token): t.token for t in tensors}.values())
     if any(_is_tracer(t) for t in tokens):
         token = sum(tokens[1:], tokens[0])
     else:
         jax.block_until_ready(tokens)
         token = tokens[0]
-    return Packed(token, tuple(x for x in leaves if type(x) is not Tensor), treedef,
-                  tuple(x.handle if type(x) is Tensor else None for x in leaves))
+    return Packed(token, tuple(x for x, h in zip(leaves, handles) if h is None), treedef, handles)
 
 
 class Clip(typing.NamedTuple):

@@ -244,7 +244,7 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     # The micro-batches before the last: compiled twice, without earlier gradients and with them.
     @jax.jit
     def add_gradients(packed, grads, idx, targets, dropout_seed):
-        params, frozen = packed.unpack()
+        params, _, frozen = packed.unpack()
         return gradients(params, grads, idx, targets, dropout_seed, frozen)
 
     # The last micro-batch and the update in one program: a step without accumulation stays the one
@@ -269,14 +269,15 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
 
     def train_step(params, opt_state, idx, targets, dropout_seeds, frozen=None):
         grads, losses = None, []
+        state = pack((params, opt_state, frozen))  # every micro-batch's program takes the same state
         for k in range(grad_accum_steps - 1):
-            loss, grads = add_gradients(pack((params, frozen)), grads, idx[k], targets[k], dropout_seeds[k])
+            loss, grads = add_gradients(state, grads, idx[k], targets[k], dropout_seeds[k])
             losses.append(loss)
         setting = fused_update
         if setting == "auto" and last_norm[0] is not None and optim.speculates(tx, setting):
             setting = "off" if optim.clipped(tx, last_norm[0]) else setting
-        packed, loss, last_norm[0] = last_and_update(pack((params, opt_state, frozen)), grads, idx[-1],
-                                                     targets[-1], dropout_seeds[-1], setting)
+        packed, loss, last_norm[0] = last_and_update(state, grads, idx[-1], targets[-1], dropout_seeds[-1],
+                                                     setting)
         params, opt_state = packed.unpack()
         losses.append(loss)
         return params, opt_state, losses[0] if grad_accum_steps == 1 else jnp.mean(jnp.stack(losses))
