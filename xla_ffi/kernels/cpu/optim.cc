@@ -1,6 +1,21 @@
 #include "kernels/optim.h"
 
 namespace jnntile {
+namespace {
+
+// Each loop stores the bfloat16 copy under a flag that is a constant of its instantiation (`visit_flag`):
+// tested per element, the store kept the loop from vectorising and doubled the update's time (AVX2 EPYC,
+// GPT-2 124M: adamw 928 against 494 ms per step without a copy).
+template <class Body>
+void with_copy(bfloat16* copy, Body&& body) {
+  visit_flag(copy != nullptr, [&](auto copied) {
+    body([&](int64_t i, float value) {
+      if constexpr (decltype(copied)::value) copy[i] = from_float<bfloat16>(value);
+    });
+  });
+}
+
+}  // namespace
 
 template <>
 void adamw<Device::Cpu>(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m,
@@ -9,17 +24,19 @@ void adamw<Device::Cpu>(int64_t n, const AdamwStep& step, GradClip clip, float* 
   // A local copy: the step's fields, read through a reference, could alias the float tiles written in the
   // loop, and reloading them each element kept the loop scalar (4.6 ns per element, the whole AdamW task).
   const AdamwStep local = step;
-  if (factor == 1.0f) {
-    for (int64_t i = 0; i < n; ++i) {
-      local.apply(p[i], g[i], m[i], v[i]);
-      if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
+  with_copy(copy, [&](auto store_copy) {
+    if (factor == 1.0f) {
+      for (int64_t i = 0; i < n; ++i) {
+        local.apply(p[i], g[i], m[i], v[i]);
+        store_copy(i, p[i]);
+      }
+      return;
     }
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    local.apply_scaled(p[i], g[i], m[i], v[i], factor);
-    if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
-  }
+    for (int64_t i = 0; i < n; ++i) {
+      local.apply_scaled(p[i], g[i], m[i], v[i], factor);
+      store_copy(i, p[i]);
+    }
+  });
 }
 
 template <>
@@ -42,11 +59,13 @@ void adamw_rescale<Device::Cpu>(int64_t n, const AdamwStep& step, float scale, c
 template <>
 void sgd<Device::Cpu>(int64_t n, float lr, GradClip clip, float* p, const float* g, bfloat16* copy) {
   const float factor = clip.factor();
-  for (int64_t i = 0; i < n; ++i) {
-    float p_next = p[i] - lr * g[i];
-    p[i] = factor == 1.0f ? p_next : sgd_rescaled(p[i], p_next, factor);
-    if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
-  }
+  with_copy(copy, [&](auto store_copy) {
+    for (int64_t i = 0; i < n; ++i) {
+      float p_next = p[i] - lr * g[i];
+      p[i] = factor == 1.0f ? p_next : sgd_rescaled(p[i], p_next, factor);
+      store_copy(i, p[i]);
+    }
+  });
 }
 
 template <>
