@@ -19,10 +19,10 @@ time and tasks per step of each kernel (`codelets`) and the CPU time per step
 of the thread that runs the steps and submits their tasks; --profile prints
 the last two under each row.
 
-jnntile's matrix products (and attention's) run oneMKL where the `mkl` package
-is installed (`make setup` installs it on x86-64), else OpenBLAS; XLA runs its
-own. The report names the BLAS (`blas`: "oneMKL", or OpenBLAS's kernels, from
-`OPENBLAS_CORETYPE` when the environment sets it, else from the CPU flags).
+jnntile's matrix products (and attention's) run oneMKL on Intel CPUs where the
+`mkl` package is installed (`make setup` installs it on x86-64), else OpenBLAS
+(jnntile/_blas.py); XLA runs its own. The report names the BLAS (`blas`:
+"oneMKL", or OpenBLAS's kernel family; --profile prints it under each row).
 """
 
 from __future__ import annotations
@@ -154,7 +154,6 @@ def main(argv=None) -> int:
         print(json.dumps(measure(*args.child, args.steps)))
         return 0
     if not args.json:
-        print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(chosen from the CPU flags)')}")
         print(f"{'config':>17} {'jnntile tok/s':>14} {'XLA tok/s':>10} {'ratio':>6} "
               + (f"{'torch tok/s':>12} {'ratio':>6} " if args.torch_python else "")
               + f"{'tasks/step':>11} {'task ms':>8}  idle per worker")
@@ -179,6 +178,7 @@ def main(argv=None) -> int:
                   f"{row['ratio']:6.2f} {torch_columns}{row['tasks_per_step']:11.0f} {row['median_task_ms']:8.2f}  "
                   f"{row['worker_idle_fraction']}", flush=True)
             if args.profile:
+                print(f"    jnntile's BLAS: {row['blas']}")
                 print_profile(row)
     return 0
 

@@ -1,10 +1,13 @@
 """Pick the CPU's BLAS before the native module loads it.
 
-Where the `mkl` package is installed in this Python's environment (`make build` installs it on x86-64),
-matrix products use oneMKL (xla_ffi/kernels/cpu/gemm.cc loads the library JNNTILE_MKL names): its sgemm,
-and its bfloat16 product on AMX / AVX512-BF16, which needs no widening to float32. MKL runs sequential
-(each StarPU worker is one thread) and in its strict reproducible mode, so results are bitwise the same
-from run to run. Setting JNNTILE_MKL to an empty string keeps OpenBLAS.
+On an Intel CPU where the `mkl` package is installed in this Python's environment (`make build` installs
+it on x86-64), matrix products use oneMKL (xla_ffi/kernels/cpu/gemm.cc loads the library JNNTILE_MKL
+names): its sgemm, and its bfloat16 product on AMX / AVX512-BF16, which needs no widening to float32. MKL
+runs sequential (each StarPU worker is one thread) and in its strict reproducible mode, so results are
+bitwise the same from run to run. Other CPUs keep OpenBLAS: on an AMD EPYC (AVX2) MKL's sgemm took 31%
+longer than OpenBLAS's Haswell kernels over GPT-2 124M's products (10.6 against 8.1 s of a training step's
+gemm tasks, `bench/train_step.py --profile`). Setting JNNTILE_MKL to a library path uses it on any CPU; an
+empty string keeps OpenBLAS.
 
 Debian 12's OpenBLAS 0.3.21 does not recognise newer CPUs under virtualisation
 and falls back to its Prescott (SSE3) kernels, 4-8x slower than what the CPU
@@ -18,15 +21,20 @@ import sys
 from pathlib import Path
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str:
+    """The value of `field` for the first CPU in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
 
 
 def choose_core_type(flags: set[str]) -> str | None:
@@ -55,7 +63,7 @@ def mkl_library() -> str | None:
 
 def configure_mkl() -> None:
     if "JNNTILE_MKL" not in os.environ:
-        library = mkl_library()
+        library = mkl_library() if _cpuinfo("vendor_id") == "GenuineIntel" else None
         if library is None:
             return
         os.environ["JNNTILE_MKL"] = library
