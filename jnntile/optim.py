@@ -98,10 +98,31 @@ def _consume(g: Tensor, token):
     return _ffi.invalidate([_grad_values(g)], [token])
 
 
-def _copy_operands(p: Tensor) -> tuple[list, dict]:
-    """The compute copy an update of `p` writes in the same task, when `p` has one (a model in bfloat16)."""
-    copy = p.handle.copy
-    return ([copy], {"copy": True}) if copy is not None else ([], {})
+def _update_calls(op: str, step, leaves: list, own_operands: Callable, attrs: Callable) -> list:
+    """Updates `leaves` ((index, gradient) pairs) in place with one call of `op` per kind of leaf, and returns
+    each leaf's token. Leaves with the same weight decay, compute copy (or none) and clip share a call, in
+    which the native op takes their small tiles several to a task (a GPT-2 block's nine biases and norm
+    vectors: one task instead of nine). `own_operands(i, g)` gives a leaf's handles and tokens, `attrs(i)`
+    its call's attributes; a gradient's clip is applied as the update reads it. A leaf with a compute copy
+    (a model in bfloat16) has it written by the task that updates the master."""
+    kinds: dict = {}
+    for i, g in leaves:
+        clip_handles, clip_tokens, max_norm = _clip_operands(g)
+        kind = (step.decay[i], step.params[i].handle.copy is not None, tuple(map(id, clip_handles)), max_norm)
+        kinds.setdefault(kind, []).append((i, g, clip_handles, clip_tokens))
+    tokens = {}
+    for (_, copied, _, max_norm), members in kinds.items():
+        handles, operand_tokens, clip_tokens = [], [], {}
+        for i, g, _, leaf_clip_tokens in members:
+            leaf_handles, leaf_tokens = own_operands(i, g)
+            handles += leaf_handles + ([step.params[i].handle.copy] if copied else [])
+            operand_tokens += leaf_tokens
+            clip_tokens.update((id(t), t) for t in leaf_clip_tokens)
+        first = members[0]
+        token = call(op, handles + first[2], operand_tokens + list(clip_tokens.values()), max_norm=max_norm,
+                     **({"copy": True} if copied else {}), **attrs(first[0]))
+        tokens.update((i, token) for i, *_ in members)
+    return [tokens[i] for i, _ in leaves]
 
 
 def _learning_rate(learning_rate, count):
@@ -139,7 +160,8 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
         grad_leaves, param_leaves = _check(grads, params, "adamw")
         _require_summed(grad_leaves, "adamw")
         step = rule.start(state, params)
-        tokens = [_consume(g, rule.update_leaf(step, i, g)) for i, g in enumerate(grad_leaves)]
+        tokens = rule.update_leaves(step, list(enumerate(grad_leaves)))
+        tokens = [_consume(g, token) for g, token in zip(grad_leaves, tokens)]
         return _updates_like(params, tokens), rule.state_after(step, state, tokens)
 
     return _declared(optax.GradientTransformation(init, update), rule)
@@ -157,7 +179,8 @@ def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
         grad_leaves, param_leaves = _check(grads, params, "sgd")
         _require_summed(grad_leaves, "sgd")
         step = rule.start(state, params)
-        tokens = [_consume(g, rule.update_leaf(step, i, g)) for i, g in enumerate(grad_leaves)]
+        tokens = rule.update_leaves(step, list(enumerate(grad_leaves)))
+        tokens = [_consume(g, token) for g, token in zip(grad_leaves, tokens)]
         return _updates_like(params, tokens), rule.state_after(step, state, tokens)
 
     return _declared(optax.GradientTransformation(init, update), rule)
@@ -312,14 +335,12 @@ class _AdamW:
         return dict(inputs=[step.lr, step.count], b1=self.b1, b2=self.b2, eps=self.eps,
                     weight_decay=self.weight_decay if step.decay[i] else 0.0)
 
-    def update_leaf(self, step: _Step, i: int, g: Tensor):
-        """In place; `g` may carry a clip, applied as the update reads it."""
-        p, (m, v) = step.params[i], step.moments[i]
-        clip_handles, clip_tokens, max_norm = _clip_operands(g)
-        copy_handles, copy_attrs = _copy_operands(p)
-        return call("adamw", [p.handle, _grad_values(g), m.handle, v.handle] + copy_handles + clip_handles,
-                    [g.token, p.token, m.token, v.token] + clip_tokens, max_norm=max_norm, **copy_attrs,
-                    **self._attrs(step, i))
+    def update_leaves(self, step: _Step, leaves: list) -> list:
+        def own_operands(i, g):
+            p, (m, v) = step.params[i], step.moments[i]
+            return [p.handle, _grad_values(g), m.handle, v.handle], [g.token, p.token, m.token, v.token]
+
+        return _update_calls("adamw", step, leaves, own_operands, lambda i: self._attrs(step, i))
 
     def update_apart(self, step: _Step, i: int, g: Tensor):
         p, (m, v) = step.params[i], step.moments[i]
@@ -352,12 +373,12 @@ class _Sgd:
         return _Step(param_leaves, _learning_rate(self.learning_rate, state.count), state.count + 1,
                      [False] * len(param_leaves), [()] * len(param_leaves))
 
-    def update_leaf(self, step: _Step, i: int, g: Tensor):
-        p = step.params[i]
-        clip_handles, clip_tokens, max_norm = _clip_operands(g)
-        copy_handles, copy_attrs = _copy_operands(p)
-        return call("sgd", [p.handle, _grad_values(g)] + copy_handles + clip_handles, [g.token, p.token] + clip_tokens,
-                    inputs=[step.lr], max_norm=max_norm, **copy_attrs)
+    def update_leaves(self, step: _Step, leaves: list) -> list:
+        def own_operands(i, g):
+            p = step.params[i]
+            return [p.handle, _grad_values(g)], [g.token, p.token]
+
+        return _update_calls("sgd", step, leaves, own_operands, lambda i: dict(inputs=[step.lr]))
 
     def update_apart(self, step: _Step, i: int, g: Tensor):
         p = step.params[i]
@@ -429,7 +450,7 @@ class FusedUpdate:
             return None
         g = Tensor(param.token, param.handle)  # a gradient as jnntile.grad returns it
         if self.rule.clip is None:
-            token = self.rule.main.update_leaf(self.step, i, g)
+            token = self.rule.main.update_leaves(self.step, [(i, g)])[0]
         else:
             grid = math.prod(self.step.params[i].grid)
             sums = tensor_mod.new_handle((grid,), "int64", (1,))  # doubles' bits (xla_ffi/ops/reduce.cc)
@@ -448,10 +469,12 @@ class FusedUpdate:
             token = call("sumsq", [t.handle for t in parts] + [norm], [t.token for t in parts], sqrt=True)
             self.norm = Tensor(token, norm)
             clip = tensor_mod.Clip(self.norm, self.rule.clip.max_norm)
+        rest = [(i, Gradient(g.token, g.handle, clip)) for i, g in enumerate(grad_leaves) if i not in self.fused]
+        updated = dict(zip([i for i, _ in rest], self.rule.main.update_leaves(self.step, rest)))
         tokens = []
         for i, g in enumerate(grad_leaves):
-            if i not in self.fused:
-                tokens.append(_consume(g, self.rule.main.update_leaf(self.step, i, Gradient(g.token, g.handle, clip))))
+            if i in updated:
+                tokens.append(_consume(g, updated[i]))
             elif clip is None:
                 tokens.append(self.fused[i])
             else:

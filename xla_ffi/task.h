@@ -128,6 +128,50 @@ void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const A
   submit(task, group);
 }
 
+// ---- small tiles, several to a task ------------------------------------------
+//
+// Each task costs StarPU's bookkeeping (tens of microseconds, and on a CUDA worker a launch on its stream),
+// more than the work of a tile of a few thousand elements: a bias, a norm's scale. Ops that touch each tile
+// on its own (optimizer updates, partial sums of squares) take such tiles several to a task, each tile's
+// arithmetic unchanged (the same bits).
+constexpr int kTilesPerTask = 16;
+constexpr int64_t kSmallTileNumel = int64_t(1) << 15;
+
+// The tiles one task takes: how many, and each one's elements.
+struct TaskTiles {
+  int count = 0;
+  int64_t numel[kTilesPerTask];
+
+  int64_t total() const {
+    int64_t sum = 0;
+    for (int i = 0; i < count; ++i) sum += numel[i];
+    return sum;
+  }
+};
+
+// Cuts tiles 0..numel.size()-1 (their sizes in elements) into tasks, in order: a tile of kSmallTileNumel
+// elements or more alone, smaller ones together, up to kTilesPerTask of them and kSmallTileNumel elements.
+inline std::vector<std::vector<size_t>> tile_groups(const std::vector<int64_t>& numel) {
+  std::vector<std::vector<size_t>> groups;
+  std::vector<size_t> small;
+  int64_t small_numel = 0;
+  for (size_t i = 0; i < numel.size(); ++i) {
+    if (numel[i] >= kSmallTileNumel) {
+      groups.push_back({i});
+      continue;
+    }
+    if (small.size() == size_t(kTilesPerTask) || small_numel + numel[i] > kSmallTileNumel) {
+      groups.push_back(std::move(small));
+      small.clear();
+      small_numel = 0;
+    }
+    small.push_back(i);
+    small_numel += numel[i];
+  }
+  if (!small.empty()) groups.push_back(std::move(small));
+  return groups;
+}
+
 // ---- attributes -----------------------------------------------------------
 
 template <class T>

@@ -1,5 +1,8 @@
 // Optimizer steps that update parameter and moment tiles in place.
 //
+// An update call takes every parameter of one kind (same weight decay, compute copy and clip): their small
+// tiles share tasks (tile_groups in task.h), a GPT-2 block's nine biases and norm vectors a task or two.
+//
 // Per-step values (learning rate, step count) are extra array inputs read at
 // submission (DESIGN invariant 4); hyper-parameters that never change are
 // attributes. An update may take a global norm as its last id (attribute
@@ -16,27 +19,12 @@
 namespace jnntile {
 namespace {
 
-// The norm's tile when an update clips (ids: the update's own, then the norm), else null.
-starpu_data_handle_t clip_norm(const OpCall& call, size_t own_ids) {
-  if (call.ids.size() == own_ids) return nullptr;
-  const TiledTensor& norm = call.tensor(own_ids);
-  if (call.ids.size() != own_ids + 1 || norm.num_tiles() != 1)
-    throw std::invalid_argument("optimizer update: expected " + std::to_string(own_ids) +
-                                " tensors and optionally a scalar norm, got " + std::to_string(call.ids.size()));
+// The tile of the global norm an update clips by (a float32 scalar).
+starpu_data_handle_t clip_norm(const TiledTensor& norm, const char* op) {
+  if (norm.num_tiles() != 1 || norm.numel() != 1 || norm.dtype != DType::F32)
+    throw std::invalid_argument(std::string(op) + ": the clip's norm must be a float32 scalar, got " + norm.describe());
   return norm.tiles[0];
 }
-
-// What an update writes besides the parameter and reads besides its gradient: the compute copy (buffer
-// `own`, after the update's own) and the norm (after the copy).
-struct UpdateExtras {
-  int own;  // the update's own buffers
-  bool copied, clipped;
-
-  bfloat16* copy(void** buffers) const { return copied ? tile_ptr<bfloat16>(buffers[own]) : nullptr; }
-  GradClip clip(void** buffers, float max_norm) const {
-    return {clipped ? tile_ptr<float>(buffers[own + copied]) : nullptr, max_norm};
-  }
-};
 
 // The parameter's compute copy when the update writes it (attribute copy), else null.
 const TiledTensor* update_copy(const OpCall& call, const TiledTensor& p, size_t own_ids, const char* op) {
@@ -49,12 +37,11 @@ const TiledTensor* update_copy(const OpCall& call, const TiledTensor& p, size_t 
   return &c;
 }
 
-// Submits the update of tile t: `buffers` (the update's own), then the copy and the norm when given.
+// Submits the speculative update of tile t: `buffers` (the update's own), then the copy when given.
 template <class Args>
 void submit_update(starpu_codelet* cl, std::vector<Buffer> buffers, const TiledTensor& p, const TiledTensor* copy,
-                   starpu_data_handle_t norm, int64_t t, const Args& args, double flops) {
+                   int64_t t, const Args& args, double flops) {
   if (copy) buffers.push_back({copy->tiles[t], STARPU_W});
-  if (norm) buffers.push_back({norm, STARPU_R});
   submit_task(cl, buffers, args, flops);
   if (copy) mark_copy_fresh(copy->tiles[t], p.tiles[t]);
 }
@@ -68,61 +55,127 @@ AdamwStep adamw_step(const OpCall& call) {
           float(1.0 - std::pow(double(b1), step)), float(1.0 - std::pow(double(b2), step))};
 }
 
-struct AdamwArgs {
-  int64_t n;
-  AdamwStep step;
+// The operands of an in-place update: per parameter its own tensors ([p, g, m, v] for AdamW, [p, g] for
+// SGD), then its compute copy (attribute copy=1); after the last parameter, optionally the norm of a clip.
+struct UpdateOperands {
+  int own;      // tensors per parameter, the copy not counted
+  bool copied;  // each parameter's compute copy follows its tensors
+  std::vector<std::vector<const TiledTensor*>> params;  // per parameter: its own tensors, then the copy
+  starpu_data_handle_t norm = nullptr;
+
+  UpdateOperands(const OpCall& call, int own_tensors, const char* op) : own(own_tensors) {
+    auto copy = call.attrs.get<int64_t>("copy");
+    copied = !copy.has_error() && copy.value() != 0;
+    const size_t stride = size_t(own + copied), count = call.ids.size() / stride;
+    if (count == 0 || call.ids.size() % stride > 1)
+      throw std::invalid_argument(std::string(op) + ": expected " + std::to_string(stride) +
+                                  " tensors per parameter and optionally a scalar norm, got " +
+                                  std::to_string(call.ids.size()));
+    if (call.ids.size() % stride == 1) norm = clip_norm(call.tensor(call.ids.size() - 1), op);
+    for (size_t k = 0; k < count; ++k) {
+      std::vector<const TiledTensor*> tensors;
+      for (int j = 0; j < own; ++j) tensors.push_back(&call.tensor(k * stride + j));
+      for (int j = 1; j < own; ++j) check_same_tiling(*tensors[0], *tensors[j], op);
+      if (copied) tensors.push_back(update_copy(call, *tensors[0], k * stride + own, op));
+      params.push_back(std::move(tensors));
+    }
+  }
+
+  // Submits the update: every tile of every parameter, small ones several to a task (tile_groups). A task's
+  // buffers: per tile its own tensors' tiles in `modes`, then the copy's; last the norm. `args.layout.tiles`
+  // is set per task.
+  template <class Args>
+  void submit(starpu_codelet* cl, const std::vector<starpu_data_access_mode>& modes, Args args,
+              double flops_per_element) const {
+    std::vector<std::pair<size_t, int64_t>> tiles;  // (parameter, tile)
+    std::vector<int64_t> numel;
+    for (size_t k = 0; k < params.size(); ++k)
+      for (int64_t t = 0; t < params[k][0]->num_tiles(); ++t) {
+        tiles.push_back({k, t});
+        numel.push_back(params[k][0]->tile_numel(t));
+      }
+    for (const std::vector<size_t>& group : tile_groups(numel)) {
+      std::vector<Buffer> buffers;
+      TaskTiles& task_tiles = args.layout.tiles;
+      task_tiles.count = 0;
+      for (size_t i : group) {
+        auto [k, t] = tiles[i];
+        for (int j = 0; j < own; ++j) buffers.push_back({params[k][j]->tiles[t], modes[j]});
+        if (copied) buffers.push_back({params[k][own]->tiles[t], STARPU_W});
+        task_tiles.numel[task_tiles.count++] = numel[i];
+      }
+      if (norm) buffers.push_back({norm, STARPU_R});
+      submit_task(cl, buffers, args, flops_per_element * double(task_tiles.total()));
+      if (copied)
+        for (size_t i : group) mark_copy_fresh(params[tiles[i].first][own]->tiles[tiles[i].second],
+                                               params[tiles[i].first][0]->tiles[tiles[i].second]);
+    }
+  }
+};
+
+// What a task's kernel needs to find its tiles: per tile `own` buffers and the copy's, then the norm.
+struct UpdateLayout {
+  TaskTiles tiles;
+  int own;
+  bool copied, clipped;
   float max_norm;
-  UpdateExtras extras;
+
+  float* tensor(void** buffers, int tile, int j) const { return tile_ptr<float>(buffers[tile * stride() + j]); }
+  bfloat16* copy(void** buffers, int tile) const {
+    return copied ? tile_ptr<bfloat16>(buffers[tile * stride() + own]) : nullptr;
+  }
+  GradClip clip(void** buffers) const {
+    return {clipped ? tile_ptr<float>(buffers[tiles.count * stride()]) : nullptr, max_norm};
+  }
+  int stride() const { return own + copied; }
+};
+
+UpdateLayout update_layout(const OpCall& call, const UpdateOperands& u) {
+  return {{}, u.own, u.copied, u.norm != nullptr, float(attr<double>(call.attrs, "max_norm"))};
+}
+
+struct AdamwArgs {
+  UpdateLayout layout;
+  AdamwStep step;
 };
 
 template <Device D>
 void adamw_kernel(void** buffers, const AdamwArgs& a) {
-  adamw<D>(a.n, a.step, a.extras.clip(buffers, a.max_norm), tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-           tile_ptr<float>(buffers[2]), tile_ptr<float>(buffers[3]), a.extras.copy(buffers));
+  const UpdateLayout& l = a.layout;
+  GradClip clip = l.clip(buffers);
+  for (int i = 0; i < l.tiles.count; ++i)
+    adamw<D>(l.tiles.numel[i], a.step, clip, l.tensor(buffers, i, 0), l.tensor(buffers, i, 1), l.tensor(buffers, i, 2),
+             l.tensor(buffers, i, 3), l.copy(buffers, i));
 }
 
-// ids [p, g, m, v], then p's compute copy (attribute copy=1), then a norm; inputs [lr, step (1-based)]
+// ids [p, g, m, v] per parameter, each followed by p's compute copy (attribute copy=1), then optionally a
+// norm; inputs [lr, step (1-based)]
 void adamw_submit(const OpCall& call) {
-  const TiledTensor &p = call.tensor(0), &g = call.tensor(1), &m = call.tensor(2), &v = call.tensor(3);
-  const TiledTensor* copy = update_copy(call, p, 4, "adamw");
-  starpu_data_handle_t norm = clip_norm(call, 4 + (copy != nullptr));
-  for (const TiledTensor* t : {&g, &m, &v}) check_same_tiling(p, *t, "adamw");
-  AdamwArgs args{0, adamw_step(call), float(attr<double>(call.attrs, "max_norm")),
-                 {4, copy != nullptr, norm != nullptr}};
+  UpdateOperands u(call, 4, "adamw");
   static starpu_codelet* cl = JNNTILE_CODELET(AdamwArgs, adamw_kernel, "adamw");
-  for (int64_t t = 0; t < p.num_tiles(); ++t) {
-    args.n = p.tile_numel(t);
-    submit_update(cl, {{p.tiles[t], STARPU_RW}, {g.tiles[t], STARPU_R}, {m.tiles[t], STARPU_RW}, {v.tiles[t], STARPU_RW}},
-                  p, copy, norm, t, args, 10.0 * args.n);
-  }
+  u.submit(cl, {STARPU_RW, STARPU_R, STARPU_RW, STARPU_RW}, AdamwArgs{update_layout(call, u), adamw_step(call)}, 10.0);
 }
 JNNTILE_OP(adamw, adamw_submit);
 
 struct SgdArgs {
-  int64_t n;
+  UpdateLayout layout;
   float lr;
-  float max_norm;
-  UpdateExtras extras;
 };
 
 template <Device D>
 void sgd_kernel(void** buffers, const SgdArgs& a) {
-  sgd<D>(a.n, a.lr, a.extras.clip(buffers, a.max_norm), tile_ptr<float>(buffers[0]), tile_ptr<float>(buffers[1]),
-         a.extras.copy(buffers));
+  const UpdateLayout& l = a.layout;
+  GradClip clip = l.clip(buffers);
+  for (int i = 0; i < l.tiles.count; ++i)
+    sgd<D>(l.tiles.numel[i], a.lr, clip, l.tensor(buffers, i, 0), l.tensor(buffers, i, 1), l.copy(buffers, i));
 }
 
-// ids [p, g], then p's compute copy (attribute copy=1), then a norm; inputs [lr]
+// ids [p, g] per parameter, each followed by p's compute copy (attribute copy=1), then optionally a norm;
+// inputs [lr]
 void sgd_submit(const OpCall& call) {
-  const TiledTensor &p = call.tensor(0), &g = call.tensor(1);
-  check_same_tiling(p, g, "sgd");
-  const TiledTensor* copy = update_copy(call, p, 2, "sgd");
-  starpu_data_handle_t norm = clip_norm(call, 2 + (copy != nullptr));
-  float lr = float(call.input_scalar(0));
-  float max_norm = float(attr<double>(call.attrs, "max_norm"));
+  UpdateOperands u(call, 2, "sgd");
   static starpu_codelet* cl = JNNTILE_CODELET(SgdArgs, sgd_kernel, "sgd");
-  for (int64_t t = 0; t < p.num_tiles(); ++t)
-    submit_update(cl, {{p.tiles[t], STARPU_RW}, {g.tiles[t], STARPU_R}}, p, copy, norm, t,
-                  SgdArgs{p.tile_numel(t), lr, max_norm, {2, copy != nullptr, norm != nullptr}}, 2.0 * p.tile_numel(t));
+  u.submit(cl, {STARPU_RW, STARPU_R}, SgdArgs{update_layout(call, u), float(call.input_scalar(0))}, 2.0);
 }
 JNNTILE_OP(sgd, sgd_submit);
 
@@ -178,7 +231,7 @@ void adamw_apart_submit(const OpCall& call) {
     std::vector<Buffer> buffers{{p.tiles[t], STARPU_R},   {g.tiles[t], STARPU_R},  {m.tiles[t], STARPU_R},
                                 {v.tiles[t], STARPU_R},   {p2.tiles[t], STARPU_W}, {m2.tiles[t], STARPU_W},
                                 {v2.tiles[t], STARPU_W}};
-    submit_update(cl, buffers, p2, copy, nullptr, t, args, 10.0 * args.n);
+    submit_update(cl, buffers, p2, copy, t, args, 10.0 * args.n);
   }
 }
 JNNTILE_OP(adamw_apart, adamw_apart_submit);
@@ -212,7 +265,7 @@ void adamw_commit_submit(const OpCall& call) {
       args.n = p.tile_numel(t);
       std::vector<Buffer> buffers{{p.tiles[t], STARPU_R},   {m.tiles[t], STARPU_R},   {v.tiles[t], STARPU_R},
                                   {p2.tiles[t], STARPU_RW}, {m2.tiles[t], STARPU_RW}, {v2.tiles[t], STARPU_RW}};
-      submit_update(cl, buffers, p2, copy2, nullptr, t, args, 12.0 * args.n);
+      submit_update(cl, buffers, p2, copy2, t, args, 12.0 * args.n);
     }
   }
   std::vector<std::pair<const TiledTensor*, const TiledTensor*>> pairs{{&p, &p2}, {&m, &m2}, {&v, &v2}};
@@ -241,7 +294,7 @@ void sgd_apart_submit(const OpCall& call) {
   float lr = float(call.input_scalar(0));
   static starpu_codelet* cl = JNNTILE_CODELET(SgdApartArgs, sgd_apart_kernel, "sgd_apart");
   for (int64_t t = 0; t < p.num_tiles(); ++t)
-    submit_update(cl, {{p.tiles[t], STARPU_R}, {g.tiles[t], STARPU_R}, {p2.tiles[t], STARPU_W}}, p2, copy, nullptr,
+    submit_update(cl, {{p.tiles[t], STARPU_R}, {g.tiles[t], STARPU_R}, {p2.tiles[t], STARPU_W}}, p2, copy,
                   t, SgdApartArgs{p.tile_numel(t), lr, copy != nullptr}, 2.0 * p.tile_numel(t));
 }
 JNNTILE_OP(sgd_apart, sgd_apart_submit);
@@ -268,7 +321,7 @@ void sgd_commit_submit(const OpCall& call) {
   if (scale != 1.0f) {
     static starpu_codelet* cl = JNNTILE_CODELET(SgdRescaleArgs, sgd_rescale_kernel, "sgd_rescale");
     for (int64_t t = 0; t < p.num_tiles(); ++t)
-      submit_update(cl, {{p.tiles[t], STARPU_R}, {p2.tiles[t], STARPU_RW}}, p2, copy2, nullptr, t,
+      submit_update(cl, {{p.tiles[t], STARPU_R}, {p2.tiles[t], STARPU_RW}}, p2, copy2, t,
                     SgdRescaleArgs{p.tile_numel(t), scale, copy2 != nullptr}, 3.0 * p.tile_numel(t));
   }
   std::vector<std::pair<const TiledTensor*, const TiledTensor*>> pairs{{&p, &p2}};

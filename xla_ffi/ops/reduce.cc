@@ -9,14 +9,12 @@
 namespace jnntile {
 namespace {
 
-struct PartialArgs {
-  int64_t n;
-};
-
-// buffers: x, partial (one double), scratch (kSumsqBlocks doubles)
+// buffers: count tiles x, their partial sums (one double each), then scratch (kSumsqBlocks doubles)
 template <Device D>
-void partial_kernel(void** buffers, const PartialArgs& a) {
-  sumsq<D>(a.n, tile_ptr<float>(buffers[0]), tile_ptr<double>(buffers[1]), tile_ptr<double>(buffers[2]));
+void partial_kernel(void** buffers, const TaskTiles& tiles) {
+  double* scratch = tile_ptr<double>(buffers[2 * tiles.count]);
+  for (int i = 0; i < tiles.count; ++i)
+    sumsq<D>(tiles.numel[i], tile_ptr<float>(buffers[i]), tile_ptr<double>(buffers[tiles.count + i]), scratch);
 }
 
 struct CombineArgs {
@@ -33,15 +31,34 @@ void combine_kernel(void** buffers, const CombineArgs& a) {
                    tile_ptr<void>(buffers[a.count + 1]));
 }
 
-// Submits the partial sum of squares of tile t of x into `partial` (one double).
-void submit_partial(const TiledTensor& x, int64_t t, starpu_data_handle_t partial,
-                    std::vector<starpu_data_handle_t>& temporaries) {
-  static starpu_codelet* cl = JNNTILE_CODELET(PartialArgs, partial_kernel, "sumsq_partial");
-  if (x.dtype != DType::F32) throw std::invalid_argument("sumsq: needs float32 inputs: " + x.describe());
-  starpu_data_handle_t blocks = temporary_vector(kSumsqBlocks, sizeof(double));
-  submit_task(cl, {{x.tiles[t], STARPU_R}, {partial, STARPU_W}, {blocks, STARPU_SCRATCH}}, PartialArgs{x.tile_numel(t)},
-              2.0 * x.tile_numel(t));
-  temporaries.push_back(blocks);
+// A tile whose sum of squares is wanted, and the handle (one double) that receives it.
+struct PartialSum {
+  const TiledTensor* x;
+  int64_t tile;
+  starpu_data_handle_t partial;
+};
+
+// Submits the partial sums of squares, small tiles several to a task (tile_groups).
+void submit_partials(const std::vector<PartialSum>& sums, std::vector<starpu_data_handle_t>& temporaries) {
+  static starpu_codelet* cl = JNNTILE_CODELET(TaskTiles, partial_kernel, "sumsq_partial");
+  std::vector<int64_t> numel;
+  for (const PartialSum& s : sums) {
+    if (s.x->dtype != DType::F32) throw std::invalid_argument("sumsq: needs float32 inputs: " + s.x->describe());
+    numel.push_back(s.x->tile_numel(s.tile));
+  }
+  for (const std::vector<size_t>& group : tile_groups(numel)) {
+    std::vector<Buffer> buffers;
+    TaskTiles tiles;
+    for (size_t i : group) {
+      buffers.push_back({sums[i].x->tiles[sums[i].tile], STARPU_R});
+      tiles.numel[tiles.count++] = numel[i];
+    }
+    for (size_t i : group) buffers.push_back({sums[i].partial, STARPU_W});
+    starpu_data_handle_t blocks = temporary_vector(kSumsqBlocks, sizeof(double));
+    buffers.push_back({blocks, STARPU_SCRATCH});
+    submit_task(cl, buffers, tiles, 2.0 * double(tiles.total()));
+    temporaries.push_back(blocks);
+  }
 }
 
 // Tensors of partial sums: int64, one element per tile, holding a double's bits (attribute partials).
@@ -61,7 +78,9 @@ void sumsq_submit(const OpCall& call) {
     if (call.ids.size() != 2 || !holds_partials(out) || out.num_tiles() != x.num_tiles())
       throw std::invalid_argument("sumsq partials: needs [x, an int64 tensor of one element per tile of x], got " +
                                   out.describe() + " for " + x.describe());
-    for (int64_t t = 0; t < x.num_tiles(); ++t) submit_partial(x, t, out.tiles[t], temporaries);
+    std::vector<PartialSum> sums;
+    for (int64_t t = 0; t < x.num_tiles(); ++t) sums.push_back({&x, t, out.tiles[t]});
+    submit_partials(sums, temporaries);
     for (starpu_data_handle_t handle : temporaries) starpu_data_unregister_submit(handle);
     return;
   }
@@ -70,18 +89,20 @@ void sumsq_submit(const OpCall& call) {
   bool take_sqrt = attr<int64_t>(call.attrs, "sqrt") != 0;
   static starpu_codelet* combine_cl = JNNTILE_CODELET(CombineArgs, combine_kernel, "sumsq_combine");
   std::vector<Buffer> combine_buffers;
+  std::vector<PartialSum> sums;
   for (size_t i = 0; i + 1 < call.ids.size(); ++i) {
     const TiledTensor& x = call.tensor(i);
     for (int64_t t = 0; t < x.num_tiles(); ++t) {
       starpu_data_handle_t partial = x.tiles[t];
       if (!holds_partials(x)) {
         partial = temporary_vector(1, sizeof(double));
-        submit_partial(x, t, partial, temporaries);
+        sums.push_back({&x, t, partial});
         temporaries.push_back(partial);
       }
       combine_buffers.push_back({partial, STARPU_R});
     }
   }
+  submit_partials(sums, temporaries);
   int64_t count = int64_t(combine_buffers.size());
   starpu_data_handle_t pointers = temporary_vector(count, sizeof(void*));
   combine_buffers.push_back({out.tiles[0], STARPU_W});
