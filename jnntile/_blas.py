@@ -1,7 +1,7 @@
 """Pick the CPU's BLAS before the native module loads it.
 
 On an Intel CPU where the `mkl` package is installed in this Python's environment (`make build` installs
-it on x86-64), matrix products use oneMKL (xla_ffi/kernels/cpu/gemm.cc loads the library JNNTILE_MKL
+it there), matrix products use oneMKL (xla_ffi/kernels/cpu/gemm.cc loads the library JNNTILE_MKL
 names): its sgemm, and its bfloat16 product on AMX / AVX512-BF16, which needs no widening to float32. MKL
 runs sequential (each StarPU worker is one thread) and in its strict reproducible mode, so results are
 bitwise the same from run to run. Other CPUs keep OpenBLAS: on an AMD EPYC (AVX2) MKL's sgemm took 31%

@@ -71,6 +71,49 @@ def test_weight_decay_mask_matches_optax(rng):
     _compare(rng, optim.adamw(1e-2, weight_decay=0.5, mask=mask), optax.adamw(1e-2, weight_decay=0.5, mask=mask))
 
 
+def test_small_tiles_share_update_tasks(rng):
+    """Tiles under 32768 elements are updated up to 16 to a task, across the parameters of one kind (same weight
+    decay, compute copy and clip); large ones alone. The values stay optax's."""
+    from jnntile.ops import elementwise as ew
+
+    layouts = {"bias": ((40,), (2,)), "small": ((7, 5), (2, 5)), "big": ((200, 200), (200, 200))}
+    arrays = {k: rng.standard_normal(shape).astype(np.float32) for k, (shape, _) in layouts.items()}
+    params = {k: jnntile.from_array(arrays[k], tile) for k, (_, tile) in layouts.items()}
+    mask = lambda params: {k: len(p.shape) > 1 for k, p in params.items()}  # noqa: E731
+    tx = optax.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1, mask=mask))
+    ref_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1, mask=mask))
+
+    def loss(params):
+        return sum(jnp.sum(jnntile.to_array(ew.gelu_tanh(p)) ** 2) for p in params.values())
+
+    def ref_loss(params):
+        return sum(jnp.sum(jax.nn.gelu(p, approximate=True) ** 2) for p in params.values())
+
+    @jax.jit
+    def step(params, state):
+        _, grads = jnntile.value_and_grad(loss)(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def tasks(kernel):
+        jnntile.runtime.wait_all()
+        return jnntile.runtime.stats()["codelets"].get(kernel, {}).get("tasks", 0)
+
+    state, ref_params = tx.init(params), jax.tree.map(jnp.asarray, arrays)
+    ref_state = ref_tx.init(ref_params)
+    for i in range(3):
+        before = tasks("adamw"), tasks("sumsq_partial")
+        params, state = jax.block_until_ready(step(params, state))  # its tasks submitted
+        # AdamW: the bias's 20 tiles (no decay) in 16 + 4; small's 4 tiles in one task, big alone (decay).
+        # The global norm's partial sums: the 24 small tiles in 16 + 8, big alone.
+        assert (tasks("adamw") - before[0], tasks("sumsq_partial") - before[1]) == (4, 3)
+        ref_grads = jax.grad(ref_loss)(ref_params)
+        ref_updates, ref_state = ref_tx.update(ref_grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, ref_updates)
+        for name in arrays:
+            assert rel_err(params[name].numpy(), ref_params[name]) < 1e-5, f"{name} after step {i}"
+
+
 def test_global_norm(rng):
     arrays, (x_np,) = mlp_problem(rng)
     params = {k: jnntile.from_array(v, 3) for k, v in arrays.items()}
@@ -311,7 +354,8 @@ def test_the_update_fused_into_the_backward_equals_the_update_after_it(optimizer
     assert tasks.get(f"{optimizer}_apart", 0) == 0
     assert apart == (FUSED_STEPS * block_tiles if max_norm else 0)
     assert rescaled == (apart if clip == "clips" else 0)
-    assert fused_tasks[optimizer] == tasks[optimizer] - apart
+    # Speculative: every parameter was handed over and written apart, none updated in place.
+    assert (fused_tasks.get(optimizer, 0) > 0) == (max_norm is None)
     np.testing.assert_array_equal(fused_losses, losses)
     for name in params:
         np.testing.assert_array_equal(fused_params[name], params[name], err_msg=name)
