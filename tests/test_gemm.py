@@ -45,6 +45,24 @@ def test_matmul(rng, jit, tiles, trans_a, trans_b, dtype):
              [a, b], [a_tiles, b_tiles], jit=jit, dtype=dtype, tol=BFLOAT16_TOL if dtype == "bfloat16" else 1e-5)
 
 
+@pytest.mark.parametrize("k_tile", [None, 300], ids=["one K tile", "uneven K tiles"])
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_bfloat16_over_a_long_contraction(rng, k_tile, trans_a, trans_b):
+    """Without a bfloat16 BLAS product the CPU widens its operands 256 columns of K at a time: K = 600 in one
+    tile is three panels (the last a short one), in two tiles of 300 two panels each."""
+    a_shape, a_tiles = _transpose_layout((5, 600), (5, k_tile) if k_tile else None, trans_a)
+    b_shape, b_tiles = _transpose_layout((600, 7), (k_tile, 7) if k_tile else None, trans_b)
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+
+    def reference(x, y):
+        product = jnp.matmul(x.T if trans_a else x, y.T if trans_b else y, preferred_element_type=jnp.float32)
+        return product.astype(x.dtype)
+
+    check_op(lambda x, y: gemm.matmul(x, y, trans_a=trans_a, trans_b=trans_b), reference, [a, b],
+             [a_tiles, b_tiles], jit=True, dtype="bfloat16", tol=BFLOAT16_TOL)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_leading_axes_fold_into_rows(rng, jit):
     # A linear layer: x (B, T, C) @ w (C, 3, H) -> (B, T, 3, H); several row and column axes.

@@ -13,7 +13,7 @@ struct GemmTypes {
   FloatType a, b, c;
   bool all_f32() const { return a == FloatType::F32 && b == FloatType::F32 && c == FloatType::F32; }
 };
-// Floats of working memory a CPU task needs: its bfloat16 operands widened to float32 (the GPU needs none).
+// Floats of working memory a CPU task needs: the float32 sum of a bfloat16 C (the GPU needs none).
 int64_t gemm_scratch_floats(GemmTypes types, int64_t batch, int64_t m, int64_t n, int64_t k);
 template <Device D>
 void gemm(GemmTypes types, bool trans_a, bool trans_b, int64_t batch, int64_t m, int64_t n, int64_t k, float alpha,
