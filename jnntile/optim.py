@@ -101,8 +101,8 @@ def _consume(g: Tensor, token):
 def _update_calls(op: str, step, leaves: list, own_operands: Callable, attrs: Callable) -> list:
     """Updates `leaves` ((index, gradient) pairs) in place with one call of `op` per kind of leaf, and returns
     each leaf's token. Leaves with the same weight decay, compute copy (or none) and clip share a call, in
-    which the native op takes their small tiles several to a task (a GPT-2 block's nine biases and norm
-    vectors: one task instead of nine). `own_operands(i, g)` gives a leaf's handles and tokens, `attrs(i)`
+    which the native op takes their small tiles several to a task (a GPT-2 block's biases and norm vectors:
+    one or two tasks, not one per tile). `own_operands(i, g)` gives a leaf's handles and tokens, `attrs(i)`
     its call's attributes; a gradient's clip is applied as the update reads it. A leaf with a compute copy
     (a model in bfloat16) has it written by the task that updates the master."""
     kinds: dict = {}

@@ -1,7 +1,7 @@
 // Optimizer steps that update parameter and moment tiles in place.
 //
 // An update call takes every parameter of one kind (same weight decay, compute copy and clip): their small
-// tiles share tasks (tile_groups in task.h), a GPT-2 block's nine biases and norm vectors a task or two.
+// tiles share tasks (tile_groups in task.h): a GPT-2 block's biases and norm vectors take a task or two.
 //
 // Per-step values (learning rate, step count) are extra array inputs read at
 // submission (DESIGN invariant 4); hyper-parameters that never change are
