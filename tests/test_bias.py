@@ -149,6 +149,39 @@ def test_a_bias_shared_by_two_layers_sums_both_gradients():
     check_op(op, reference, [x_np, w1_np, w2_np, b_np], [(2, 3), (3, 3), (3, 3), (3,)], jit=False)
 
 
+@pytest.mark.parametrize("tiling", LINEAR_TILINGS)
+def test_the_bias_gradient_is_summed_in_the_weight_gradient_tasks(tiling):
+    """With w's gradient wanted, db is summed by the tasks of dw (no add_bias_db task); with w frozen, by a
+    pass of its own over dy, in the same order: the same bits. Gradients against jnp either way."""
+    x_shape, x_tile, w_shape, w_tile = LINEAR_TILINGS[tiling]
+    out_shape = x_shape[:-1] + w_shape[1:]
+    x_np, w_np, b_np, weight = normal(x_shape, 0), normal(w_shape, 1), normal(w_shape[1:], 2), normal(out_shape, 3)
+
+    def loss(x, w, b):
+        return jnp.sum(jnntile.to_array(linear(x, w, b)) * weight)
+
+    def reference(x, w, b):
+        return jnp.sum((jnp.tensordot(x, w, axes=1) + b) * weight)
+
+    def db_tasks():
+        jnntile.runtime.wait_all()
+        return jnntile.runtime.stats()["codelets"].get("add_bias_db", {}).get("tasks", 0)
+
+    db = {}
+    for argnums in [(0, 1, 2), (0, 2)]:  # w trained, w frozen
+        tensors = [jnntile.from_array(x_np, x_tile), jnntile.from_array(w_np, w_tile),
+                   jnntile.from_array(b_np, w_tile[1:])]
+        before = db_tasks()
+        _, grads = jnntile.value_and_grad(loss, argnums=argnums)(*tensors)
+        grads = [jnntile.grad_of(g).numpy() for g in grads]
+        assert (db_tasks() > before) == (argnums == (0, 2))
+        _, ref_grads = jax.value_and_grad(reference, argnums=argnums)(x_np, w_np, b_np)
+        for grad, ref_grad in zip(grads, ref_grads):
+            assert rel_err(grad, ref_grad) <= 1e-5
+        db[argnums] = grads[-1]
+    np.testing.assert_array_equal(db[(0, 1, 2)], db[(0, 2)])
+
+
 def test_bad_inputs():
     x = jnntile.zeros((4, 6), tile_shape=(2, 3))
     with pytest.raises(ValueError, match=r"b of shape \(5,\) must equal the trailing axes of x \(4, 6\)"):

@@ -70,8 +70,11 @@ def _linear_forward(x, w, b, params, zero_grad):
 
 def _linear_backward(params, residuals, g):
     x, w, b, out = residuals
-    product = gemm.backward_call(params, x, w, out, g)
-    token = release(backward_call(out, g, None, b, [product, b.token]), out)
+    if grad_target(w) is not None and grad_target(b) is not None:  # db summed in dW's tasks (ops/gemm.cc)
+        token = gemm.backward_call(params, x, w, out, g, bias=b)
+    else:
+        token = backward_call(out, g, None, b, [gemm.backward_call(params, x, w, out, g), b.token])
+    token = release(token, out)
     return x.with_token(token), w.with_token(token), b.with_token(token)
 
 
@@ -83,7 +86,8 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, ndim: int = 1, tran
     b (N..) tiled (tn..); `ndim` counts the C axes.
 
     The result is (..., N..) tiled (..., tn..). The bias is added by the product's own tasks, not by a pass of
-    its own over the result, and its gradient needs no copy of the result's.
+    its own over the result, and its gradient needs no copy of the result's: it is summed in the tasks of w's
+    gradient (a pass of its own over dy only when w is frozen).
     """
     if b is None:
         return gemm.matmul(x, w, trans_b=trans_b, ndim=ndim)

@@ -57,16 +57,20 @@ def _forward(a, b, params, zero_grad):
     return Tensor(token, out), (a, b, Tensor(token, out))
 
 
-def backward_call(params, a: Tensor, b: Tensor, out: Tensor, g: Tensor):
-    """The token of the call that adds out's gradient g through the product into a's and b's gradients."""
+def backward_call(params, a: Tensor, b: Tensor, out: Tensor, g: Tensor, bias: Tensor | None = None):
+    """The token of the call that adds out's gradient g through the product into a's and b's gradients, and
+    for a linear layer (`bias`, whose gradient and b's are both wanted) the column sums of g into bias's,
+    in the tasks of b's gradient."""
     trans_a, trans_b, alpha, ndim, batch_ndim = params
-    grad_a, grad_b = grad_target(a), grad_target(b)
+    targets = [grad_target(a), grad_target(b)] + ([grad_target(bias)] if bias is not None else [])
     # A gradient still at zero is written by the product, not filled and added to (one pass over its tiles).
-    (fresh_a, fresh_b), written = fresh_targets(grad_a, grad_b)
+    fresh, written = fresh_targets(*targets)
+    with_bias = dict(fresh_bias=fresh[2]) if bias is not None else {}
     # Invariant 1: the backward call consumes the forward token (out.token).
-    return call("gemm_backward", [a.handle, b.handle, grad_a, grad_b, tensor_mod.grad_handle(out.handle)],
-                [out.token, g.token, a.token, b.token], writes=written, fresh_a=fresh_a, fresh_b=fresh_b,
-                trans_a=trans_a, trans_b=trans_b, alpha=alpha, ndim=ndim, batch_ndim=batch_ndim)
+    return call("gemm_backward", [a.handle, b.handle, *targets[:2], tensor_mod.grad_handle(out.handle), *targets[2:]],
+                [out.token, g.token, a.token, b.token] + ([bias.token] if bias is not None else []), writes=written,
+                fresh_a=fresh[0], fresh_b=fresh[1], **with_bias, trans_a=trans_a, trans_b=trans_b, alpha=alpha,
+                ndim=ndim, batch_ndim=batch_ndim)
 
 
 def _backward(params, residuals, g):

@@ -5,7 +5,8 @@
 // fused projection such as (3, H, D)). One task per x tile. The backward adds
 // dy into dx per tile (parallel) and sums dy over the leading axes into db:
 // one chain per b tile over the x tiles that share it. (A linear layer adds its
-// bias in its product's tasks, ops/gemm.cc, and uses only the db half here.)
+// bias in its product's tasks, ops/gemm.cc, and sums db in its weight gradient's
+// tasks; it uses the db half here only when its weight is frozen.)
 #include <algorithm>
 
 #include "kernels/bias.h"
