@@ -224,27 +224,50 @@ def test_planner_counts_what_a_traced_step_creates(restore_runtime, dtype):
     assert (plan.compute_copies > 0) == (dtype == "bfloat16") and plan.compute_copies < plan.parameters / 2
 
 
-def test_planner_peak_against_the_measured_peak(restore_runtime):
-    """StarPU's peak (a fresh runtime, no limit) is the planner's live data plus its allocation cache and scratch."""
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "no-clip"])
+def test_planner_peak_against_the_measured_peak(restore_runtime, clip):
+    """StarPU's peak (a fresh runtime, no limit) is the planner's live data plus its allocation cache and scratch.
+
+    The plan keeps every gradient until the update after the backward. With a clip (the training command's
+    default) that is what runs: each update waits for the global norm, which reads every gradient. Without one,
+    a gradient tile final early in the backward may be updated, and freed, before the backward ends, as the
+    schedule allows: the plan is then an upper bound (measured 0.94-0.99 of it with StarPU 1.4, once AdamW's
+    loop vectorised and ran three times faster)."""
+    from jnntile import train as train_mod
+
     _restart(memory_limit_mb=1024, swap_dir=None)
+    model = gpt2.GPT2(SWAP_CONFIG, batch_size=B, seq_len=T)
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)) if clip else optim.adamw(1e-2)
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = tx.init(params)
+    train_step, _ = train_mod.make_steps(graphdef, tx)
+    jnntile.runtime.wait_all()
     jnntile.runtime.reset_peaks()
-    _train(SWAP_CONFIG, steps=2)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        ids = rng.integers(0, SWAP_CONFIG.vocab_size, (1, B, T)).astype(np.int32)
+        params, opt_state, loss = train_step(params, opt_state, ids, ids, [None])
+    float(loss)
+    jnntile.runtime.wait_all()
     measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
     plan = memory.plan(SWAP_CONFIG, B, T)
+    assert measured <= 1.3 * plan.peak, (plan.peak, measured)
     # The plan counts a gradient whole when its op's backward starts; the runtime allocates it tile by tile as
-    # the tasks that write it run, while the tiles of dead tensors go: the peak may fall short of the plan by
-    # the tiles in flight, at most a task's (measured: 1.7% short, within the largest task's 2 MB).
-    assert plan.peak - plan.largest_task <= measured <= 1.3 * plan.peak, (plan.peak, measured)
+    # the tasks that write it run, while the tiles of dead tensors go: with a clip the peak may fall short of the
+    # plan by the tiles in flight, at most a task's (measured: 0.2% short, within the largest task's 2 MB).
+    if clip:
+        assert plan.peak - plan.largest_task <= measured, (plan.peak, measured)
 
 
 def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runtime):
-    """Gradients held between micro-batches are in the plan of a micro-batch (activations are one micro-batch's)."""
+    """Gradients held between micro-batches are in the plan of a micro-batch (activations are one micro-batch's).
+    With a clip, as above: no update frees a gradient before the last micro-batch's backward ends."""
 
     from jnntile import train as train_mod
 
     _restart(memory_limit_mb=1024, swap_dir=None)
     model = gpt2.GPT2(SWAP_CONFIG, batch_size=B, seq_len=T)
-    tx = optim.adamw(1e-2)
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)
     train_step, _ = train_mod.make_steps(graphdef, tx, grad_accum_steps=2)
