@@ -134,22 +134,20 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
   require_match(b_n, b_nt, c.cols, c.cols_tiles, "column axes of B and C", B, C);
   require_match(a.batch, a.batch_tiles, c.batch, c.batch_tiles, "batch axes of A and C", A, C);
   require_match(b.batch, b.batch_tiles, c.batch, c.batch_tiles, "batch axes of B and C", B, C);
-  if (bias != nullptr) {
-    require_match(bias->shape, bias->tile_shape, c.cols, c.cols_tiles, "bias and the column axes of C", *bias, C);
-    if (bias->dtype != DType::F32)
-      throw std::invalid_argument("gemm: the bias must be float32 (a float32 master): " + bias->describe());
-  }
-
+  // A bias and a bias gradient: float32 (a float32 master's), with the shape and tiles of C's columns (rows).
+  auto require_bias = [&](const TiledTensor& b, bool rows, const std::string& what) {
+    require_match(b.shape, b.tile_shape, rows ? c.rows : c.cols, rows ? c.rows_tiles : c.cols_tiles,
+                  what + " and the feature axes of C", b, C);
+    if (b.dtype != DType::F32)
+      throw std::invalid_argument("gemm: the " + what + " must be float32 (a float32 master's): " + b.describe());
+  };
+  if (bias != nullptr) require_bias(*bias, false, "bias");
   const bool grad_from_a = bias_grad != nullptr && bias_grad->from == BiasGradFrom::A;
   if (bias_grad != nullptr) {
-    const TiledTensor& db = *bias_grad->db;
     if (batch_ndim != 0 || (grad_from_a ? !trans_a : trans_b))
       throw std::invalid_argument("gemm: a bias gradient is summed from dy stored (rows, features) in a product "
                                   "without batch axes: " + A.describe() + ", " + B.describe());
-    require_match(db.shape, db.tile_shape, grad_from_a ? c.rows : c.cols, grad_from_a ? c.rows_tiles : c.cols_tiles,
-                  "bias gradient and the feature axes of C", db, C);
-    if (db.dtype != DType::F32)
-      throw std::invalid_argument("gemm: the bias gradient must be float32: " + db.describe());
+    require_bias(*bias_grad->db, grad_from_a, "bias gradient");
   }
 
   static starpu_codelet* cl = JNNTILE_CODELET(GemmArgs, gemm_kernel, "gemm");
