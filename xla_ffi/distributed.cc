@@ -5,11 +5,11 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
 #include "runtime.h"
+#include "tensor.h"
 
 #if JNNTILE_MPI
 #include <starpu_mpi.h>
@@ -50,10 +50,9 @@ void check(int ret, const std::string& what) {
 }
 
 std::string rank_list(const std::vector<int>& ranks) {
-  std::ostringstream out;
-  out << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
-  return out.str();
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
 }
 
 constexpr int kPing = 1, kPong = 2;
@@ -253,13 +252,12 @@ std::vector<std::string> allgather(const std::string& mine, const std::string& w
         start = std::chrono::steady_clock::now();  // they live: they are busy elsewhere, wait on
         continue;
       }
-      std::ostringstream msg;
-      msg << "rank " << rank << " waited " << waited << " s for ";
-      if (missing.empty()) msg << "its messages to be taken at " << what << ".";
-      else msg << rank_list(missing) << " at " << what << "; " << blame(missing) << ".";
+      std::string msg = "rank " + std::to_string(rank) + " waited " + seconds_str(waited) + " s for " +
+                        (missing.empty() ? "its messages to be taken at " + what + "."
+                                         : rank_list(missing) + " at " + what + "; " + blame(missing) + ".");
       distributed_abandon();
-      runtime_fail(msg.str());  // the transfers of tiles with those ranks will not complete either
-      throw std::runtime_error(msg.str());
+      runtime_fail(msg);  // the transfers of tiles with those ranks will not complete either
+      throw std::runtime_error(msg);
     }
     // Sleep while waiting: a blocking MPI call would poll, spinning a core (DESIGN invariant 5).
     std::this_thread::sleep_for(pause);

@@ -5,6 +5,7 @@ extern "C" {
 #include "runtime.h"
 
 #include "distributed.h"
+#include "tensor.h"
 
 #if JNNTILE_CUDA
 #include "kernels/cuda/context.h"
@@ -23,7 +24,6 @@ extern "C" {
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <sstream>
 #include <thread>
 #include <unordered_map>
 
@@ -416,12 +416,11 @@ void runtime_start(const RuntimeConfig& config) {
                              "unset STARPU_NCPU");
   }
   if (ret != 0) {
-    std::ostringstream msg;
-    msg << "StarPU failed to start (starpu_init returned " << ret << ") with workers="
-        << config.workers << " cuda_workers=" << config.cuda_workers << " scheduler='" << config.scheduler
-        << "'. The StarPU in use allows at most " << max_cpu_workers()
-        << " CPU workers; check the scheduler name.";
-    throw std::runtime_error(msg.str());
+    throw std::runtime_error("StarPU failed to start (starpu_init returned " + std::to_string(ret) +
+                             ") with workers=" + std::to_string(config.workers) + " cuda_workers=" +
+                             std::to_string(config.cuda_workers) + " scheduler='" + config.scheduler +
+                             "'. The StarPU in use allows at most " + std::to_string(max_cpu_workers()) +
+                             " CPU workers; check the scheduler name.");
   }
   if (config.placement == Placement::Cuda && starpu_cuda_worker_get_count() == 0) {
     shutdown_after_failed_start(config);
@@ -678,23 +677,23 @@ void wait_until(Done done, const char* what) {
     if (done()) break;
     double quiet_s = std::chrono::duration<double>(Clock::now() - s.last_progress).count();
     if (s.pending > 0 && quiet_s > s.config.watchdog_s) {
-      std::ostringstream msg;
-      msg << "no StarPU task completed for " << quiet_s << " s while waiting for " << what;
+      std::string msg = "no StarPU task completed for " + seconds_str(quiet_s) + " s while waiting for " + what;
       if (std::string stall = distributed_stall(); !stall.empty()) {
-        msg << ": " << stall << ".";
+        msg += ": " + stall + ".";
       } else {
-        msg << " (" << s.pending << " tasks pending, memory limit " << s.config.memory_limit_mb << " MB, "
-            << (s.config.gpu_memory_limit_mb > 0
+        msg += " (" + std::to_string(s.pending) + " tasks pending, memory limit " +
+               std::to_string(s.config.memory_limit_mb) + " MB, " +
+               (s.config.gpu_memory_limit_mb > 0
                     ? "GPU memory limit " + std::to_string(s.config.gpu_memory_limit_mb) + " MB, "
-                    : "")
-            << (s.swap_subdir.empty() ? "no disk swap" : "disk swap in " + s.config.swap_dir)
-            << "). The working set likely exceeds the memory limit: raise memory_limit_mb, "
+                    : "") +
+               (s.swap_subdir.empty() ? "no disk swap" : "disk swap in " + s.config.swap_dir) +
+               "). The working set likely exceeds the memory limit: raise memory_limit_mb, "
                "add swap_dir, or use smaller tiles (python -m jnntile.memory with the model's flags "
                "tells what fits). Raise watchdog_s if tasks are just slow.";
       }
       s.failed = true;
       s.skip_kernels = true;
-      s.failure = msg.str();
+      s.failure = msg;
       throw std::runtime_error(s.failure);
     }
   }

@@ -1,8 +1,8 @@
 #include "tensor.h"
 
+#include <cstdio>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -97,20 +97,25 @@ int64_t TiledTensor::tile_numel(int64_t linear) const {
   return n;
 }
 
+// Messages are built from strings and std::to_string, not iostreams: on a GPU
+// machine whose build linked its own copy of libstdc++, formatting a number
+// through an ostream crashed in the locale's facets (an error message became a
+// segfault).
 std::string shape_str(const Index& shape) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  if (shape.size() == 1) out << ",";
-  out << ")";
-  return out.str();
+  std::string out = "(";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + (shape.size() == 1 ? ",)" : ")");
+}
+
+std::string seconds_str(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", seconds);
+  return text;
 }
 
 std::string TiledTensor::describe() const {
-  std::ostringstream out;
-  out << "tensor " << id << " " << dtype_name(dtype) << " " << shape_str(shape) << " tiles "
-      << shape_str(tile_shape);
-  return out.str();
+  return "tensor " + std::to_string(id) + " " + dtype_name(dtype) + " " + shape_str(shape) + " tiles " +
+         shape_str(tile_shape);
 }
 
 int64_t tensor_create(const Index& shape, const Index& tile_shape, DType dtype) {

@@ -24,6 +24,8 @@ const char* dtype_name(DType dtype);
 using Index = std::vector<int64_t>;
 // "(64, 48)", "(3,)": shapes, tile grids and tile coordinates in messages.
 std::string shape_str(const Index& shape);
+// Seconds with one decimal, for messages.
+std::string seconds_str(double seconds);
 
 struct TiledTensor;
 
