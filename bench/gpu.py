@@ -48,8 +48,9 @@ def sizes(smoke: bool) -> dict:
         return {"gemm": {"sizes": [512], "tiles": [256], "repeats": 2},
                 "train": {"model": dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, n_positions=64),
                           "batch": 2, "seq": 64, "steps": 2, "calibration_steps": 2},
-                # 2.7M parameters (42 MB of state) under a 16 MB limit: every level is used.
-                "capacity": {"n_embd": 256, "n_head": 4, "vocab_size": 4096, "seq": 32, "batch": 2,
+                # 2.7M parameters (42 MB of state) under a 16 MB limit: every level is used. Two CPU workers:
+                # 15 (a 16-core GPU machine) would run 15 optimizer tasks of 2 MB at once, over the limit.
+                "capacity": {"n_embd": 256, "n_head": 4, "vocab_size": 4096, "seq": 32, "batch": 2, "workers": 2,
                              "tiles": dict(tile_batch=1, tile_seq=16, tile_embd=128, tile_heads=2, tile_hidden=256,
                                            tile_vocab=1024)}}
     return {"gemm": {"sizes": [8192, 16384], "tiles": [2048, 4096], "repeats": 3},
@@ -226,17 +227,19 @@ def measure_capacity(p: dict) -> dict:
 
     config = GPT2Config(n_layer=p["n_layer"], n_head=p["n_head"], n_embd=p["n_embd"], vocab_size=p["vocab_size"],
                         n_positions=p["seq"], dropout=0.0, **p.get("tiles", {}))
-    B, T = p["batch"], p["seq"]
-    plan = memory.plan(config, B, T)
+    B, T, workers = p["batch"], p["seq"], p.get("workers")
+    plan = memory.plan(config, B, T, workers=workers)
     if not p["full"]:  # a quarter of the state on the GPU, a quarter in RAM, the rest on disk
         quarter_mb = max(16, plan.state // MB // 4)
         p = dict(p, memory_limit_mb=quarter_mb, gpu_memory_limit_mb=quarter_mb if p["gpu"] else None)
     gpu_mb = p.get("gpu_memory_limit_mb") or jnntile.runtime.gpu_memory_mb()
     ram_mb = p["memory_limit_mb"]
-    config, tiles_note = memory.fit_tiles(config, B, T, ram_mb, gpu_mb)  # as python -m jnntile.train does
-    plan = memory.plan(config, B, T)
+    config, tiles_note = memory.fit_tiles(config, B, T, ram_mb, gpu_mb, workers=workers)  # as jnntile.train does
+    plan = memory.plan(config, B, T, workers=workers)
     swap_mb = plan.swap_needed_mb(ram_mb, gpu_mb) or jnntile.runtime.MIN_SWAP_MB
     settings = {"memory_limit_mb": ram_mb, "swap_dir": p["swap_dir"], "swap_size_mb": swap_mb}
+    if workers is not None:
+        settings["workers"] = workers
     if p.get("gpu_memory_limit_mb"):
         settings["gpu_memory_limit_mb"] = p["gpu_memory_limit_mb"]
     verdict = plan.check(ram_mb, swap_mb, gpu_mb)
