@@ -23,9 +23,11 @@ JNNTILE_HD float sumsq_backward_scale(bool take_sqrt, float out, float dout) {
   return take_sqrt ? (out > 0.0f ? dout / out : 0.0f) : 2.0f * dout;
 }
 
-// The GPU sums the squares of a tile in this many blocks, each writing its
-// partial to a scratch of as many doubles, then adds those in order.
-constexpr int kSumsqBlocks = 128;
+// The GPU sums the squares of a tile in up to this many blocks, each writing
+// its partial to a scratch of as many doubles, then adds those in a fixed
+// order. 1024 blocks of 256 threads fill an H100/H200 (8 blocks on each of
+// 132 SMs): with 128 the loop had too few loads in flight to stream a tile.
+constexpr int kSumsqBlocks = 1024;
 
 // *out = sum of x[0..n)^2, accumulated in double. scratch: kSumsqBlocks doubles (GPU).
 template <Device D>

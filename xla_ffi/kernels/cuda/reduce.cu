@@ -22,10 +22,20 @@ __global__ void sumsq_blocks_kernel(int64_t n, const float* x, double* partials)
   if (threadIdx.x == 0) partials[blockIdx.x] = acc[0];
 }
 
+// One block adds the partials: thread t sums partials t, t + blockDim, ... in
+// order, then the same fixed tree. (A single thread walking them in a row waited
+// on one global load after another: ~60 us per tile, most of the gradient norm.)
 __global__ void sum_blocks_kernel(int blocks, const double* partials, double* out) {
+  __shared__ double acc[kReduceThreads];
   double sum = 0.0;
-  for (int b = 0; b < blocks; ++b) sum += partials[b];
-  *out = sum;
+  for (int b = threadIdx.x; b < blocks; b += blockDim.x) sum += partials[b];
+  acc[threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) acc[threadIdx.x] += acc[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = acc[0];
 }
 
 __global__ void combine_kernel(int64_t count, const double* const* partials, bool take_sqrt, float* out) {
@@ -49,7 +59,7 @@ void sumsq<Device::Cuda>(int64_t n, const float* x, double* out, double* scratch
   if (blocks > unsigned(kSumsqBlocks)) blocks = kSumsqBlocks;
   sumsq_blocks_kernel<<<blocks, kReduceThreads, 0, cuda::stream()>>>(n, x, scratch);
   cuda::check_launch("sumsq");
-  sum_blocks_kernel<<<1, 1, 0, cuda::stream()>>>(int(blocks), scratch, out);
+  sum_blocks_kernel<<<1, kReduceThreads, 0, cuda::stream()>>>(int(blocks), scratch, out);
   cuda::check_launch("sumsq");
 }
 
