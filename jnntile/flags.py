@@ -14,7 +14,8 @@ from jnntile.models import COMPUTE_DTYPES, REMAT_CHOICES, TILE_AXES
 
 # Flag -> RuntimeConfig field, for the flags that set one directly. --swap-size-mb and --swap-backend
 # count only with --swap-dir (runtime_settings); the planner reads --swap-size-mb alone as a what-if.
-_RUNTIME_FIELDS = ("workers", "memory_limit_mb", "gpu_memory_limit_mb", "cuda_workers", "matmul_precision")
+_RUNTIME_FIELDS = ("workers", "memory_limit_mb", "gpu_memory_limit_mb", "cuda_workers", "matmul_precision",
+                   "fused_attention")
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,9 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-workers", type=int, help="GPUs to use (default: all; 0: CPU only)")
     parser.add_argument("--matmul-precision", choices=runtime.MATMUL_PRECISIONS,
                         help="float32 products on the GPU: highest (FP32) or tf32 (default: tf32 on a GPU, as JAX)")
+    parser.add_argument("--fused-attention", action="store_true", default=None,
+                        help="bfloat16 attention (head_dim 64) on the GPU in fused kernels; not yet run on a GPU "
+                             "(default: cuBLAS products)")
 
 
 def runtime_settings(args) -> dict:

@@ -105,6 +105,33 @@ def test_bfloat16(tiling, groups):
              tol=BFLOAT16_TOL)
 
 
+# head_dim 64, which the fused GPU steps take (kernels/cuda/attention.cu), with sequences and tiles that are
+# not multiples of their 64-row blocks.
+FUSED_SHAPE = (2, 150, 3, 64)
+FUSED_TILINGS = {
+    "fused_one_tile": (2, 150, 1, 3, 64),  # query and key blocks of 64, 64 and 22 rows
+    "fused_uneven": (1, 70, 1, 2, 64),  # T = 70 + 70 + 10, H = 2 + 1: pairs off the diagonal, short tiles
+}
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("tiling", FUSED_TILINGS)
+def test_bfloat16_fused_on_the_gpu(placement, restore_runtime, tiling, groups):
+    """The fused bfloat16 steps (runtime setting fused_attention) against the same mixed-precision reference
+    as the cuBLAS steps (test_bfloat16)."""
+    if placement != "cuda":
+        pytest.skip("the fused steps are CUDA kernels")
+    jnntile.runtime.stop()
+    jnntile.runtime.configure(fused_attention=True)
+    qkv, _ = make_data(seed=6, shape=FUSED_SHAPE, groups=groups)
+
+    def mixed_reference(z):
+        return reference(z.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    check_op(attention.causal_attention, mixed_reference, [qkv], [FUSED_TILINGS[tiling]], jit=True,
+             dtype="bfloat16", tol=BFLOAT16_TOL)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tiling", ["one_tile", "uneven_seq", "batch_uneven_heads_seq"])
 def test_gradient_of_qkv_used_twice(tiling, dtype):

@@ -187,12 +187,14 @@ def test_starpu_environment_disables_the_sub_allocator():
 def test_the_whole_configuration_reaches_the_native_runtime():
     """One RuntimeConfig with its defaults in Python, handed whole to the native side as a bound struct."""
     config = dataclasses.replace(jnntile.runtime.config(), swap_dir="/tmp/x", swap_size_mb=64, placement="cpu",
-                                 swap_backend="unistd", matmul_precision="tf32", watchdog_s=7.5)
+                                 swap_backend="unistd", matmul_precision="tf32", watchdog_s=7.5,
+                                 fused_attention=True)
     native = jnntile.runtime._native(config, gpu_limit_mb=123)
     fields = {name for name in dir(native) if not name.startswith("_")}
     assert fields == {"workers", "cuda_workers", "scheduler", "memory_limit_mb", "gpu_memory_limit_mb", "swap_dir",
                       "swap_size_mb", "swap_backend", "watchdog_s", "placement", "tf32", "pin_host_memory",
-                      "distributed"}
+                      "distributed", "fused_attention"}
+    assert native.fused_attention
     assert (native.workers, native.memory_limit_mb) == (config.workers, config.memory_limit_mb)
     assert native.scheduler == jnntile.runtime.resolved_scheduler(config)
     assert (native.swap_dir, native.swap_size_mb, native.watchdog_s) == ("/tmp/x", 64, 7.5)

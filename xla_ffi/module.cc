@@ -55,6 +55,7 @@ NB_MODULE(_xla_ffi, m) {
       .def_rw("watchdog_s", &RuntimeConfig::watchdog_s)
       .def_rw("placement", &RuntimeConfig::placement)
       .def_rw("tf32", &RuntimeConfig::tf32)
+      .def_rw("fused_attention", &RuntimeConfig::fused_attention)
       .def_rw("pin_host_memory", &RuntimeConfig::pin_host_memory)
       .def_rw("distributed", &RuntimeConfig::distributed);
   m.def("runtime_start", [](const RuntimeConfig& config) {

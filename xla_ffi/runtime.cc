@@ -430,7 +430,7 @@ void runtime_start(const RuntimeConfig& config) {
   }
   starpu_profiling_status_set(STARPU_PROFILING_ENABLE);
 #if JNNTILE_CUDA
-  cuda::start_workers(config.tf32);
+  cuda::start_workers(config.tf32, config.fused_attention);
 #endif
   pin_tiles = config.pin_host_memory && starpu_cuda_worker_get_count() > 0;
 

@@ -45,6 +45,7 @@ struct RuntimeConfig {
   double watchdog_s{};
   Placement placement{};
   bool tf32{};                   // cuBLAS may use TF32 tensor cores for float32 products
+  bool fused_attention{};        // bfloat16 attention steps on the GPU run fused (kernels/cuda/attention.cu)
   bool pin_host_memory{};        // page-lock RAM tiles so GPU transfers are asynchronous
   bool distributed{};            // one of several MPI ranks: StarPU through StarPU-MPI (distributed.h)
 };

@@ -1,3 +1,6 @@
+#include <cuda_bf16.h>
+#include <mma.h>
+
 #include <algorithm>
 #include <type_traits>
 
@@ -178,6 +181,293 @@ void backward_step(const AttentionPair& p, const T* q, const T* k, const T* v, c
   });
 }
 
+
+// ---- Fused steps (bfloat16, head_dim 64; the runtime's fused_attention setting) ---------------------------
+//
+// The steps above multiply with cuBLAS through float32 score blocks in the task's scratch: per pair and batch
+// row, 5 launches in the forward and 8 in the backward, and every score written and read several times (on an
+// H200, GPT-2 124M 8 x 1024 in bfloat16: 46 ms of attention per step against JAX's whole step of 34 ms). The
+// fused steps keep a block's scores in shared memory and multiply on tensor cores (WMMA, bfloat16 operands,
+// float32 sums), FlashAttention-2's way, in one launch per step (three in the backward), with no atomics:
+//
+//   forward   a block per 64 query rows of a (batch row, head): S = scale q k^T for 64 keys at a time, the
+//             online softmax on the rows (the row bodies' arithmetic: m, l, alpha), o = alpha o + P v.
+//   dk, dv    a block per 64 keys: for every query block that sees them, S^T and dP^T = v do^T, P = exp(S - lse),
+//             dS = P (dP - delta), dv += P^T do, dk += scale dS^T q.
+//   dq        a block per 64 query rows: for every key block it sees, S, dP, dS again, dq += scale dS k.
+//
+// Each of a block's 4 warps owns 16 rows (queries, or keys for dk/dv); a warp's lanes take a row each in pairs
+// (lane / 2 is the row, lane % 2 its half of the 64 columns) for the elementwise steps. P and dS are rounded to
+// bfloat16 for the products, as the cuBLAS steps round them. Not yet run on a GPU when written: the runtime
+// keeps the cuBLAS steps unless fused_attention is set (tests/test_attention.py runs both on a GPU).
+namespace fused {
+
+namespace wmma = nvcuda::wmma;
+constexpr int kD = 64;                 // head_dim the fused steps take
+constexpr int kRows = 64;              // query or key rows of a block
+constexpr int kWarps = 4;              // 16 rows each
+constexpr int kFrag = 16;              // WMMA tile edge
+constexpr int kLd = kD + 8;            // shared bfloat16 rows, padded (multiple of 8, 32-byte fragment starts)
+constexpr int kLdf = kRows + 4;        // shared float rows (multiple of 4), kRows >= kD columns
+using bf16 = __nv_bfloat16;
+using FragA = wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, bf16, wmma::row_major>;
+using FragBRow = wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, bf16, wmma::row_major>;
+using FragBCol = wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, bf16, wmma::col_major>;
+using FragC = wmma::fragment<wmma::accumulator, kFrag, kFrag, kFrag, float>;
+
+// Shared memory of a block: four (64, 64) bfloat16 operand blocks, then per warp two (16, 64) float32 stages
+// and a (16, 64) bfloat16 block (P or dS).
+struct Shared {
+  bf16 a[kRows * kLd], b[kRows * kLd], c[kRows * kLd], d[kRows * kLd];
+  float stage[kWarps][2][kFrag * kLdf];
+  bf16 p[kWarps][kFrag * kLd];
+};
+constexpr size_t kSharedBytes = sizeof(Shared);
+
+__device__ inline bf16 to_bf16(float x) { return __ushort_as_bfloat16(from_float<bfloat16>(x).bits); }
+
+// Rows [row0, row0 + 64) of a tile's head (rows `ld` elements apart, `rows` of them) into a shared block,
+// zeros past the last row.
+__device__ void load_rows(const bfloat16* head, int64_t ld, int64_t row0, int64_t rows, bf16* block) {
+  for (int i = threadIdx.x; i < kRows * kD; i += blockDim.x) {
+    const int r = i / kD, c = i % kD;
+    block[r * kLd + c] = row0 + r < rows ? __ushort_as_bfloat16(head[(row0 + r) * ld + c].bits) : to_bf16(0.0f);
+  }
+}
+
+// acc (16 x 16 n-tiles, 4 of them: 16 x 64) = x (16 rows of a block) y^T (the 64 rows of a block): scores.
+__device__ void rows_times_rows_t(const bf16* x, const bf16* y, FragC* acc) {
+  for (int j = 0; j < kRows / kFrag; ++j) {
+    wmma::fill_fragment(acc[j], 0.0f);
+    for (int k = 0; k < kD / kFrag; ++k) {
+      FragA a;
+      FragBCol b;  // y^T read column-major: element (k, n) at y[n * kLd + k]
+      wmma::load_matrix_sync(a, x + k * kFrag, kLd);
+      wmma::load_matrix_sync(b, y + j * kFrag * kLd + k * kFrag, kLd);
+      wmma::mma_sync(acc[j], a, b, acc[j]);
+    }
+  }
+}
+
+// acc (16 x 64, kD / 16 tiles) += s (16 x 64 bfloat16, row-major, kLd) times y (the 64 rows of a block).
+__device__ void scores_times_rows(const bf16* s, const bf16* y, FragC* acc) {
+  for (int j = 0; j < kD / kFrag; ++j)
+    for (int k = 0; k < kRows / kFrag; ++k) {
+      FragA a;
+      FragBRow b;
+      wmma::load_matrix_sync(a, s + k * kFrag, kLd);
+      wmma::load_matrix_sync(b, y + k * kFrag * kLd + j * kFrag, kLd);
+      wmma::mma_sync(acc[j], a, b, acc[j]);
+    }
+}
+
+__device__ void store(const FragC* acc, int tiles, float* stage) {
+  for (int j = 0; j < tiles; ++j) wmma::store_matrix_sync(stage + j * kFrag, acc[j], kLdf, wmma::mem_row_major);
+}
+
+// The row (lane / 2) and first column (lane % 2 halves) a lane takes in a warp's 16 x 64 stage.
+__device__ inline int lane_row() { return cuda::lane() / 2; }
+__device__ inline int lane_col0() { return (cuda::lane() % 2) * (kRows / 2); }
+__device__ inline float pair_max(float x) { return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1)); }
+__device__ inline float pair_sum(float x) { return x + __shfl_xor_sync(0xffffffffu, x, 1); }
+// The last of the 64 rows from row0 that exist.
+__device__ inline int64_t last_row(int64_t row0, int64_t rows) {
+  return (row0 + kRows < rows ? row0 + kRows : rows) - 1;
+}
+
+// grid (query blocks, nh, nb)
+__global__ void __launch_bounds__(kWarps * cuda::kWarp)
+    forward_kernel(bool first, AttentionPair p, const bfloat16* q, const bfloat16* k, const bfloat16* v, float* o,
+                   float* stats) {
+  extern __shared__ __align__(128) unsigned char raw[];
+  Shared& sh = *reinterpret_cast<Shared*>(raw);
+  const int warp = threadIdx.x / cuda::kWarp, lr = lane_row(), c0 = lane_col0();
+  const int64_t b = blockIdx.z, h = blockIdx.y, q_row0 = int64_t(blockIdx.x) * kRows, ld = p.nh * kD;
+  const int64_t qoff = (b * p.nq * p.nh + h) * kD, koff = (b * p.nk * p.nh + h) * kD;  // head h of batch row b
+  const bfloat16 *qh = q + qoff, *kh = k + koff, *vh = v + koff;
+  const int64_t r = q_row0 + warp * kFrag + lr;  // the lane's query row
+  const bool live = r < p.nq;
+  const int64_t i = live ? row_index(p, b, r, h) : 0;
+  float m = first || !live ? -INFINITY : stats[2 * i], l = first || !live ? 0.0f : stats[2 * i + 1];
+  float* stage = sh.stage[warp][0];
+  FragC acc[kD / kFrag];
+  if (first) {
+    for (FragC& f : acc) wmma::fill_fragment(f, 0.0f);
+  } else {  // o's rows through the stage into the accumulators
+    for (int c = c0; c < c0 + kRows / 2; ++c) stage[lr * kLdf + c] = live && c < kD ? o[i * kD + c] : 0.0f;
+    __syncwarp();
+    for (int j = 0; j < kD / kFrag; ++j)
+      wmma::load_matrix_sync(acc[j], stage + j * kFrag, kLdf, wmma::mem_row_major);
+  }
+  load_rows(qh, ld, q_row0, p.nq, sh.a);
+  const int64_t keys = visible_keys(p, last_row(q_row0, p.nq));  // what the block's last row sees
+  const int64_t n_row = live ? visible_keys(p, r) : 0;
+  for (int64_t k0 = 0; k0 < keys; k0 += kRows) {
+    __syncthreads();  // the last key block's products are done
+    load_rows(kh, ld, k0, p.nk, sh.b);
+    load_rows(vh, ld, k0, p.nk, sh.c);
+    __syncthreads();
+    FragC s[kRows / kFrag];
+    rows_times_rows_t(sh.a + warp * kFrag * kLd, sh.b, s);
+    store(s, kRows / kFrag, stage);
+    __syncwarp();
+    float* row = stage + lr * kLdf;
+    float row_max = -INFINITY;
+    for (int c = c0; c < c0 + kRows / 2; ++c)
+      if (k0 + c < n_row) row_max = fmaxf(row_max, p.scale * row[c]);
+    const float m_new = fmaxf(m, pair_max(row_max));
+    const float alpha = m_new == -INFINITY ? 1.0f : expf(m - m_new);
+    float sum = 0.0f;
+    for (int c = c0; c < c0 + kRows / 2; ++c) {
+      const float prob = k0 + c < n_row ? expf(p.scale * row[c] - m_new) : 0.0f;
+      sh.p[warp][lr * kLd + c] = to_bf16(prob);
+      sum += prob;
+    }
+    l = l * alpha + pair_sum(sum);
+    m = m_new;
+    __syncwarp();  // the scores are read: the stage takes o, rescaled by its row's alpha
+    store(acc, kD / kFrag, stage);
+    __syncwarp();
+    for (int c = c0; c < c0 + kRows / 2; ++c)
+      if (c < kD) row[c] *= alpha;
+    __syncwarp();
+    for (int j = 0; j < kD / kFrag; ++j)
+      wmma::load_matrix_sync(acc[j], stage + j * kFrag, kLdf, wmma::mem_row_major);
+    scores_times_rows(sh.p[warp], sh.c, acc);
+  }
+  __syncwarp();
+  store(acc, kD / kFrag, stage);
+  __syncwarp();
+  if (!live) return;
+  for (int c = c0; c < c0 + kRows / 2; ++c)
+    if (c < kD) o[i * kD + c] = stage[lr * kLdf + c];
+  if (c0 == 0) {
+    stats[2 * i] = m;
+    stats[2 * i + 1] = l;
+  }
+}
+
+// Adds a warp's 16 x 64 float32 result (scaled) to rows [row0, row0 + 16) of a float32 tile's head.
+__device__ void add_rows(const FragC* acc, float scale, float* stage, float* head, int64_t ld, int64_t row0,
+                         int64_t rows) {
+  store(acc, kD / kFrag, stage);
+  __syncwarp();
+  const int lr = lane_row(), c0 = lane_col0();
+  if (row0 + lr < rows)
+    for (int c = c0; c < c0 + kRows / 2; ++c)
+      if (c < kD) head[(row0 + lr) * ld + c] += scale * stage[lr * kLdf + c];
+  __syncwarp();
+}
+
+// grid (key blocks, nh, nb): dk and dv of 64 keys, over the query blocks that see them.
+__global__ void __launch_bounds__(kWarps * cuda::kWarp)
+    backward_kv_kernel(AttentionPair p, const bfloat16* q, const bfloat16* k, const bfloat16* v,
+                       const bfloat16* d_o, const float* lse, const float* delta, float* dk, float* dv) {
+  extern __shared__ __align__(128) unsigned char raw[];
+  Shared& sh = *reinterpret_cast<Shared*>(raw);
+  __shared__ float row_lse[kRows], row_delta[kRows];
+  const int warp = threadIdx.x / cuda::kWarp, lr = lane_row(), c0 = lane_col0();
+  const int64_t b = blockIdx.z, h = blockIdx.y, k_row0 = int64_t(blockIdx.x) * kRows, ld = p.nh * kD;
+  const int64_t qoff = (b * p.nq * p.nh + h) * kD, koff = (b * p.nk * p.nh + h) * kD;
+  load_rows(k + koff, ld, k_row0, p.nk, sh.a);
+  load_rows(v + koff, ld, k_row0, p.nk, sh.b);
+  const int64_t key = k_row0 + warp * kFrag + lr;  // the lane's key
+  float *s_stage = sh.stage[warp][0], *dp_stage = sh.stage[warp][1];
+  FragC dk_acc[kD / kFrag], dv_acc[kD / kFrag];
+  for (int j = 0; j < kD / kFrag; ++j) {
+    wmma::fill_fragment(dk_acc[j], 0.0f);
+    wmma::fill_fragment(dv_acc[j], 0.0f);
+  }
+  for (int64_t q_row0 = 0; q_row0 < p.nq; q_row0 += kRows) {
+    if (visible_keys(p, last_row(q_row0, p.nq)) <= k_row0) continue;  // the block's last query sees none of these keys
+    __syncthreads();  // the last query block's products are done
+    load_rows(q + qoff, ld, q_row0, p.nq, sh.c);
+    load_rows(d_o + qoff, ld, q_row0, p.nq, sh.d);
+    for (int t = threadIdx.x; t < kRows; t += blockDim.x) {
+      const bool live = q_row0 + t < p.nq;
+      row_lse[t] = live ? lse[row_index(p, b, q_row0 + t, h)] : 0.0f;
+      row_delta[t] = live ? delta[row_index(p, b, q_row0 + t, h)] : 0.0f;
+    }
+    __syncthreads();
+    FragC acc[kRows / kFrag];
+    rows_times_rows_t(sh.a + warp * kFrag * kLd, sh.c, acc);  // S^T: keys x queries
+    store(acc, kRows / kFrag, s_stage);
+    rows_times_rows_t(sh.b + warp * kFrag * kLd, sh.d, acc);  // dP^T = v do^T
+    store(acc, kRows / kFrag, dp_stage);
+    __syncwarp();
+    for (int c = c0; c < c0 + kRows / 2; ++c) {
+      const int64_t query = q_row0 + c;
+      const bool seen = query < p.nq && key < visible_keys(p, query);
+      const float prob = seen ? expf(p.scale * s_stage[lr * kLdf + c] - row_lse[c]) : 0.0f;
+      sh.p[warp][lr * kLd + c] = to_bf16(prob);
+      dp_stage[lr * kLdf + c] = softmax_grad(prob, dp_stage[lr * kLdf + c], row_delta[c]);
+    }
+    __syncwarp();
+    scores_times_rows(sh.p[warp], sh.d, dv_acc);  // dv += P^T do
+    __syncwarp();  // P^T is read: the block takes dS^T
+    for (int c = c0; c < c0 + kRows / 2; ++c) sh.p[warp][lr * kLd + c] = to_bf16(dp_stage[lr * kLdf + c]);
+    __syncwarp();
+    scores_times_rows(sh.p[warp], sh.c, dk_acc);  // dk += dS^T q (scaled when added)
+  }
+  add_rows(dv_acc, 1.0f, s_stage, dv + koff, ld, k_row0 + warp * kFrag, p.nk);
+  add_rows(dk_acc, p.scale, s_stage, dk + koff, ld, k_row0 + warp * kFrag, p.nk);
+}
+
+// grid (query blocks, nh, nb): dq of 64 query rows, over the key blocks they see.
+__global__ void __launch_bounds__(kWarps * cuda::kWarp)
+    backward_q_kernel(AttentionPair p, const bfloat16* q, const bfloat16* k, const bfloat16* v,
+                      const bfloat16* d_o, const float* lse, const float* delta, float* dq) {
+  extern __shared__ __align__(128) unsigned char raw[];
+  Shared& sh = *reinterpret_cast<Shared*>(raw);
+  const int warp = threadIdx.x / cuda::kWarp, lr = lane_row(), c0 = lane_col0();
+  const int64_t b = blockIdx.z, h = blockIdx.y, q_row0 = int64_t(blockIdx.x) * kRows, ld = p.nh * kD;
+  const int64_t qoff = (b * p.nq * p.nh + h) * kD, koff = (b * p.nk * p.nh + h) * kD;
+  load_rows(q + qoff, ld, q_row0, p.nq, sh.a);
+  load_rows(d_o + qoff, ld, q_row0, p.nq, sh.b);
+  const int64_t r = q_row0 + warp * kFrag + lr;
+  const bool live = r < p.nq;
+  const float r_lse = live ? lse[row_index(p, b, r, h)] : 0.0f, r_delta = live ? delta[row_index(p, b, r, h)] : 0.0f;
+  const int64_t n_row = live ? visible_keys(p, r) : 0;
+  const int64_t keys = visible_keys(p, last_row(q_row0, p.nq));
+  float *s_stage = sh.stage[warp][0], *dp_stage = sh.stage[warp][1];
+  FragC dq_acc[kD / kFrag];
+  for (FragC& f : dq_acc) wmma::fill_fragment(f, 0.0f);
+  for (int64_t k0 = 0; k0 < keys; k0 += kRows) {
+    __syncthreads();
+    load_rows(k + koff, ld, k0, p.nk, sh.c);
+    load_rows(v + koff, ld, k0, p.nk, sh.d);
+    __syncthreads();
+    FragC acc[kRows / kFrag];
+    rows_times_rows_t(sh.a + warp * kFrag * kLd, sh.c, acc);  // S
+    store(acc, kRows / kFrag, s_stage);
+    rows_times_rows_t(sh.b + warp * kFrag * kLd, sh.d, acc);  // dP = do v^T
+    store(acc, kRows / kFrag, dp_stage);
+    __syncwarp();
+    for (int c = c0; c < c0 + kRows / 2; ++c) {
+      const float prob = k0 + c < n_row ? expf(p.scale * s_stage[lr * kLdf + c] - r_lse) : 0.0f;
+      sh.p[warp][lr * kLd + c] = to_bf16(softmax_grad(prob, dp_stage[lr * kLdf + c], r_delta));
+    }
+    __syncwarp();
+    scores_times_rows(sh.p[warp], sh.c, dq_acc);  // dq += dS k (scaled when added)
+  }
+  add_rows(dq_acc, p.scale, s_stage, dq + qoff, ld, q_row0 + warp * kFrag, p.nq);
+}
+
+bool takes(const AttentionPair& p) { return cuda::fused_attention() && p.d == kD; }
+
+// Launches `kernel` with the shared memory it needs (over the 48 KB default, so it is asked for).
+template <class Kernel, class... Args>
+void launch(Kernel kernel, dim3 grid, const char* what, Args... args) {
+  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes)), what);
+  kernel<<<grid, kWarps * cuda::kWarp, kSharedBytes, cuda::stream()>>>(args...);
+  cuda::check_launch(what);
+}
+
+dim3 grid(int64_t rows, const AttentionPair& p) {
+  return dim3(unsigned((rows + kRows - 1) / kRows), unsigned(p.nh), unsigned(p.nb));
+}
+
+}  // namespace fused
 }  // namespace
 
 template <>
@@ -190,7 +480,9 @@ template <>
 void attention_forward_step_bf16<Device::Cuda>(bool first, const AttentionPair& p, const bfloat16* q,
                                                const bfloat16* k, const bfloat16* v, float* o, float* stats,
                                                float* scratch) {
-  forward_step(first, p, q, k, v, o, stats, scratch);
+  if (!fused::takes(p)) return forward_step(first, p, q, k, v, o, stats, scratch);
+  fused::launch(fused::forward_kernel, fused::grid(p.nq, p), "attention_forward_step (fused)", first, p, q, k, v, o,
+                stats);
 }
 
 template <>
@@ -215,7 +507,11 @@ void attention_backward_step_bf16<Device::Cuda>(const AttentionPair& p, const bf
                                                 const bfloat16* v, const bfloat16* d_o, const float* lse,
                                                 const float* delta, float* dq, float* dk, float* dv,
                                                 float* scratch) {
-  backward_step(p, q, k, v, d_o, lse, delta, dq, dk, dv, scratch);
+  if (!fused::takes(p)) return backward_step(p, q, k, v, d_o, lse, delta, dq, dk, dv, scratch);
+  fused::launch(fused::backward_kv_kernel, fused::grid(p.nk, p), "attention_backward_step (fused dk, dv)", p, q, k,
+                v, d_o, lse, delta, dk, dv);
+  fused::launch(fused::backward_q_kernel, fused::grid(p.nq, p), "attention_backward_step (fused dq)", p, q, k, v,
+                d_o, lse, delta, dq);
 }
 
 // The nb batch rows of the tiles as the rows of pitched 2D copies.

@@ -33,7 +33,14 @@ void set_math_mode(void* tf32) {
 }
 }  // namespace
 
-void start_workers(bool tf32) {
+namespace {
+bool fused_attention_enabled = false;  // set while no task runs: before the runtime's first task
+}  // namespace
+
+bool fused_attention() { return fused_attention_enabled; }
+
+void start_workers(bool tf32, bool fused_attention) {
+  fused_attention_enabled = fused_attention;
   if (starpu_cuda_worker_get_count() == 0) return;
   starpu_cublas_init();
   starpu_execute_on_each_worker(set_math_mode, &tf32, STARPU_CUDA);

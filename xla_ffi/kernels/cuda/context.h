@@ -47,8 +47,10 @@ const T* const* device_pointers(const T* const* host, int64_t count, void* scrat
 }
 
 // Called by the runtime after starpu_init: cuBLAS handles on every CUDA worker,
-// with TF32 tensor-core math allowed or not; and before starpu_shutdown.
-void start_workers(bool tf32);
+// with TF32 tensor-core math allowed or not, and whether bfloat16 attention
+// steps run fused (attention.cu); and before starpu_shutdown.
+void start_workers(bool tf32, bool fused_attention);
+bool fused_attention();
 void stop_workers();
 // GPUs the CUDA runtime sees (0 without a driver), and the memory of the first.
 int device_count();
