@@ -40,7 +40,7 @@ constexpr double kDrainAfterFailureS = 10.0;
 
 struct RuntimeState {
   std::mutex mutex;
-  std::condition_variable progress;  // signalled on every completion
+  std::condition_variable progress;  // signalled when a group finishes or nothing is pending
   std::condition_variable idle;      // wakes the pauser thread
   std::thread pauser;
   bool stopping = false;
@@ -141,18 +141,22 @@ void record_duration_locked(RuntimeState& s, const starpu_task* task) {
   s.duration_histogram[std::clamp(bucket, 0, RuntimeState::kDurationBuckets - 1)] += 1;
 }
 
+// Waiters wait for a group to finish or for nothing to be pending (and wake every 50 ms for the watchdog), so
+// only those completions wake them: a wake at every completion cost the worker that ran the task (the GPU's,
+// between its launches) a futex call, and the waiting thread a round on the mutex, per task.
 void on_task_done(void* arg) {
   RuntimeState& s = state();
   sample_peaks(s);
   s.completed.fetch_add(1, std::memory_order_relaxed);
-  if (arg != nullptr) static_cast<TaskGroup*>(arg)->remaining.fetch_sub(1);
+  bool wake = arg != nullptr && static_cast<TaskGroup*>(arg)->remaining.fetch_sub(1) == 1;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     // In a callback, StarPU's current task is the one that finished.
     record_duration_locked(s, starpu_task_get_current());
     finish_one_locked(s);
+    wake = wake || s.pending == 0;
   }
-  s.progress.notify_all();
+  if (wake) s.progress.notify_all();
 }
 
 std::string node_kind_name(int node) {
