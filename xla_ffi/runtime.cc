@@ -514,26 +514,30 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
     std::lock_guard<std::mutex> lock(s.mutex);
     wake_locked(s);
   }
-  // With a disk, StarPU writes dirty tiles back on its own (idle requests that
-  // keep some RAM clean); paused workers leave them queued, and StarPU 1.3
-  // aborts in starpu_shutdown when a request is still queued (1 run in 3 of a
-  // GPT-2 with swap). Awake workers finish them while every tile is
-  // unregistered synchronously.
-  if (release_data) release_data(!s.failed);
   // StarPU's own tasks may still be in flight: a tensor freed just before the stop is unregistered
   // asynchronously (starpu_data_unregister_submit acquires it through internal tasks whose callback
-  // unregisters), and starpu_shutdown waits only for ready tasks before it stops the workers and frees
-  // every buffer. Every task of ours has finished; wait for StarPU's, outside the lock their callbacks
-  // may need, and never longer than the watchdog. (A rare abort at stop with disk swap on StarPU 1.4 had
-  // this window open.)
-  if (!s.failed) {
+  // unregisters), StarPU ends a task of ours after its callback (which is what wait_all saw), and
+  // starpu_shutdown waits only for ready tasks before it stops the workers and frees every buffer. Wait for
+  // them, outside the lock their callbacks may need and never longer than the watchdog, before the tiles are
+  // unregistered and again after. (Rare aborts at stop with disk swap on StarPU 1.4 had these windows open:
+  // in starpu_shutdown, and in unregistering a tile with a task's prefetch still counted on it.)
+  auto wait_for_starpu_tasks = [&] {
+    if (s.failed) return;
     auto deadline = Clock::now() + std::chrono::duration<double>(s.config.watchdog_s);
     while (starpu_task_nsubmitted() > 0 && Clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     if (int left = starpu_task_nsubmitted(); left > 0)
       std::fprintf(stderr, "jnntile: StarPU still had %d task(s) of its own after %.0f s at stop; stopping anyway\n",
                    left, s.config.watchdog_s);
-  }
+  };
+  wait_for_starpu_tasks();
+  // With a disk, StarPU writes dirty tiles back on its own (idle requests that
+  // keep some RAM clean); paused workers leave them queued, and StarPU 1.3
+  // aborts in starpu_shutdown when a request is still queued (1 run in 3 of a
+  // GPT-2 with swap). Awake workers finish them while every tile is
+  // unregistered synchronously.
+  if (release_data) release_data(!s.failed);
+  wait_for_starpu_tasks();
   std::unique_lock<std::mutex> lock(s.mutex);
   s.running = false;
   // After a watchdog failure the stuck tasks run as no-ops once they get their
