@@ -268,8 +268,8 @@ __device__ void store(const FragC* acc, int tiles, float* stage) {
 // The row (lane / 2) and first column (lane % 2 halves) a lane takes in a warp's 16 x 64 stage.
 __device__ inline int lane_row() { return cuda::lane() / 2; }
 __device__ inline int lane_col0() { return (cuda::lane() % 2) * (kRows / 2); }
-__device__ inline float pair_max(float x) { return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1)); }
-__device__ inline float pair_sum(float x) { return x + __shfl_xor_sync(0xffffffffu, x, 1); }
+__device__ inline float pair_max(float x) { return fmaxf(x, cuda::shuffle_xor(x, 1)); }
+__device__ inline float pair_sum(float x) { return x + cuda::shuffle_xor(x, 1); }
 // The last of the 64 rows from row0 that exist.
 __device__ inline int64_t last_row(int64_t row0, int64_t rows) {
   return (row0 + kRows < rows ? row0 + kRows : rows) - 1;
