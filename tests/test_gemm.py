@@ -47,19 +47,21 @@ def test_matmul(rng, jit, tiles, trans_a, trans_b, dtype):
 
 @pytest.mark.parametrize("k_tile", [None, 300], ids=["one K tile", "uneven K tiles"])
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True), (True, True)])
-def test_bfloat16_over_a_long_contraction(rng, k_tile, trans_a, trans_b):
-    """Without a bfloat16 BLAS product the CPU widens its operands 256 columns of K at a time: K = 600 in one
-    tile is three panels (the last a short one), in two tiles of 300 two panels each."""
-    a_shape, a_tiles = _transpose_layout((5, 600), (5, k_tile) if k_tile else None, trans_a)
-    b_shape, b_tiles = _transpose_layout((600, 7), (k_tile, 7) if k_tile else None, trans_b)
+def test_bfloat16_across_the_packed_blocks(rng, k_tile, trans_a, trans_b):
+    """Without oneMKL the CPU multiplies bfloat16 tiles in its own product (kernels/cpu/gemm.cc), which packs
+    blocks of 144 rows of A, 256 of K and 3072 columns of B into register blocks of 6 x 16, converting 8
+    values at a time: M = 150, K = 603 and N = 3100 end each block short and each register block and group
+    of 8 with a remainder, in one K tile (K blocks 256 + 256 + 91) and in tiles of 300 (300 + 300 + 3)."""
+    a_shape, a_tiles = _transpose_layout((150, 603), (150, k_tile) if k_tile else None, trans_a)
+    b_shape, b_tiles = _transpose_layout((603, 3100), (k_tile, 3100) if k_tile else None, trans_b)
     a = rng.standard_normal(a_shape).astype(np.float32)
     b = rng.standard_normal(b_shape).astype(np.float32)
 
     def reference(x, y):
         product = jnp.matmul(x.T if trans_a else x, y.T if trans_b else y, preferred_element_type=jnp.float32)
-        return product.astype(x.dtype)
+        return (0.5 * product).astype(x.dtype)
 
-    check_op(lambda x, y: gemm.matmul(x, y, trans_a=trans_a, trans_b=trans_b), reference, [a, b],
+    check_op(lambda x, y: gemm.matmul(x, y, trans_a=trans_a, trans_b=trans_b, alpha=0.5), reference, [a, b],
              [a_tiles, b_tiles], jit=True, dtype="bfloat16", tol=BFLOAT16_TOL)
 
 

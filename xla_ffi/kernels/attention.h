@@ -199,11 +199,11 @@ template <Device D>
 void attention_backward_step(const AttentionPair& p, const float* q, const float* k, const float* v, const float* d_o,
                              const float* lse, const float* delta, float* dq, float* dk, float* dv, float* scratch);
 
-// The steps on bfloat16 q, k, v and do, on the GPU (cuBLAS) and on a CPU whose BLAS multiplies bfloat16
-// (cpu_has_bf16_gemm: oneMKL, AMX): the products take bfloat16 operands, P and dS rounded to bfloat16 as
+// The steps on bfloat16 q, k, v and do, on the GPU (cuBLAS) and the CPU (cpu_bf16_gemm: oneMKL's product on
+// AMX, else jnntile's packed one): the products take bfloat16 operands, P and dS rounded to bfloat16 as
 // FlashAttention does, and sum in float32; the row passes and o, stats, dq, dk, dv are float32 as in the
-// steps above. Widening the operands for the float32 steps instead left the CPU's products at 100-130
-// GFLOP/s on these thin shapes (head dimension 64) where the bfloat16 ones run 190-350: attention's steps
+// steps above. On AMX, widening the operands for the float32 steps instead left the CPU's products at
+// 100-130 GFLOP/s on these thin shapes (head dimension 64) where the bfloat16 ones run 190-350: attention's steps
 // took 437 ms per step of SmolLM's shape at 4 x 256, now 237-258 (GPT-2 124M: 276-296 -> 157-162).
 // scratch: bf16_scratch_size(p, backward, heads) floats, heads 1 on the CPU and p.nh on the GPU.
 template <Device D>

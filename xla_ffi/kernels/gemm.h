@@ -8,7 +8,7 @@ namespace jnntile {
 // C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] for b in [0, batch), row-major,
 // op(A) is (M, K), op(B) is (K, N); consecutive batch matrices are contiguous.
 // beta == 0 ignores what C held (its tile may never have been written).
-// A, B and C are float32 or bfloat16 each (`types`); products accumulate in float32.
+// A and B are both float32 or both bfloat16, C either (`types`); products accumulate in float32.
 struct GemmTypes {
   FloatType a, b, c;
   bool all_f32() const { return a == FloatType::F32 && b == FloatType::F32 && c == FloatType::F32; }
@@ -24,9 +24,9 @@ void gemm(GemmTypes types, bool trans_a, bool trans_b, int64_t batch, int64_t m,
 void cpu_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
                const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
-// Whether the CPU multiplies bfloat16 operands as they are (oneMKL loaded); and that product, C float32 =
-// alpha op(A) op(B) + beta C summed in float32, with explicit leading dimensions (only where available).
-bool cpu_has_bf16_gemm();
+// C float32 = alpha op(A) op(B) + beta C on bfloat16 operands, summed in float32, with explicit leading
+// dimensions: oneMKL's product where loaded (AMX, AVX512-BF16), else jnntile's own, which converts the
+// operands while it packs them (kernels/cpu/gemm.cc).
 void cpu_bf16_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bfloat16* a,
                    int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c, int64_t ldc);
 

@@ -123,13 +123,10 @@ int64_t widened_floats(const AttentionPair& p, int64_t groups, FloatType q_type,
          (kv_type == FloatType::BF16 ? 2 * key_tile_size(p) : 0);
 }
 
-// Whether a step on a worker of kind D multiplies bfloat16 operands as they are (attention_*_step_bf16): with
-// q, k and v all bfloat16, on a GPU, or on a CPU whose BLAS can. Elsewhere the tiles are widened.
-template <Device D>
+// Whether a step multiplies bfloat16 operands as they are (attention_*_step_bf16): with q, k and v all
+// bfloat16. Elsewhere (a float32 cache's keys and values) the tiles are widened.
 bool bf16_operands(FloatType q_type, FloatType kv_type) {
-  if (q_type != FloatType::BF16 || kv_type != FloatType::BF16) return false;
-  if constexpr (D == Device::Cpu) return cpu_has_bf16_gemm();
-  return true;
+  return q_type == FloatType::BF16 && kv_type == FloatType::BF16;
 }
 
 // Scratch floats of a step: the score blocks and the widened tiles, or what the bfloat16 steps need (the
@@ -156,7 +153,7 @@ void forward_step_kernel(void** buffers, const StepArgs& a) {
   const int64_t G = a.groups;
   float* scratch = tile_ptr<float>(buffers[3 * G + 2]);
   auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
-  if (bf16_operands<D>(a.q_type, a.kv_type)) {
+  if (bf16_operands(a.q_type, a.kv_type)) {
     auto bf16 = [&](int64_t index) { return tile_ptr<bfloat16>(buffers[index]); };
     for (int64_t g = 0; g < G; ++g)
       attention_forward_step_bf16<D>(a.first, a.pair, bf16(g), bf16(G), bf16(G + 1), at(G + 2 + g),
@@ -246,7 +243,7 @@ void backward_steps(void** buffers, const BackwardArgs& a) {
   const int64_t G = a.groups;
   float* scratch = tile_ptr<float>(buffers[5 * G + 4]);
   auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
-  if (bf16_operands<D>(a.type, a.type)) {
+  if (bf16_operands(a.type, a.type)) {
     auto bf16 = [&](int64_t index) { return tile_ptr<bfloat16>(buffers[index]); };
     for (int64_t g = 0; g < G; ++g)
       attention_backward_step_bf16<D>(a.pair, bf16(g), bf16(G), bf16(G + 1), bf16(G + 2 + g), at(2 * G + 2 + g),

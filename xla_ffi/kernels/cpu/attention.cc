@@ -29,7 +29,7 @@ void for_rows(int64_t begin, int64_t end, Args... args) {
 }
 
 // The products of a step for head h of one batch row (see the table in cuda/attention.cu), on the tile
-// products' BLAS (oneMKL where loaded), with float32 or bfloat16 operands T (bfloat16: oneMKL's product,
+// products' BLAS (oneMKL where loaded), with float32 or bfloat16 operands T (bfloat16: cpu_bf16_gemm,
 // summing in float32); x is query-side (nq, d), y key-side (nk, d) per head, both with leading dimension
 // nh * d, s is the head's (nq, nk) score block, in float32 (scores) or T (P or dS as an operand).
 

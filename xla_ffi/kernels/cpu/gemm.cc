@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "kernels/data.h"
@@ -59,55 +60,213 @@ void openblas_sgemm(int order, int op_a, int op_b, int m, int n, int k, float al
               c, ldc);
 }
 
-bool mkl_bf16(GemmTypes types) {
-  return types.a == FloatType::BF16 && types.b == FloatType::BF16 && cpu_has_bf16_gemm();
-}
-
 }  // namespace
 
 int64_t gemm_scratch_floats(GemmTypes types, int64_t batch, int64_t m, int64_t n, int64_t k) {
-  // A bfloat16 C is summed in float32, rounded once; bfloat16 operands are widened into each worker's own
-  // panels (below), not into the task's scratch.
+  // A bfloat16 C is summed in float32, rounded once; bfloat16 operands are converted into each worker's own
+  // packed panels (below), not into the task's scratch.
   return types.c == FloatType::BF16 ? batch * m * n : 0;
 }
 
+// ---- products with bfloat16 operands, without a bfloat16 BLAS ------------------------------------------
+//
+// OpenBLAS 0.3.21 has no sbgemm. Widening bfloat16 operands into float32 for its sgemm costs a pass over each
+// operand: bfloat16 products ran 1.00-1.07x the time of float32 ones (one core of an AVX2 AMD EPYC, GPT-2
+// 124M's shapes), and a bfloat16 step 0.92-0.97x the float32 step's speed. Like BLIS and OpenBLAS, this
+// product copies blocks of op(A) and op(B) into panels laid out for its register block before multiplying, and
+// converts while it copies: a bfloat16 panel is half the bytes to read, and there is no other pass. The
+// panels are float32 and the sums too, so the result is what the widened sgemm gives up to the order of
+// additions. Measured against OpenBLAS's sgemm on float32 copies of the same operands, same run:
+// 0.90-1.02x its time (bench/gemm.py --dtype bfloat16 compares the tiled op).
 namespace {
+namespace packed {
 
-// Without MKL's bfloat16 product (OpenBLAS 0.3.21 has no sbgemm), bfloat16 operands are widened to float32
-// for sgemm, kPanelK columns of K at a time, into buffers of the worker's own that stay allocated (at most
-// (m + n) x kPanelK floats each): a widened panel is still in cache when sgemm packs it, and no page is
-// faulted in per task. Widened whole into the task's StarPU scratch instead, which every task allocated and
-// freed, a bfloat16 GPT-2 124M step spent 4.5% of its time widening (3.2%) and clearing fresh pages (1.3%),
-// on an AMD EPYC with OpenBLAS (perf). 256 is also OpenBLAS's own blocking of K on AVX2 cores.
-constexpr int64_t kPanelK = 256;
+using Floats8 = float __attribute__((vector_size(32)));
+using Ints8 = int32_t __attribute__((vector_size(32)));
+using Halves8 = uint16_t __attribute__((vector_size(16)));
 
-// Columns [k0, k0 + kb) of the K axis of one operand as float32, with its leading dimension. The operand
-// is stored row-major as other x k (K is its column axis: A, or B transposed) or k x other (A transposed,
-// or B); float32 is read in place, bfloat16 widened into `panel`.
-struct Panel {
-  const float* data;
-  int64_t ld;
-};
+// The register block: 6 rows x 16 columns of C in 12 vectors of 8 floats (with the 2 of B and the broadcast
+// of A, 15 of the 16 AVX2 registers). Blocks: a kMc x kKc block of op(A) stays in L2 (144 KB), a kKc x 16
+// column panel of op(B) in L1 (16 KB), the kKc x kNc block of op(B) in L3 (3 MB). On the AMD EPYC, kKc 384
+// or 512 measured the same within the VM's noise.
+constexpr int64_t kMr = 6, kNr = 16, kKc = 256, kMc = 144, kNc = 3072;
 
-Panel k_panel(FloatType type, const void* x, bool k_is_column, int64_t other, int64_t k, int64_t k0, int64_t kb,
-              std::vector<float>& panel) {
-  if (type == FloatType::F32) {
-    const float* f = static_cast<const float*>(x);
-    return k_is_column ? Panel{f + k0, k} : Panel{f + k0 * other, other};
+Floats8 load8(const float* x) {
+  Floats8 v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+Floats8 load8(const bfloat16* x) {
+  Halves8 h;
+  std::memcpy(&h, x, sizeof h);
+  return (Floats8)(__builtin_convertvector(h, Ints8) << 16);  // a bfloat16 is a float's upper half
+}
+void store8(float* x, Floats8 v) { std::memcpy(x, &v, sizeof v); }
+// x in every lane (vbroadcastss; `Floats8{} + x` adds 0.0f first, an instruction on the FMA ports per use).
+Floats8 broadcast8(float x) { return Floats8{x, x, x, x, x, x, x, x}; }
+
+// r[i] holds row i of an 8 x 8 block; afterwards r[j] holds its column j (AVX2's unpack, shuffle and
+// permute sequence, which GCC picks for these masks).
+void transpose8(Floats8 r[8]) {
+  const Ints8 lo{0, 8, 1, 9, 4, 12, 5, 13}, hi{2, 10, 3, 11, 6, 14, 7, 15};
+  const Ints8 lo2{0, 1, 8, 9, 4, 5, 12, 13}, hi2{2, 3, 10, 11, 6, 7, 14, 15};
+  const Ints8 low128{0, 1, 2, 3, 8, 9, 10, 11}, high128{4, 5, 6, 7, 12, 13, 14, 15};
+  Floats8 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], lo);
+    t[2 * i + 1] = __builtin_shuffle(r[2 * i], r[2 * i + 1], hi);
   }
-  if (panel.size() < size_t(other * kb)) panel.resize(size_t(other * kb));
-  const bfloat16* b = static_cast<const bfloat16*>(x);
-  if (!k_is_column) {
-    convert<Device::Cpu>(kb * other, type, b + k0 * other, FloatType::F32, panel.data());
-    return {panel.data(), other};
+  for (int i = 0; i < 2; ++i)
+    for (int half = 0; half < 2; ++half) {
+      u[4 * i + 2 * half] = __builtin_shuffle(t[4 * i + half], t[4 * i + 2 + half], lo2);
+      u[4 * i + 2 * half + 1] = __builtin_shuffle(t[4 * i + half], t[4 * i + 2 + half], hi2);
+    }
+  // u[0..3] hold rows 0-3's pieces of columns (0,4), (1,5), (2,6), (3,7); u[4..7] those of rows 4-7.
+  for (int j = 0; j < 4; ++j) {
+    r[j] = __builtin_shuffle(u[j], u[4 + j], low128);
+    r[4 + j] = __builtin_shuffle(u[j], u[4 + j], high128);
   }
-  for (int64_t row = 0; row < other; ++row)
-    convert<Device::Cpu>(kb, type, b + row * k + k0, FloatType::F32, panel.data() + row * kb);
-  return {panel.data(), kb};
 }
 
-size_t element_size(FloatType type) { return type == FloatType::F32 ? sizeof(float) : sizeof(bfloat16); }
+// out[p * W + i] = rows[i][p] for p < kc: rows i >= `count` are zeros. Eight columns at a time, each stored
+// as 8 floats: with W = 6 a store runs 2 floats into the next column, which the next store overwrites, and
+// the last one into the panel after it (written later) or the buffer's slack.
+template <int W, class T>
+void pack_rows(const T* const* rows, int64_t count, int64_t kc, float* out) {
+  int64_t p = 0;
+  for (; p + 8 <= kc; p += 8) {
+    Floats8 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = i < count && i < W ? load8(rows[i] + p) : Floats8{};
+    transpose8(r);
+    for (int j = 0; j < 8; ++j) store8(out + (p + j) * W, r[j]);
+  }
+  for (; p < kc; ++p)
+    for (int i = 0; i < W; ++i) out[p * W + i] = i < count ? to_float(rows[i][p]) : 0.0f;
+}
 
+// Rows [i0, i0 + mc) x columns [p0, p0 + kc) of op(A) (m x k) into panels of kMr rows, each kc x kMr with a
+// row of A's kMr values per p. A is stored m x k (ld lda), or k x m when transposed.
+template <class T>
+void pack_a(const T* a, int64_t lda, bool trans, int64_t k, int64_t i0, int64_t mc, int64_t p0, int64_t kc,
+            float* out) {
+  for (int64_t ib = 0; ib < mc; ib += kMr, out += kMr * kc) {
+    const int64_t mr = std::min(kMr, mc - ib);
+    if (!trans) {
+      const T* rows[kMr];
+      for (int64_t i = 0; i < kMr; ++i) rows[i] = a + (i0 + ib + std::min(i, mr - 1)) * lda + p0;
+      pack_rows<kMr>(rows, mr, kc, out);
+      continue;
+    }
+    for (int64_t p = 0; p < kc; ++p) {
+      const T* src = a + (p0 + p) * lda + i0 + ib;
+      // 8 loaded for 6: the 2 past them are the next panel's rows, or stored A's next row exists.
+      if (mr == kMr && (ib + 8 <= mc || p0 + p + 1 < k)) store8(out + p * kMr, load8(src));
+      else
+        for (int64_t i = 0; i < kMr; ++i) out[p * kMr + i] = i < mr ? to_float(src[i]) : 0.0f;
+    }
+  }
+}
+
+// Rows [p0, p0 + kc) x columns [j0, j0 + nc) of op(B) (k x n) into panels of kNr columns, each kc x kNr.
+// B is stored k x n (ld ldb), or n x k when transposed.
+template <class T>
+void pack_b(const T* b, int64_t ldb, bool trans, int64_t p0, int64_t kc, int64_t j0, int64_t nc, float* out) {
+  for (int64_t jb = 0; jb < nc; jb += kNr, out += kNr * kc) {
+    const int64_t nr = std::min(kNr, nc - jb);
+    if (!trans) {
+      for (int64_t p = 0; p < kc; ++p) {
+        const T* src = b + (p0 + p) * ldb + j0 + jb;
+        if (nr == kNr) {
+          store8(out + p * kNr, load8(src));
+          store8(out + p * kNr + 8, load8(src + 8));
+        } else {
+          for (int64_t j = 0; j < kNr; ++j) out[p * kNr + j] = j < nr ? to_float(src[j]) : 0.0f;
+        }
+      }
+      continue;
+    }
+    // Stored B's rows are op(B)'s columns: two 8-column halves, each transposed 8 x 8 at a time.
+    for (int64_t half = 0; half < kNr; half += 8) {
+      const T* rows[8];
+      for (int64_t j = 0; j < 8; ++j) rows[j] = b + (j0 + jb + std::min(half + j, nr - 1)) * ldb + p0;
+      const int64_t count = std::max<int64_t>(0, std::min<int64_t>(8, nr - half));
+      int64_t p = 0;
+      for (; p + 8 <= kc; p += 8) {
+        Floats8 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = j < count ? load8(rows[j] + p) : Floats8{};
+        transpose8(r);
+        for (int q = 0; q < 8; ++q) store8(out + (p + q) * kNr + half, r[q]);
+      }
+      for (; p < kc; ++p)
+        for (int64_t j = 0; j < 8; ++j) out[p * kNr + half + j] = j < count ? to_float(rows[j][p]) : 0.0f;
+    }
+  }
+}
+
+// C (6 x 16, ld ldc) = alpha A B + beta C over kc: A a kc x 6 panel, B a kc x 16 panel. beta 0 reads no C.
+void micro_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, float alpha, float beta) {
+  Floats8 sum[kMr][2] = {};
+  for (int64_t i = 0; i < kMr; ++i) __builtin_prefetch(c + i * ldc);
+#pragma GCC unroll 4
+  for (int64_t p = 0; p < kc; ++p, a += kMr, b += kNr) {
+    const Floats8 b0 = load8(b), b1 = load8(b + 8);
+    for (int64_t i = 0; i < kMr; ++i) {
+      const Floats8 ai = broadcast8(a[i]);
+      sum[i][0] += ai * b0;
+      sum[i][1] += ai * b1;
+    }
+  }
+  for (int64_t i = 0; i < kMr; ++i)
+    for (int h = 0; h < 2; ++h) {
+      Floats8 value = alpha * sum[i][h];
+      if (beta != 0.0f) value += beta * load8(c + i * ldc + 8 * h);
+      store8(c + i * ldc + 8 * h, value);
+    }
+}
+
+// C (m x n, ld ldc, float32) = alpha op(A) op(B) + beta C, with A and B of type T (float or bfloat16).
+template <class T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a, int64_t lda,
+          const T* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (k == 0) {  // alpha op(A) op(B) is zero; C still takes beta
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+    return;
+  }
+  // The worker's panels stay allocated between tasks; 8 floats of slack for pack_rows' last store.
+  thread_local std::vector<float> a_panels(kMc * kKc + 8), b_panels(kKc * kNc);
+  for (int64_t j0 = 0; j0 < n; j0 += kNc) {
+    const int64_t nc = std::min(kNc, n - j0);
+    for (int64_t p0 = 0; p0 < k; p0 += kKc) {
+      const int64_t kc = std::min(kKc, k - p0);
+      const float beta_block = p0 == 0 ? beta : 1.0f;  // later K blocks add to the first one's sums
+      pack_b(b, ldb, trans_b, p0, kc, j0, nc, b_panels.data());
+      for (int64_t i0 = 0; i0 < m; i0 += kMc) {
+        const int64_t mc = std::min(kMc, m - i0);
+        pack_a(a, lda, trans_a, k, i0, mc, p0, kc, a_panels.data());
+        for (int64_t jr = 0; jr < nc; jr += kNr)
+          for (int64_t ir = 0; ir < mc; ir += kMr) {
+            const float *a_panel = a_panels.data() + ir * kc, *b_panel = b_panels.data() + jr * kc;
+            float* c_block = c + (i0 + ir) * ldc + j0 + jr;
+            const int64_t mr = std::min(kMr, mc - ir), nr = std::min(kNr, nc - jr);
+            if (mr == kMr && nr == kNr) {
+              micro_kernel(kc, a_panel, b_panel, c_block, ldc, alpha, beta_block);
+              continue;
+            }
+            // An edge block goes through a full-size copy of the part of C that exists.
+            float edge[kMr * kNr] = {};
+            for (int64_t i = 0; i < mr; ++i)
+              for (int64_t j = 0; j < nr; ++j) edge[i * kNr + j] = c_block[i * ldc + j];
+            micro_kernel(kc, a_panel, b_panel, edge, kNr, alpha, beta_block);
+            for (int64_t i = 0; i < mr; ++i)
+              for (int64_t j = 0; j < nr; ++j) c_block[i * ldc + j] = edge[i * kNr + j];
+          }
+      }
+    }
+  }
+}
+
+}  // namespace packed
 }  // namespace
 
 // A bfloat16 C is summed in float32 scratch and rounded back once at the end.
@@ -116,25 +275,15 @@ void gemm<Device::Cpu>(GemmTypes types, bool trans_a, bool trans_b, int64_t batc
                        float alpha, const void* a, const void* b, float beta, void* c, float* scratch) {
   float* c32 = types.c == FloatType::F32 ? static_cast<float*>(c) : scratch;
   if (types.c == FloatType::BF16 && beta != 0.0f) convert<Device::Cpu>(batch * m * n, types.c, c, FloatType::F32, c32);
-  const bool bf16 = mkl_bf16(types);  // MKL multiplies bfloat16 operands as they are
-  const bool widened = !bf16 && (types.a == FloatType::BF16 || types.b == FloatType::BF16);
-  const int64_t panel_k = widened ? kPanelK : std::max<int64_t>(k, 1);
-  thread_local std::vector<float> a_panel, b_panel;
+  const int64_t lda = trans_a ? m : k, ldb = trans_b ? k : n;
   for (int64_t i = 0; i < batch; ++i) {
-    const char* a_i = static_cast<const char*>(a) + i * m * k * element_size(types.a);
-    const char* b_i = static_cast<const char*>(b) + i * k * n * element_size(types.b);
     float* c_i = c32 + i * m * n;
-    if (bf16) {
-      cpu_bf16_gemm(trans_a, trans_b, m, n, k, alpha, reinterpret_cast<const bfloat16*>(a_i), trans_a ? m : k,
-                    reinterpret_cast<const bfloat16*>(b_i), trans_b ? k : n, beta, c_i, n);
-      continue;
-    }
-    for (int64_t k0 = 0; k0 < std::max<int64_t>(k, 1); k0 += panel_k) {  // k = 0 still applies beta
-      const int64_t kb = std::min(panel_k, k - k0);
-      Panel pa = k_panel(types.a, a_i, !trans_a, m, k, k0, kb, a_panel);
-      Panel pb = k_panel(types.b, b_i, trans_b, n, k, k0, kb, b_panel);
-      cpu_sgemm(trans_a, trans_b, m, n, kb, alpha, pa.data, pa.ld, pb.data, pb.ld, k0 == 0 ? beta : 1.0f, c_i, n);
-    }
+    if (types.a == FloatType::F32)
+      cpu_sgemm(trans_a, trans_b, m, n, k, alpha, static_cast<const float*>(a) + i * m * k, lda,
+                static_cast<const float*>(b) + i * k * n, ldb, beta, c_i, n);
+    else
+      cpu_bf16_gemm(trans_a, trans_b, m, n, k, alpha, static_cast<const bfloat16*>(a) + i * m * k, lda,
+                    static_cast<const bfloat16*>(b) + i * k * n, ldb, beta, c_i, n);
   }
   if (types.c == FloatType::BF16) convert<Device::Cpu>(batch * m * n, FloatType::F32, c32, types.c, c);
 }
@@ -146,10 +295,12 @@ void cpu_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
         int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
 }
 
-bool cpu_has_bf16_gemm() { return mkl().bf16_gemm != nullptr; }
-
 void cpu_bf16_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const bfloat16* a,
                    int64_t lda, const bfloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (mkl().bf16_gemm == nullptr) {
+    packed::gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
   mkl().bf16_gemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(m),
                   int(n), int(k), alpha, reinterpret_cast<const uint16_t*>(a), int(lda),
                   reinterpret_cast<const uint16_t*>(b), int(ldb), beta, c, int(ldc));
