@@ -1,14 +1,21 @@
 #include "kernels/elementwise.h"
 
+#include "kernels/cpu/chunks.h"
+
 namespace jnntile {
 namespace {
 
-// Applies Kernel::apply to every element index.
+// Applies Kernel::apply to every element index; with bfloat16 tiles, through float chunks (chunks.h).
 template <class Kernel>
 struct Loop {
   template <class... Args>
   static void run(int64_t n, Args... args) {
-    for (int64_t i = 0; i < n; ++i) Kernel::apply(i, args...);
+    for_float_chunks(
+        n,
+        [](int64_t, int64_t len, auto... chunk) {
+          for (int64_t i = 0; i < len; ++i) Kernel::apply(i, chunk...);
+        },
+        args...);
   }
 };
 

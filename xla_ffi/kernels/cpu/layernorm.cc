@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "kernels/cpu/chunks.h"
 #include "kernels/cpu/lanes.h"
 
 namespace jnntile {
@@ -60,8 +61,13 @@ void layernorm_normalize<Device::Cpu>(FloatType type, int64_t rows, int64_t n, c
     T* yt = static_cast<T*>(y);
     for (int64_t r = 0; r < rows; ++r) {
       float mean = stats[2 * r], rstd = stats[2 * r + 1];
-      for (int64_t j = 0; j < n; ++j)
-        yt[r * n + j] = from_float<T>(layernorm::y(to_float(xt[r * n + j]), mean, rstd, w[j], b, j));
+      for_float_chunks(
+          n,
+          [&](int64_t begin, int64_t len, auto x_row, auto y_row) {
+            for (int64_t j = begin; j < begin + len; ++j)
+              y_row[j - begin] = layernorm::y(x_row[j - begin], mean, rstd, w[j], b, j);
+          },
+          xt + r * n, yt + r * n);
     }
   });
 }
@@ -97,11 +103,15 @@ void layernorm_backward_dx<Device::Cpu>(FloatType type, int64_t rows, int64_t n,
     for (int64_t r = 0; r < rows; ++r) {
       float mean = stats[2 * r], rstd = stats[2 * r + 1];
       float mean_g = centered ? float(sums[2 * r] / double(c)) : 0.0f, mean_gx = float(sums[2 * r + 1] / double(c));
-      for (int64_t j = 0; j < n; ++j) {
-        int64_t i = r * n + j;
-        float term = layernorm::dx(to_float(xt[i]), to_float(dyt[i]), w[j], mean, rstd, mean_g, mean_gx);
-        dxt[i] = from_float<T>(to_float(dxt[i]) + term);
-      }
+      for_float_chunks(
+          n,
+          [&](int64_t begin, int64_t len, auto x_row, auto dy_row, auto dx_row) {
+            for (int64_t j = begin; j < begin + len; ++j) {
+              const int64_t k = j - begin;
+              dx_row[k] += layernorm::dx(x_row[k], dy_row[k], w[j], mean, rstd, mean_g, mean_gx);
+            }
+          },
+          xt + r * n, dyt + r * n, dxt + r * n);
     }
   });
 }

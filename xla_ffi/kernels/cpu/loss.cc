@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/chunks.h"
 #include "kernels/data.h"
 
 namespace jnntile {
@@ -100,9 +101,18 @@ void cross_entropy_backward<Device::Cpu>(FloatType type, int64_t rows, int64_t n
     using T = decltype(tag);
     const T* x = static_cast<const T*>(logits);
     T* dx = static_cast<T*>(dlogits);
-    for (int64_t r = 0; r < rows; ++r)
-      cross_entropy::strided_row_grad(overwrite, targets[r] == ignore_index, x + r * nv, lse[r], scale,
-                                      cross_entropy::target_column(targets[r], v0, nv), 0, nv, 1, dx + r * nv);
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool ignored = targets[r] == ignore_index;
+      const int64_t t = cross_entropy::target_column(targets[r], v0, nv);
+      // bfloat16 rows a chunk at a time in float (chunks.h); t is then a column of the chunk, or none
+      for_float_chunks(
+          nv,
+          [&](int64_t begin, int64_t len, auto x_chunk, auto dx_chunk) {
+            cross_entropy::strided_row_grad(overwrite, ignored, x_chunk, lse[r], scale,
+                                            t >= begin && t < begin + len ? t - begin : -1, 0, len, 1, dx_chunk);
+          },
+          x + r * nv, dx + r * nv);
+    }
   });
 }
 
