@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/vectors.h"
 #include "kernels/data.h"
 
 namespace jnntile {
@@ -81,29 +82,13 @@ int64_t gemm_scratch_floats(GemmTypes types, int64_t batch, int64_t m, int64_t n
 namespace {
 namespace packed {
 
-using Floats8 = float __attribute__((vector_size(32)));
-using Ints8 = int32_t __attribute__((vector_size(32)));
-using Halves8 = uint16_t __attribute__((vector_size(16)));
+using namespace vectors;
 
 // The register block: 6 rows x 16 columns of C in 12 vectors of 8 floats (with the 2 of B and the broadcast
 // of A, 15 of the 16 AVX2 registers). Blocks: a kMc x kKc block of op(A) stays in L2 (144 KB), a kKc x 16
 // column panel of op(B) in L1 (16 KB), the kKc x kNc block of op(B) in L3 (3 MB). On the AMD EPYC, kKc 384
 // or 512 measured the same within the VM's noise.
 constexpr int64_t kMr = 6, kNr = 16, kKc = 256, kMc = 144, kNc = 3072;
-
-Floats8 load8(const float* x) {
-  Floats8 v;
-  std::memcpy(&v, x, sizeof v);
-  return v;
-}
-Floats8 load8(const bfloat16* x) {
-  Halves8 h;
-  std::memcpy(&h, x, sizeof h);
-  return (Floats8)(__builtin_convertvector(h, Ints8) << 16);  // a bfloat16 is a float's upper half
-}
-void store8(float* x, Floats8 v) { std::memcpy(x, &v, sizeof v); }
-// x in every lane (vbroadcastss; `Floats8{} + x` adds 0.0f first, an instruction on the FMA ports per use).
-Floats8 broadcast8(float x) { return Floats8{x, x, x, x, x, x, x, x}; }
 
 // r[i] holds row i of an 8 x 8 block; afterwards r[j] holds its column j (AVX2's unpack, shuffle and
 // permute sequence, which GCC picks for these masks).

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels/cpu/chunks.h"
+#include "kernels/cpu/vectors.h"
 #include "kernels/data.h"
 
 namespace jnntile {
@@ -13,15 +14,8 @@ namespace {
 // A row's max and sum of exponentials in 8-wide vectors (GCC's vector
 // extensions): the scalar loops ran a chain of dependent double additions and
 // scalar exps, 6 ns per logit. The GPU splits rows over a warp's lanes instead.
-using Floats8 = float __attribute__((vector_size(32)));
-using Floats4 = float __attribute__((vector_size(16)));
-using Doubles4 = double __attribute__((vector_size(32)));
+using namespace vectors;
 
-Floats8 load8(const float* x) {
-  Floats8 v;
-  std::memcpy(&v, x, sizeof(v));
-  return v;
-}
 Doubles4 widen4(const float* x) {
   Floats4 v;
   std::memcpy(&v, x, sizeof(v));
