@@ -129,15 +129,19 @@ bool bf16_operands(FloatType q_type, FloatType kv_type) {
   return q_type == FloatType::BF16 && kv_type == FloatType::BF16;
 }
 
-// Scratch floats of a step: the score blocks and the widened tiles, or what the bfloat16 steps need (the
-// GPU's: all heads' blocks), whichever is larger (StarPU sizes the scratch before it picks the worker).
+// Scratch floats of a step, sized before StarPU picks the worker: the score blocks and the widened tiles; with
+// bfloat16 operands, what the bfloat16 steps need instead: one head's blocks on a CPU, all heads' on a GPU
+// unless its fused steps take them (they need none). All heads' blocks of a GPT-2 124M backward step in tiles
+// of 1024 tokens are 126 MB.
 int64_t step_scratch_floats(const AttentionPair& p, int64_t groups, FloatType q_type, FloatType kv_type,
                             bool backward) {
-  int64_t floats = backward ? attention::backward_scratch_size(p) + widened_floats(p, groups, q_type, kv_type, 2)
-                            : attention::forward_scratch_size(p) + widened_floats(p, groups, q_type, kv_type, 1);
-  if (q_type == FloatType::BF16 && kv_type == FloatType::BF16)
-    floats = std::max(floats, attention::bf16_scratch_size(p, backward, p.nh));
-  return floats;
+  if (bf16_operands(q_type, kv_type)) {
+    const bool fused = runtime_config().fused_attention && p.d == attention::kFusedHeadDim;
+    const bool all_heads = starpu_cuda_worker_get_count() > 0 && !fused;
+    return attention::bf16_scratch_size(p, backward, all_heads ? p.nh : 1);
+  }
+  return backward ? attention::backward_scratch_size(p) + widened_floats(p, groups, q_type, kv_type, 2)
+                  : attention::forward_scratch_size(p) + widened_floats(p, groups, q_type, kv_type, 1);
 }
 
 struct StepArgs {

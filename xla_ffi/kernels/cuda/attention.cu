@@ -203,7 +203,7 @@ void backward_step(const AttentionPair& p, const T* q, const T* k, const T* v, c
 namespace fused {
 
 namespace wmma = nvcuda::wmma;
-constexpr int kD = 64;                 // head_dim the fused steps take
+constexpr int kD = int(attention::kFusedHeadDim);  // head_dim the fused steps take
 constexpr int kRows = 64;              // query or key rows of a block
 constexpr int kWarps = 4;              // 16 rows each
 constexpr int kFrag = 16;              // WMMA tile edge
