@@ -114,6 +114,35 @@ def test_small_tiles_share_update_tasks(rng):
             assert rel_err(params[name].numpy(), ref_params[name]) < 1e-5, f"{name} after step {i}"
 
 
+def test_small_tiles_share_update_tasks_within_a_memory_limit(rng, restore_runtime, tmp_path):
+    """Under a memory limit, a task of small tiles holds at most a share of it: the tasks running at once fit in
+    half the limit together (1 MB, 2 workers: 256 KB each). A task holds each buffer it has fetched until it
+    ends, and two workers' AdamW tasks that each filled half a 1 MB limit once waited for each other forever."""
+    jnntile.runtime.stop()
+    jnntile.runtime.start(workers=2, memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    array = rng.standard_normal((512, 64)).astype(np.float32)
+    params = {"w": jnntile.from_array(array, (64, 64))}  # 8 tiles of 4096 elements: 16 KB each
+    tx, ref_tx = optim.adamw(1e-2), optax.adamw(1e-2)
+
+    @jax.jit
+    def step(params, state):
+        _, grads = jnntile.value_and_grad(lambda p: jnp.sum(jnntile.to_array(p["w"]) ** 2))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    jnntile.runtime.wait_all()
+    before = jnntile.runtime.stats()["codelets"].get("adamw", {}).get("tasks", 0)
+    params, _ = jax.block_until_ready(step(params, tx.init(params)))
+    jnntile.runtime.wait_all()
+    # Each tile's update holds 64 KB (parameter, gradient, two moments): 4 tiles to a task, not all 8 (the
+    # 32768 elements of a task without a limit).
+    assert jnntile.runtime.stats()["codelets"]["adamw"]["tasks"] - before == 2
+    ref_params = {"w": jnp.asarray(array)}
+    ref_updates, _ = ref_tx.update(jax.grad(lambda p: jnp.sum(p["w"] ** 2))(ref_params), ref_tx.init(ref_params),
+                                   ref_params)
+    assert rel_err(params["w"].numpy(), optax.apply_updates(ref_params, ref_updates)["w"]) < 1e-6
+
+
 def test_global_norm(rng):
     arrays, (x_np,) = mlp_problem(rng)
     params = {k: jnntile.from_array(v, 3) for k, v in arrays.items()}

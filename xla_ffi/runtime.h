@@ -56,6 +56,9 @@ int max_cpu_workers();
 // address and size a multiple of this many bytes (the page size with direct
 // I/O, else 1). Tile registration pads tiles to it; RAM allocations are aligned to it.
 size_t swap_io_alignment();
+// The most bytes of buffers a task of small tiles may hold (tile_groups in task.h): the tasks running at once
+// must fit in each limited memory together, with as much again free.
+int64_t task_group_bytes_limit();
 // GPUs the CUDA runtime sees; 0 when StarPU has no CUDA or there is no driver.
 int cuda_device_count();
 int64_t cuda_device_memory_bytes();

@@ -150,23 +150,28 @@ struct TaskTiles {
 };
 
 // Cuts tiles 0..numel.size()-1 (their sizes in elements) into tasks, in order: a tile of kSmallTileNumel
-// elements or more alone, smaller ones together, up to kTilesPerTask of them and kSmallTileNumel elements.
-inline std::vector<std::vector<size_t>> tile_groups(const std::vector<int64_t>& numel) {
+// elements or more alone, smaller ones together, up to kTilesPerTask of them, kSmallTileNumel elements and
+// task_group_bytes_limit() bytes (bytes[i]: what the task holds for tile i, all its buffers).
+inline std::vector<std::vector<size_t>> tile_groups(const std::vector<int64_t>& numel,
+                                                    const std::vector<int64_t>& bytes) {
+  const int64_t bytes_limit = task_group_bytes_limit();
   std::vector<std::vector<size_t>> groups;
   std::vector<size_t> small;
-  int64_t small_numel = 0;
+  int64_t small_numel = 0, small_bytes = 0;
   for (size_t i = 0; i < numel.size(); ++i) {
     if (numel[i] >= kSmallTileNumel) {
       groups.push_back({i});
       continue;
     }
-    if (small.size() == size_t(kTilesPerTask) || small_numel + numel[i] > kSmallTileNumel) {
+    if (!small.empty() && (small.size() == size_t(kTilesPerTask) || small_numel + numel[i] > kSmallTileNumel ||
+                           small_bytes + bytes[i] > bytes_limit)) {
       groups.push_back(std::move(small));
       small.clear();
-      small_numel = 0;
+      small_numel = small_bytes = 0;
     }
     small.push_back(i);
     small_numel += numel[i];
+    small_bytes += bytes[i];
   }
   if (!small.empty()) groups.push_back(std::move(small));
   return groups;
