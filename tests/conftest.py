@@ -144,7 +144,11 @@ def check_op(op, reference, arrays, tile_shapes, *, jit, tol=1e-5, seed=0, dtype
     (value, out), grads = fn(*tensors)
     ref_value, ref_grads = jax.value_and_grad(reference_loss, argnums=argnums)(*arrays)
     assert rel_err(out, expected) <= tol, "forward values differ"
-    assert rel_err(value, ref_value) <= tol, "loss differs"
+    # The loss sums terms of either sign, which may nearly cancel: its error is measured against the sum of the
+    # terms' magnitudes, as a sum's rounding error is bounded (a bfloat16 attention's loss came to 10.03 against
+    # 10.29, 2.5% apart, from terms whose magnitudes sum to 96,560, with the outputs within 1.1e-3 normwise).
+    scale = float(np.sum(np.abs(expected * weights)))
+    assert abs(float(value) - float(ref_value)) <= tol * scale, "loss differs"
     for i, (g, ref_g) in enumerate(zip(grads, ref_grads)):
         assert g.id == tensors[i].id, "gradients come back with the argument's id"
         assert rel_err(jnntile.grad_of(g).numpy(), ref_g) <= tol, f"gradient of input {i} differs"
