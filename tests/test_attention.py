@@ -116,11 +116,10 @@ FUSED_TILINGS = {
 
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("tiling", FUSED_TILINGS)
-def test_bfloat16_fused_on_the_gpu(placement, restore_runtime, tiling, groups):
-    """The fused bfloat16 steps (runtime setting fused_attention) against the same mixed-precision reference
-    as the cuBLAS steps (test_bfloat16)."""
-    if placement != "cuda":
-        pytest.skip("the fused steps are CUDA kernels")
+def test_bfloat16_fused_steps(placement, restore_runtime, tiling, groups):
+    """With the runtime setting fused_attention, bfloat16 steps of head_dim 64 take codelets of their own: on a
+    GPU the fused kernels, on a CPU worker its usual bfloat16 steps (in one head's scratch). Against the same
+    mixed-precision reference as the cuBLAS steps (test_bfloat16)."""
     jnntile.runtime.stop()
     jnntile.runtime.configure(fused_attention=True)
     qkv, _ = make_data(seed=6, shape=FUSED_SHAPE, groups=groups)
@@ -130,6 +129,11 @@ def test_bfloat16_fused_on_the_gpu(placement, restore_runtime, tiling, groups):
 
     check_op(attention.causal_attention, mixed_reference, [qkv], [FUSED_TILINGS[tiling]], jit=True,
              dtype="bfloat16", tol=BFLOAT16_TOL)
+    codelets = jnntile.runtime.stats()["codelets"]
+    for step in ("attention_forward_step", "attention_backward_step"):
+        assert codelets[f"{step}_fused"]["tasks"] > 0 and step not in codelets, step
+        if placement == "cuda":
+            assert codelets[f"{step}_fused"]["cuda_tasks"] == codelets[f"{step}_fused"]["tasks"], step
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

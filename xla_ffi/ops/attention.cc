@@ -129,6 +129,13 @@ bool bf16_operands(FloatType q_type, FloatType kv_type) {
   return q_type == FloatType::BF16 && kv_type == FloatType::BF16;
 }
 
+// Whether a GPU runs a step in the fused kernels (kernels/cuda/attention.cu): bfloat16 q, k and v, head_dim 64
+// and the runtime's fused_attention. Such steps take codelets of their own (named "..._fused"; a CPU worker
+// runs them as the others), so dmdas keeps the timings of the two kinds apart and a profile says which ran.
+bool fused_step(const AttentionPair& p, FloatType q_type, FloatType kv_type) {
+  return bf16_operands(q_type, kv_type) && runtime_config().fused_attention && p.d == attention::kFusedHeadDim;
+}
+
 // Scratch floats of a step, sized before StarPU picks the worker: the score blocks and the widened tiles; with
 // bfloat16 operands, what the bfloat16 steps need instead: one head's blocks on a CPU, all heads' on a GPU
 // unless its fused steps take them (they need none). All heads' blocks of a GPT-2 124M backward step in tiles
@@ -136,8 +143,7 @@ bool bf16_operands(FloatType q_type, FloatType kv_type) {
 int64_t step_scratch_floats(const AttentionPair& p, int64_t groups, FloatType q_type, FloatType kv_type,
                             bool backward) {
   if (bf16_operands(q_type, kv_type)) {
-    const bool fused = runtime_config().fused_attention && p.d == attention::kFusedHeadDim;
-    const bool all_heads = starpu_cuda_worker_get_count() > 0 && !fused;
+    const bool all_heads = starpu_cuda_worker_get_count() > 0 && !fused_step(p, q_type, kv_type);
     return attention::bf16_scratch_size(p, backward, all_heads ? p.nh : 1);
   }
   return backward ? attention::backward_scratch_size(p) + widened_floats(p, groups, q_type, kv_type, 2)
@@ -281,6 +287,16 @@ void backward_step_kernel(void** buffers, const BackwardArgs& a) {
   for (int64_t x = 0; x < 2; ++x) end_sums<D>(a.dkv, kv, sums(5 * G + 2 + x), tile(dkv_tiles, x));
 }
 
+// The same kernels for the fused steps' codelets (fused_step): a codelet is declared once per kernel.
+template <Device D>
+void fused_forward_step_kernel(void** buffers, const StepArgs& a) {
+  forward_step_kernel<D>(buffers, a);
+}
+template <Device D>
+void fused_backward_step_kernel(void** buffers, const BackwardArgs& a) {
+  backward_step_kernel<D>(buffers, a);
+}
+
 // The tile grid shared by qkv, out and lse, checked once.
 struct Layout {
   int64_t gb, gt, gh;  // tiles on B, T, H
@@ -346,6 +362,8 @@ void attention_submit(const OpCall& call) {
   const FloatType type = float_type(qkv, "causal_attention");
   Float32Tiles out32(out, Start::Unwritten);  // the first steps write it, the finish tasks round it
   static starpu_codelet* step_cl = JNNTILE_CODELET(StepArgs, forward_step_kernel, "attention_forward_step");
+  static starpu_codelet* fused_cl =
+      JNNTILE_CODELET(StepArgs, fused_forward_step_kernel, "attention_forward_step_fused");
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
@@ -365,7 +383,8 @@ void attention_submit(const OpCall& call) {
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
           starpu_data_handle_t scratch = temporary_vector(step_scratch_floats(p, G, type, type, false), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
-          submit_task(step_cl, buffers, StepArgs{j == 0, G, type, type, p}, 4.0 * G * pair_flops(p));
+          submit_task(fused_step(p, type, type) ? fused_cl : step_cl, buffers, StepArgs{j == 0, G, type, type, p},
+                      4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -405,6 +424,8 @@ void attention_backward_submit(const OpCall& call) {
   };
   static starpu_codelet* delta_cl = JNNTILE_CODELET(RowsArgs, backward_delta_kernel, "attention_backward_delta");
   static starpu_codelet* step_cl = JNNTILE_CODELET(BackwardArgs, backward_step_kernel, "attention_backward_step");
+  static starpu_codelet* fused_cl =
+      JNNTILE_CODELET(BackwardArgs, fused_backward_step_kernel, "attention_backward_step_fused");
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
@@ -443,7 +464,8 @@ void attention_backward_submit(const OpCall& call) {
             for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv.tile({ib, i, g, ih, 0}), dq.tiles_mode()});
           if (dkv.takes_tiles())
             for (int64_t x = G; x < G + 2; ++x) buffers.push_back({dqkv.tile({ib, j, x, ih, 0}), dkv.tiles_mode()});
-          submit_task(step_cl, buffers, BackwardArgs{G, type, dq, dkv, p}, 10.0 * G * pair_flops(p));
+          submit_task(fused_step(p, type, type) ? fused_cl : step_cl, buffers, BackwardArgs{G, type, dq, dkv, p},
+                      10.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
         for (starpu_data_handle_t handle : delta) starpu_data_unregister_submit(handle);
