@@ -17,7 +17,7 @@ void update_in_chunks(int64_t n, const float* master, bfloat16* copy, Update upd
   for (int64_t begin = 0; begin < n; begin += kFloatChunk) {
     const int64_t end = std::min(n, begin + kFloatChunk);
     update(begin, end);
-    if (copy != nullptr) convert<Device::Cpu>(end - begin, FloatType::F32, master + begin, FloatType::BF16, copy + begin);
+    if (copy != nullptr) round_chunk(end - begin, master + begin, copy + begin);
   }
 }
 
