@@ -15,7 +15,7 @@ from conftest import BFLOAT16_MODEL_TOL, rel_err
 from flax import nnx
 
 import jnntile
-from jnntile.models import families, gpt2
+from jnntile.models import families, gpt2, gpu_aligned_tile, resolve_tiles
 from jnntile.models.gpt2 import reference as ref
 from jnntile.models.gpt2.config import GPT2Config
 from jnntile.models.gpt2.hf import load_hf
@@ -180,6 +180,24 @@ def test_tile_larger_than_its_axis():
     with pytest.raises(ValueError, match="tile_heads=8 is larger than its axis"):
         gpt2.GPT2(config, batch_size=B, seq_len=T)
 
+
+@pytest.mark.parametrize("gpu_mb, vocab, embd, hidden, rows", [
+    # A GPU's feature tiles are multiples of 64 (tensor cores) but the last; GPT-2's odd vocabulary cannot be
+    # aligned, so its one misaligned tile is made the smallest (3 x 16384 + 1105, not 4 x 12565 all misaligned).
+    (80000, 16384, 768, 3072, 4096),
+    (0, 7180, 768, 1536, 512),  # CPU workers: even splits, as measured (jnntile/models/__init__.py)
+])
+def test_automatic_tiles_of_gpt2_124m_on_cpu_and_gpu(gpu_mb, vocab, embd, hidden, rows, monkeypatch):
+    monkeypatch.setattr(jnntile.runtime, "gpu_memory_mb", lambda config=None: gpu_mb)
+    tiles = resolve_tiles(GPT2Config(), batch_size=8, seq_len=1024)
+    assert (tiles.vocab, tiles.embd, tiles.hidden, tiles.batch * tiles.seq) == (vocab, embd, hidden, rows)
+
+
+def test_gpu_tiles_of_an_aligned_axis_are_multiples_of_64():
+    # Qwen2's vocabulary (151936 = 64 x 2374) in 10 tiles: 9 x 15232 + 14848, where an even split is 15193.6.
+    assert gpu_aligned_tile(151936, 16384) == 15232
+    assert gpu_aligned_tile(11008, 8192) == 5504  # Llama 2 7B's hidden axis, already aligned
+    assert gpu_aligned_tile(768, 4096) == 768  # a whole axis is one tile
 
 def test_sequence_longer_than_positions():
     with pytest.raises(ValueError, match="n_positions"):

@@ -119,28 +119,48 @@ class Tiles:
 # 531); a GPU wants far larger tasks to hide a launch and a transfer.
 CPU_TILES = {"rows": 512, "embd": 1024, "hidden": 2048, "vocab": 8192}
 GPU_TILES = {"rows": 4096, "embd": 4096, "hidden": 8192, "vocab": 16384}
+# On a GPU the feature axes' tiles are the products' leading dimensions, and tensor cores run at full speed only
+# when a matrix's rows start 16 bytes apart (cuBLAS's rule; XLA pads its bfloat16 products to multiples of 8
+# elements for it on Ampere and later). So every tile of those axes but the last is a multiple of
+# GPU_TILE_MULTIPLE, and an axis that no split can align (not a multiple of 8, as GPT-2's 50257-token
+# vocabulary) takes the largest tiles, so that its one misaligned tile, the last, is the smallest:
+# 16384 x 3 + 1105 rather than 12565 x 3 + 12562, every one misaligned.
+GPU_TILE_MULTIPLE = 64
 
 
-def even_tile(n: int, largest: int) -> int:
-    """The tile that cuts n into the fewest equal parts of at most `largest` (3072, 2048 -> 1536, not 2048 + 1024)."""
+def even_tile(n: int, largest: int, multiple: int = 1) -> int:
+    """The tile that cuts n into the fewest parts of at most `largest`, as equal as tiles that are multiples of
+    `multiple` allow (3072, 2048 -> 1536, not 2048 + 1024; with multiple=64, 50000, 16384 -> 12544 x 3 + 12368);
+    `largest` is a multiple of `multiple`."""
     parts = -(-n // max(1, min(largest, n)))
-    return -(-n // parts)
+    tile = -(-n // parts)
+    return min(n, -(-tile // multiple) * multiple)
+
+
+def gpu_aligned_tile(n: int, largest: int) -> int:
+    """A GPU feature axis's tile (GPU_TILE_MULTIPLE above): aligned even splits, or the largest tile where n
+    cannot be split into aligned tiles."""
+    if n % 8:
+        return min(n, largest)
+    return even_tile(n, largest, GPU_TILE_MULTIPLE)
 
 
 def resolve_tiles(config, batch_size: int, seq_len: int) -> Tiles:
     """Tile sizes for a model config (`axis_sizes`, `head_dim`): the config's where given, else automatic
     ones: even splits of every axis, about CPU_TILES["rows"] token rows per tile (GPU_TILES with a CUDA
-    worker). Raises naming the field that does not fit."""
+    worker, the feature axes aligned for tensor cores). Raises naming the field that does not fit."""
     sizes = {"batch": batch_size, "seq": seq_len, **config.axis_sizes()}
-    largest = GPU_TILES if runtime.gpu_memory_mb() else CPU_TILES
+    on_gpu = bool(runtime.gpu_memory_mb())
+    largest = GPU_TILES if on_gpu else CPU_TILES
+    feature_tile = gpu_aligned_tile if on_gpu else even_tile
     seq = even_tile(seq_len, largest["rows"])
     auto = Tiles(
         batch=even_tile(batch_size, max(1, largest["rows"] // seq)),
         seq=seq,
-        embd=even_tile(sizes["embd"], largest["embd"]),
+        embd=feature_tile(sizes["embd"], largest["embd"]),
         heads=even_tile(sizes["heads"], max(1, largest["embd"] // config.head_dim)),
-        hidden=even_tile(sizes["hidden"], largest["hidden"]),
-        vocab=even_tile(sizes["vocab"], largest["vocab"]),
+        hidden=feature_tile(sizes["hidden"], largest["hidden"]),
+        vocab=feature_tile(sizes["vocab"], largest["vocab"]),
     )
     tiles = Tiles(**{
         axis: getattr(config, f"tile_{axis}") if getattr(config, f"tile_{axis}") is not None else getattr(auto, axis)
