@@ -184,7 +184,7 @@ def test_tile_larger_than_its_axis():
 @pytest.mark.parametrize("gpu_mb, vocab, embd, hidden, rows", [
     # A GPU's feature tiles are multiples of 64 (tensor cores) but the last; GPT-2's odd vocabulary cannot be
     # aligned, so its one misaligned tile is made the smallest (3 x 16384 + 1105, not 4 x 12565 all misaligned).
-    (80000, 16384, 768, 3072, 4096),
+    (80000, 16384, 768, 3072, 8192),
     (0, 7180, 768, 1536, 512),  # CPU workers: even splits, as measured (jnntile/models/__init__.py)
 ])
 def test_automatic_tiles_of_gpt2_124m_on_cpu_and_gpu(gpu_mb, vocab, embd, hidden, rows, monkeypatch):

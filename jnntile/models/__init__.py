@@ -116,9 +116,12 @@ class Tiles:
 # tile on the other axes. On CPU workers a 512-row tile keeps a task near a
 # millisecond or more (measured on GPT-2's tiny preset, 8 x 128 tokens: 1-row
 # batch tiles gave 10.6K tokens/s in 1666 tasks per step, 4-row tiles 15.2K in
-# 531); a GPU wants far larger tasks to hide a launch and a transfer.
+# 531); a GPU wants far larger tasks to hide a launch and a transfer: on an
+# H200 a bfloat16 GPT-2 124M step at 8 x 1024 left the GPU idle 40 ms between
+# its 1,114 tasks, and 8192-row tiles make them 648 (4096-row tiles 1,120,
+# counted on the CPU with the GPU's tiles).
 CPU_TILES = {"rows": 512, "embd": 1024, "hidden": 2048, "vocab": 8192}
-GPU_TILES = {"rows": 4096, "embd": 4096, "hidden": 8192, "vocab": 16384}
+GPU_TILES = {"rows": 8192, "embd": 4096, "hidden": 8192, "vocab": 16384}
 # On a GPU the feature axes' tiles are the products' leading dimensions, and tensor cores run at full speed only
 # when a matrix's rows start 16 bytes apart (cuBLAS's rule; XLA pads its bfloat16 products to multiples of 8
 # elements for it on Ampere and later). So every tile of those axes but the last is a multiple of
