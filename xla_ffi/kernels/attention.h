@@ -15,7 +15,7 @@
 // h = row / nq) with the row bodies below. Both cut the query rows into chunks,
 // each a pair of its own with the keys it sees (for_visible_chunks). The GPU
 // takes all nh heads of the batch row at once (the scratch holds nh blocks,
-// h0 = 0) and cuts only a pair the causal mask cuts, in four chunks of 128
+// h0 = 0) and cuts only a pair the causal mask cuts, in four chunks of 1024
 // rows at least (cuda/attention.cu); the CPU takes one head at a time in a scratch of one
 // block (h0 = h), which its cache keeps, in chunks of 128 rows
 // (cpu/attention.cc). The
