@@ -78,16 +78,22 @@ constexpr int kParamWarps = 32;
 // A block per kWarp columns, the lanes of a warp on adjacent columns (coalesced)
 // and its kParamWarps warps on every kParamWarps-th row; then warp 0 adds the
 // warps' sums in order. A thread per column alone (n = 768: 3 blocks on an
-// H100's 132 SMs) took 1 ms per 4096-row tile.
+// H100's 132 SMs) took 1 ms per 4096-row tile. With n = 768 the kernel still
+// has 24 blocks, so each warp keeps kRowsInFlight rows' loads in flight
+// (unrolled; the sums keep their order) rather than waiting on every row's.
+constexpr int kRowsInFlight = 4;
+
 template <class T>
-__global__ void backward_params_kernel(int64_t rows, int64_t n, bool overwrite, const T* x, const float* stats,
-                                       const T* dy, float* dw, float* db) {
+__global__ void backward_params_kernel(int64_t rows, int64_t n, bool overwrite, const T* __restrict__ x,
+                                       const float* __restrict__ stats, const T* __restrict__ dy,
+                                       float* dw, float* db) {
   __shared__ double warp_dw[kParamWarps][kWarp], warp_db[kParamWarps][kWarp];
   const int lane = cuda::lane(), warp = int(threadIdx.x) / kWarp;
   for (int64_t j0 = blockIdx.x * int64_t(kWarp); j0 < n; j0 += int64_t(gridDim.x) * kWarp) {
     const int64_t j = j0 + lane;
     double sum_dw = 0.0, sum_db = 0.0;
     if (j < n)
+#pragma unroll kRowsInFlight
       for (int64_t r = warp; r < rows; r += kParamWarps)
         layernorm::add_param_terms(to_float(x[r * n + j]), to_float(dy[r * n + j]), stats[2 * r], stats[2 * r + 1],
                                    sum_dw, sum_db);
