@@ -114,14 +114,10 @@ def test_small_tiles_share_update_tasks(rng):
             assert rel_err(params[name].numpy(), ref_params[name]) < 1e-5, f"{name} after step {i}"
 
 
-def test_small_tiles_share_update_tasks_within_a_memory_limit(rng, restore_runtime, tmp_path):
-    """Under a memory limit, a task of small tiles holds at most a share of it: the tasks running at once fit in
-    half the limit together (1 MB, 2 workers: 256 KB each). A task holds each buffer it has fetched until it
-    ends, and two workers' AdamW tasks that each filled half a 1 MB limit once waited for each other forever."""
-    jnntile.runtime.stop()
-    jnntile.runtime.start(workers=2, memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
-    array = rng.standard_normal((512, 64)).astype(np.float32)
-    params = {"w": jnntile.from_array(array, (64, 64))}  # 8 tiles of 4096 elements: 16 KB each
+def one_adamw_step_of_a_square(array, tile_shape):
+    """One AdamW step on w = array in tiles of tile_shape, loss sum(w^2), checked against optax's; returns the
+    AdamW tasks it ran."""
+    params = {"w": jnntile.from_array(array, tile_shape)}
     tx, ref_tx = optim.adamw(1e-2), optax.adamw(1e-2)
 
     @jax.jit
@@ -134,13 +130,29 @@ def test_small_tiles_share_update_tasks_within_a_memory_limit(rng, restore_runti
     before = jnntile.runtime.stats()["codelets"].get("adamw", {}).get("tasks", 0)
     params, _ = jax.block_until_ready(step(params, tx.init(params)))
     jnntile.runtime.wait_all()
-    # Each tile's update holds 64 KB (parameter, gradient, two moments): 4 tiles to a task, not all 8 (the
-    # 32768 elements of a task without a limit).
-    assert jnntile.runtime.stats()["codelets"]["adamw"]["tasks"] - before == 2
     ref_params = {"w": jnp.asarray(array)}
     ref_updates, _ = ref_tx.update(jax.grad(lambda p: jnp.sum(p["w"] ** 2))(ref_params), ref_tx.init(ref_params),
                                    ref_params)
     assert rel_err(params["w"].numpy(), optax.apply_updates(ref_params, ref_updates)["w"]) < 1e-6
+    return jnntile.runtime.stats()["codelets"]["adamw"]["tasks"] - before
+
+
+def test_small_tiles_share_update_tasks_within_a_memory_limit(rng, restore_runtime, tmp_path):
+    """Under a memory limit, a task of small tiles holds at most a share of it: the tasks running at once fit in
+    half the limit together (1 MB, 2 workers: 256 KB each). A task holds each buffer it has fetched until it
+    ends, and two workers' AdamW tasks that each filled half a 1 MB limit once waited for each other forever."""
+    jnntile.runtime.stop()
+    jnntile.runtime.start(workers=2, memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    # 8 tiles of 4096 elements (16 KB), each update holding 64 KB (parameter, gradient, two moments): 4 tiles
+    # to a task, not all 8 (the 32768 elements of a task without a limit).
+    assert one_adamw_step_of_a_square(rng.standard_normal((512, 64)).astype(np.float32), (64, 64)) == 2
+
+
+def test_the_gpu_takes_larger_tiles_to_an_update_task(rng, placement):
+    """Tiles of 65536 elements each take a task of their own on CPU workers and share one on the GPU, where a
+    task costs the CUDA worker about as much as an update of 4M elements (task.h, small_tile_numel)."""
+    tasks = one_adamw_step_of_a_square(rng.standard_normal((8 * 256, 256)).astype(np.float32), (256, 256))
+    assert tasks == (1 if placement == "cuda" else 8)
 
 
 def test_global_norm(rng):
