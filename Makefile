@@ -82,7 +82,7 @@ GPU_OUT ?= out/gpu
 
 cuda: $(CUDA_STAMP)
 
-$(CUDA_DIR)/starpu.stamp: tools/build_starpu_cuda.sh
+$(CUDA_DIR)/starpu.stamp: tools/build_starpu_cuda.sh $(wildcard tools/starpu-patches/*.patch)
 	tools/build_starpu_cuda.sh
 
 $(CUDA_PY):

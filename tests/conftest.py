@@ -244,16 +244,6 @@ def cuda_skip_reason() -> str | None:
     return None
 
 
-def skip_one_megabyte_swap_on_starpu_14() -> None:
-    """The tests that train under a 1 MB limit with disk swap run with StarPU 1.3 (`make test`) only."""
-    from jnntile import runtime
-
-    if runtime.HAS_CUDA:
-        pytest.skip("StarPU 1.4 (the CUDA build) under a 1 MB limit with disk swap now and then aborts at "
-                    "unregistration ('!local->nb_tasks_prefetch', 4 runs in 70: a task-prefetch count StarPU "
-                    "leaves on a tile; docs/design.md, Known defect); `make test` runs this test with StarPU 1.3")
-
-
 @pytest.fixture
 def restore_runtime():
     """Puts the runtime configuration back after a test that changes it."""

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (assert_trained_params_close, mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err,
-                      skip_one_megabyte_swap_on_starpu_14)
+from conftest import assert_trained_params_close, mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err
 from flax import nnx
 
 import jnntile
@@ -126,7 +125,6 @@ def test_micro_batches_equal_one_big_batch(one_big_batch):
 
 @pytest.fixture
 def small_limit_with_swap(tmp_path):
-    skip_one_megabyte_swap_on_starpu_14()
     previous = jnntile.runtime.config()
     jnntile.runtime.stop()
     jnntile.release_traced()

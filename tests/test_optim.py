@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err, skip_one_megabyte_swap_on_starpu_14
+from conftest import mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err
 
 import jnntile
 from jnntile import optim
@@ -437,7 +437,6 @@ def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, placement, 
         # and RAM limits of 1 MB with disk swap crashed (SIGSEGV) or made no progress, with or without the
         # fused update: a known defect (docs/design.md, "GPUs").
         pytest.skip("GPU, RAM and disk limits together: a known crash on CUDA workers (docs/design.md, GPUs)")
-    skip_one_megabyte_swap_on_starpu_14()
     losses, params, _, _ = _train_gpt2(False, FUSED_CLIPS[clip])
     runtime.stop()
     jnntile.release_traced()

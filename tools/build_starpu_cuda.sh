@@ -6,6 +6,7 @@
 #   STARPU_SOURCE=path/to/starpu-1.4-<commit>-autogen.tar.gz   (checked against its sha256)
 #   STARPU_SOURCE=path/to/a/source/tree                         (used as it is)
 #   unset: downloaded from GitHub at the pinned commit (needs network and autotools)
+# then patched with tools/starpu-patches/*.patch (each says what it fixes and how it was found).
 #
 # The CUDA toolkit is looked up in CUDA_HOME, CUDA_PATH, /usr/local/cuda and
 # /usr/local/cuda-*, then next to `nvcc` on PATH. What a toolkit lacks (cuBLAS,
@@ -34,11 +35,12 @@ log() { echo "make cuda: $*" >&2; }
 
 # ---- build dependencies ---------------------------------------------------------------------
 
-# hwloc (StarPU), pkg-config and OpenBLAS (this project): from apt where they are
+# hwloc (StarPU), pkg-config, patch (or git) and OpenBLAS (this project): from apt where they are
 # missing and apt can install them; a GPU machine without network has them already.
 ensure_build_packages() {
   local missing=()
   command -v pkg-config >/dev/null || missing+=(pkg-config)
+  command -v patch >/dev/null || command -v git >/dev/null || missing+=(patch)
   pkg-config --exists hwloc 2>/dev/null || missing+=(libhwloc-dev)
   ls /usr/include/cblas.h /usr/include/*/cblas.h /usr/include/*/*/cblas.h 2>/dev/null | grep -q . \
     || missing+=(libopenblas-dev)
@@ -140,6 +142,16 @@ assemble_toolkit() {
 
 # ---- StarPU ---------------------------------------------------------------------------------
 
+# patch where installed, else git apply outside any repository (.cuda sits inside this one, and git apply run
+# within a repository would skip paths outside the current folder without a word).
+apply_patch() {
+  if command -v patch >/dev/null; then
+    patch -s -p1 -d "$2" < "$1"
+  else
+    (cd "$2" && GIT_CEILING_DIRECTORIES=$(dirname "$2") git apply -p1 "$1")
+  fi
+}
+
 unpack_source() {
   local src=$WORK/src/starpu
   rm -rf "$WORK/src"
@@ -165,6 +177,10 @@ unpack_source() {
     fi
     tar -xzf "$tarball" -C "$src" --strip-components=1
   fi
+  local patch
+  for patch in "$ROOT"/tools/starpu-patches/*.patch; do
+    apply_patch "$patch" "$src" >&2 || die "could not apply $patch to the StarPU source in $src"
+  done
   if [ ! -x "$src/configure" ]; then
     command -v autoreconf >/dev/null && command -v libtoolize >/dev/null \
       || die "the StarPU source has no configure script and autotools are missing: apt-get install autoconf automake libtool"
@@ -199,7 +215,8 @@ main() {
   mkdir -p "$WORK"
   local system stamp_want
   system=$(find_toolkit)
-  stamp_want="$STARPU_COMMIT $system"
+  # The patches are part of the build: a changed patch rebuilds StarPU.
+  stamp_want="$STARPU_COMMIT $system $(cat "$ROOT"/tools/starpu-patches/*.patch | sha256sum | cut -d' ' -f1)"
   if [ -f "$WORK/starpu.stamp" ] && [ "$(cat "$WORK/starpu.stamp")" = "$stamp_want" ] && [ -e "$TOOLKIT/bin/nvcc" ] \
      && [ -e "$PREFIX/lib/pkgconfig/starpu-1.4.pc" ]; then
     log "StarPU with CUDA is up to date in $PREFIX"
