@@ -125,6 +125,9 @@ void runtime_fail(const std::string& why);
 // kernels, so that a stop can drain them (their host buffers may be gone).
 bool kernels_skipped();
 const RuntimeConfig& runtime_config();
+// Whether every kernel with a CUDA version runs on CUDA workers (placement cuda): its tasks need no working
+// memory that only a CPU worker uses, and a GPU task may take more of the work than a CPU one.
+inline bool kernels_run_on_gpu() { return runtime_config().placement == Placement::Cuda; }
 // Throws std::runtime_error naming the problem when the runtime is not usable.
 void require_runtime();
 

@@ -141,7 +141,7 @@ constexpr int kTilesPerTask = 16;
 constexpr int64_t kSmallTileNumel = int64_t(1) << 15;
 constexpr int64_t kGpuSmallTileNumel = int64_t(1) << 22;
 inline int64_t small_tile_numel() {
-  return runtime_config().placement == Placement::Cuda ? kGpuSmallTileNumel : kSmallTileNumel;
+  return kernels_run_on_gpu() ? kGpuSmallTileNumel : kSmallTileNumel;
 }
 
 // The tiles one task takes: how many, and each one's elements.

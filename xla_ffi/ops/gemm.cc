@@ -196,7 +196,10 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       if (sums_bias) buffers.push_back({db_tile, db_overwrite ? STARPU_W : STARPU_RW});
       starpu_data_handle_t scratch = nullptr;
       if (!tile_types.all_f32()) {
-        scratch = temporary_vector(gemm_scratch_floats(tile_types, batch, m, n, k), sizeof(float));
+        // Sized before StarPU picks the worker; cuBLAS writes a bfloat16 C itself, so on the GPU alone none
+        // (the float32 sum of GPT-2's 8192 x 16384 logits tile would be 512 MB of GPU memory per task).
+        const int64_t floats = kernels_run_on_gpu() ? 0 : gemm_scratch_floats(tile_types, batch, m, n, k);
+        scratch = temporary_vector(floats, sizeof(float));
         buffers.push_back({scratch, STARPU_SCRATCH});
       }
       submit_task(cl, buffers,
