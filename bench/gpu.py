@@ -187,7 +187,8 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
         gpu_mb = settings["gpu_memory_limit_mb"] = max(1, int((plan.state + plan.activations) * gpu_memory_fraction
                                                               / MB))
         # Automatic tiles shrink where two of a step's largest tasks would not fit the GPU, as jnntile.train does.
-        config, _ = memory.fit_tiles(config, B, T, jnntile.runtime.config().memory_limit_mb, gpu_mb)
+        config, _ = memory.fit_tiles(config, B, T, jnntile.runtime.config().memory_limit_mb, gpu_mb,
+                                     workers=settings.get("workers"))
     jnntile.runtime.stop()
     jnntile.runtime.start(**settings)
     step = jnntile_step(config, B, T)

@@ -289,7 +289,8 @@ def resolved_scheduler(config: RuntimeConfig) -> str:
     8554 MB read per step under lws, 6703 under eager, 6145 planned; 47.3 -> 44.8 s per step). Only with Debian's
     StarPU 1.3, where that was measured: the CUDA build's StarPU 1.4 run without a GPU under eager with swap
     aborted at unregistration ("!local->nb_tasks_prefetch", tests/test_grad_accumulation.py's 1 MB limit; a
-    StarPU defect since patched, tools/starpu-patches), so it keeps lws there (not measured under eager since). On CPUs in RAM, lws, the lowest per-task overhead of the work-stealing ones."""
+    StarPU defect since patched, tools/starpu-patches), so it keeps lws there (not measured under eager since).
+    On CPUs in RAM, lws, the lowest per-task overhead of the work-stealing ones."""
     if config.scheduler != "auto":
         return config.scheduler
     if config.cuda_workers != 0 and gpu_count() > 0:

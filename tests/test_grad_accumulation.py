@@ -128,7 +128,9 @@ def small_limit_with_swap(tmp_path):
     previous = jnntile.runtime.config()
     jnntile.runtime.stop()
     jnntile.release_traced()
-    jnntile.runtime.start(memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    # CPU workers only: on CUDA workers tiles reach the disk only through a GPU limit as well (test_optim.py).
+    jnntile.runtime.start(memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60,
+                          cuda_workers=0)
     yield
     jnntile.runtime.stop()
     jnntile.release_traced()

@@ -142,7 +142,9 @@ def test_small_tiles_share_update_tasks_within_a_memory_limit(rng, restore_runti
     half the limit together (1 MB, 2 workers: 256 KB each). A task holds each buffer it has fetched until it
     ends, and two workers' AdamW tasks that each filled half a 1 MB limit once waited for each other forever."""
     jnntile.runtime.stop()
-    jnntile.runtime.start(workers=2, memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    # No CUDA worker: each would count for a pipeline of two tasks in the share (task_group_bytes_limit).
+    jnntile.runtime.start(workers=2, memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60,
+                          cuda_workers=0)
     # 8 tiles of 4096 elements (16 KB), each update holding 64 KB (parameter, gradient, two moments): 4 tiles
     # to a task, not all 8 (the 32768 elements of a task without a limit).
     assert one_adamw_step_of_a_square(rng.standard_normal((512, 64)).astype(np.float32), (64, 64)) == 2
@@ -440,7 +442,7 @@ def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, placement, 
     losses, params, _, _ = _train_gpt2(False, FUSED_CLIPS[clip])
     runtime.stop()
     jnntile.release_traced()
-    runtime.start(memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60)
+    runtime.start(memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60, cuda_workers=0)
     fused_losses, fused_params, tasks, _ = _train_gpt2(True, FUSED_CLIPS[clip])
     assert runtime.stats()["bytes_moved"]["RAM->DISK"] > 0
     assert tasks["adamw_apart"] == FUSED_STEPS * _param_tiles(_fused_config())

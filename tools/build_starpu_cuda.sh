@@ -24,7 +24,9 @@ CU13_WHEELS=(nvidia-cublas==13.0.2.14 nvidia-cusparse==12.6.3.3 nvidia-cusolver=
 CU12_WHEELS=(nvidia-cublas-cu12 nvidia-cusparse-cu12 nvidia-cusolver-cu12)
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-WORK=${JNNTILE_CUDA_DIR:-$ROOT/.cuda}
+WORK=$(realpath -m "${JNNTILE_CUDA_DIR:-$ROOT/.cuda}")  # absolute: GIT_CEILING_DIRECTORIES below needs it
+PATCHES=("$ROOT"/tools/starpu-patches/*.patch)
+[ -e "${PATCHES[0]}" ] || PATCHES=()
 PREFIX=$WORK/starpu
 TOOLKIT=$WORK/toolkit
 PYTHON=${PYTHON:-python3}
@@ -143,12 +145,22 @@ assemble_toolkit() {
 # ---- StarPU ---------------------------------------------------------------------------------
 
 # patch where installed, else git apply outside any repository (.cuda sits inside this one, and git apply run
-# within a repository would skip paths outside the current folder without a word).
+# within a repository would skip paths outside the current folder without a word). A patch that a source tree
+# (STARPU_SOURCE=dir) already holds is left as it is.
 apply_patch() {
+  local patch=$1 src=$2
   if command -v patch >/dev/null; then
-    patch -s -p1 -d "$2" < "$1"
+    if patch -s -p1 -R -f --dry-run -d "$src" < "$patch" >/dev/null 2>&1; then
+      log "$(basename "$patch") is already applied"
+      return
+    fi
+    patch -s -p1 -f -d "$src" < "$patch"
   else
-    (cd "$2" && GIT_CEILING_DIRECTORIES=$(dirname "$2") git apply -p1 "$1")
+    if (cd "$src" && GIT_CEILING_DIRECTORIES=$(dirname "$src") git apply -p1 -R --check "$patch" 2>/dev/null); then
+      log "$(basename "$patch") is already applied"
+      return
+    fi
+    (cd "$src" && GIT_CEILING_DIRECTORIES=$(dirname "$src") git apply -p1 "$patch")
   fi
 }
 
@@ -178,7 +190,7 @@ unpack_source() {
     tar -xzf "$tarball" -C "$src" --strip-components=1
   fi
   local patch
-  for patch in "$ROOT"/tools/starpu-patches/*.patch; do
+  for patch in "${PATCHES[@]}"; do
     apply_patch "$patch" "$src" >&2 || die "could not apply $patch to the StarPU source in $src"
   done
   if [ ! -x "$src/configure" ]; then
@@ -216,7 +228,7 @@ main() {
   local system stamp_want
   system=$(find_toolkit)
   # The patches are part of the build: a changed patch rebuilds StarPU.
-  stamp_want="$STARPU_COMMIT $system $(cat "$ROOT"/tools/starpu-patches/*.patch | sha256sum | cut -d' ' -f1)"
+  stamp_want="$STARPU_COMMIT $system $(cat "${PATCHES[@]}" /dev/null | sha256sum | cut -d' ' -f1)"
   if [ -f "$WORK/starpu.stamp" ] && [ "$(cat "$WORK/starpu.stamp")" = "$stamp_want" ] && [ -e "$TOOLKIT/bin/nvcc" ] \
      && [ -e "$PREFIX/lib/pkgconfig/starpu-1.4.pc" ]; then
     log "StarPU with CUDA is up to date in $PREFIX"

@@ -119,9 +119,12 @@ class Tiles:
 # 531); a GPU wants far larger tasks to hide a launch and a transfer: on an
 # H200 a bfloat16 GPT-2 124M step at 8 x 1024 left the GPU idle 40 ms between
 # its 1,114 tasks, and 8192-row tiles make them 648 (4096-row tiles 1,120,
-# counted on the CPU with the GPU's tiles).
-CPU_TILES = {"rows": 512, "embd": 1024, "hidden": 2048, "vocab": 8192}
-GPU_TILES = {"rows": 8192, "embd": 4096, "hidden": 8192, "vocab": 16384}
+# counted on the CPU with the GPU's tiles). The rows go to the batch axis before
+# the sequence beyond "seq": an attention step's scratch grows as the square of
+# the sequence tile (about 10 bytes per score and head in a bfloat16 backward on
+# a GPU: 21 GB for 32 heads at 8192 tokens, a quarter of it at 4096).
+CPU_TILES = {"rows": 512, "seq": 512, "embd": 1024, "hidden": 2048, "vocab": 8192}
+GPU_TILES = {"rows": 8192, "seq": 4096, "embd": 4096, "hidden": 8192, "vocab": 16384}
 # On a GPU the feature axes' tiles are the products' leading dimensions, and tensor cores run at full speed only
 # when a matrix's rows start 16 bytes apart (cuBLAS's rule; XLA pads its bfloat16 products to multiples of 8
 # elements for it on Ampere and later). So every tile of those axes but the last is a multiple of
@@ -133,8 +136,8 @@ GPU_TILE_MULTIPLE = 64
 
 def even_tile(n: int, largest: int, multiple: int = 1) -> int:
     """The tile that cuts n into the fewest parts of at most `largest`, as equal as tiles that are multiples of
-    `multiple` allow (3072, 2048 -> 1536, not 2048 + 1024; with multiple=64, 50000, 16384 -> 12544 x 3 + 12368);
-    `largest` is a multiple of `multiple`."""
+    `multiple` allow (3072, 2048 -> 1536, not 2048 + 1024; with multiple=64, 50000, 16384 -> 12544 x 3 + 12368)."""
+    largest = max(multiple, largest // multiple * multiple)  # rounding a tile up must not pass it
     parts = -(-n // max(1, min(largest, n)))
     tile = -(-n // parts)
     return min(n, -(-tile // multiple) * multiple)
@@ -156,7 +159,7 @@ def resolve_tiles(config, batch_size: int, seq_len: int) -> Tiles:
     on_gpu = bool(runtime.gpu_memory_mb())
     largest = GPU_TILES if on_gpu else CPU_TILES
     feature_tile = gpu_aligned_tile if on_gpu else even_tile
-    seq = even_tile(seq_len, largest["rows"])
+    seq = even_tile(seq_len, largest["seq"])
     auto = Tiles(
         batch=even_tile(batch_size, max(1, largest["rows"] // seq)),
         seq=seq,
