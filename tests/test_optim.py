@@ -442,7 +442,9 @@ def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, placement, 
     losses, params, _, _ = _train_gpt2(False, FUSED_CLIPS[clip])
     runtime.stop()
     jnntile.release_traced()
-    runtime.start(memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60, cuda_workers=0)
+    # The CPU half without CUDA workers; the CUDA half (skipped above) limits the GPU to 1 MB as well.
+    limits = dict(gpu_memory_limit_mb=1) if placement == "cuda" else dict(cuda_workers=0)
+    runtime.start(memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60, **limits)
     fused_losses, fused_params, tasks, _ = _train_gpt2(True, FUSED_CLIPS[clip])
     assert runtime.stats()["bytes_moved"]["RAM->DISK"] > 0
     assert tasks["adamw_apart"] == FUSED_STEPS * _param_tiles(_fused_config())
