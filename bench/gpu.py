@@ -2,7 +2,7 @@
 
     .venv-cuda/bin/python bench/gpu.py [--out out/gpu/report.json] [--only gemm train limited capacity]
         [--capacity-layers 16] [--capacity-full] [--swap-dir DIR] [--placement auto|any|cpu|cuda] [--workers N]
-        [--fused-attention] [--tiles batch=8 vocab=50257 ...] [--smoke]
+        [--fused-attention] [--scheduler dmdas|lws|eager|...] [--tiles batch=8 vocab=50257 ...] [--smoke]
 
 Sections, each measured in a process of its own so that it has the whole GPU:
   gemm      tile GEMM through StarPU vs jnp.dot on the GPU, FP32 and TF32, several tile sizes
@@ -181,7 +181,7 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
 
     config = _config(p["model"])
     B, T = p["batch"], p["seq"]
-    settings = {k: p[k] for k in ("placement", "workers", "fused_attention") if p.get(k) is not None}
+    settings = {k: p[k] for k in ("placement", "workers", "fused_attention", "scheduler") if p.get(k) is not None}
     if gpu_memory_fraction is not None:
         plan = memory.plan(config, B, T)
         gpu_mb = settings["gpu_memory_limit_mb"] = max(1, int((plan.state + plan.activations) * gpu_memory_fraction
@@ -305,6 +305,8 @@ def gpu_summary() -> dict:
 
 
 def main(argv=None) -> int:
+    from jnntile.runtime import SCHEDULERS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/gpu/report.json")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
@@ -322,6 +324,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=None, help="CPU workers of jnntile's training runs")
     parser.add_argument("--fused-attention", action="store_true",
                         help="jnntile's training runs take the fused bfloat16 attention kernels (runtime setting)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS, default=None,
+                        help="StarPU scheduler of jnntile's training runs (default: the runtime's, auto: dmdas "
+                             "with a GPU)")
     parser.add_argument("--tiles", nargs="+", default=[], metavar="AXIS=SIZE", type=_tile_setting,
                         help="tile sizes of the training runs (axes: batch seq embd heads hidden vocab; default: "
                              "jnntile's automatic tiles)")
@@ -350,7 +355,7 @@ def main(argv=None) -> int:
         # jnntile keeps JAX on the CPU with the CUDA build; the plain-JAX baselines ask for its GPU.
         xla_env = {"JAX_PLATFORMS": "cuda"} if report["cuda_workers"] > 0 else {}
         runtime_flags = {"placement": args.placement, "workers": args.workers,  # of jnntile's training runs
-                         "fused_attention": args.fused_attention or None}
+                         "fused_attention": args.fused_attention or None, "scheduler": args.scheduler}
         tiles = dict(args.tiles)
         if "gemm" in args.only:
             report["gemm"] = measure_gemm(s["gemm"], log, timeout_s, xla_env)

@@ -110,6 +110,25 @@ def test_other_scheduler_runs_ops():
         jnntile.runtime.configure(scheduler="auto", workers=2)
 
 
+
+@pytest.mark.parametrize("kind", ["round_trip", "chain", "independent"])
+def test_empty_task_measurement_runs_its_tasks_and_reports_a_time(kind):
+    """bench/overhead.py's measurement: each kind runs its tasks (one warm-up task per tile, then `count`) and
+    reports a positive time per task; on CUDA workers where there are none it names what is missing."""
+    jnntile.runtime.ensure_started()
+    count, measure, kind = 50, jnntile._xla_ffi.measure_empty_tasks, getattr(jnntile._xla_ffi.EmptyTasks, kind)
+    warm_up = count if kind == jnntile._xla_ffi.EmptyTasks.independent else 1
+    for on_cuda in [False] + ([True] if jnntile.runtime.cuda_worker_count() > 0 else []):
+        before = jnntile.runtime.stats()["tasks_completed"]
+        assert 0 < measure(count, kind, on_cuda) < 1
+        assert jnntile.runtime.stats()["tasks_completed"] - before == count + warm_up
+    if jnntile.runtime.cuda_worker_count() == 0:
+        with pytest.raises(RuntimeError, match="CUDA workers: this runtime has none"):
+            measure(count, kind, True)
+    with pytest.raises(ValueError, match="count must be positive"):
+        measure(0, kind, False)
+
+
 def test_runtime_that_fails_to_start_gives_a_clear_error(tmp_path):
     jnntile.runtime.stop()
     blocker = tmp_path / "not-a-dir"

@@ -148,9 +148,13 @@ NB_MODULE(_xla_ffi, m) {
     for (const std::string& s : all) out.append(nb::bytes(s.data(), s.size()));
     return out;
   });
-  m.def("measure_empty_task_latency", [](int count) {
+  nb::enum_<EmptyTasks>(m, "EmptyTasks")
+      .value("round_trip", EmptyTasks::RoundTrip)
+      .value("chain", EmptyTasks::Chain)
+      .value("independent", EmptyTasks::Independent);
+  m.def("measure_empty_tasks", [](int count, EmptyTasks kind, bool on_cuda) {
     nb::gil_scoped_release release;
-    return measure_empty_task_latency(count);
+    return measure_empty_tasks(count, kind, on_cuda);
   });
 
   m.def("tensor_create", [](const Index& shape, const Index& tile_shape, int dtype) {

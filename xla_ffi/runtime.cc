@@ -659,7 +659,8 @@ void require_runtime() {
 
 void submit(starpu_task* task, TaskGroup* group) {
   RuntimeState& s = state();
-  if (task->cl != nullptr && (task->cl->where & STARPU_CUDA) && s.where_both_versions != 0)
+  const uint32_t both = STARPU_CPU | STARPU_CUDA;
+  if (task->cl != nullptr && (task->cl->where & both) == both && s.where_both_versions != 0)
     task->where = s.where_both_versions;
   task->callback_func = on_task_done;
   task->callback_arg = group;
@@ -751,28 +752,74 @@ void wait_all(const char* what) {
 
 namespace {
 void empty_kernel(void**, void*) {}
+
+// An empty kernel on a one-float tile, on CPU or CUDA workers. It has a history-based performance model as
+// every jnntile codelet has, so that a model-based scheduler (dmdas) does the per-task work it does in a step.
+starpu_codelet empty_codelet(uint32_t where, const char* name) {
+  starpu_codelet c;
+  starpu_codelet_init(&c);
+  c.where = where;
+  c.cpu_funcs[0] = empty_kernel;
+#if JNNTILE_CUDA
+  c.cuda_funcs[0] = empty_kernel;  // launches nothing: StarPU records its stream's event at once
+  c.cuda_flags[0] = STARPU_CUDA_ASYNC;
+#endif
+  c.nbuffers = 1;
+  c.modes[0] = STARPU_RW;
+  c.name = name;
+  static starpu_perfmodel model = [] {
+    starpu_perfmodel m{};
+    m.type = STARPU_HISTORY_BASED;
+    m.symbol = "jnntile_empty";
+    return m;
+  }();
+  c.model = &model;
+  return c;
+}
 }  // namespace
 
-double measure_empty_task_latency(int count) {
+double measure_empty_tasks(int count, EmptyTasks kind, bool on_cuda) {
   require_runtime();
-  static starpu_codelet cl = [] {
-    starpu_codelet c;
-    starpu_codelet_init(&c);
-    c.where = STARPU_CPU;
-    c.cpu_funcs[0] = empty_kernel;
-    c.nbuffers = 0;
-    c.name = "empty";
-    return c;
-  }();
-  auto start = Clock::now();
-  for (int i = 0; i < count; ++i) {
-    auto* group = new TaskGroup();
+  if (count < 1) throw std::invalid_argument("measure_empty_tasks: count must be positive, got " +
+                                             std::to_string(count));
+  if (on_cuda && starpu_cuda_worker_get_count() == 0)
+    throw std::runtime_error("measure_empty_tasks on CUDA workers: this runtime has none (a GPU, `make cuda` "
+                             "and cuda_workers != 0 are needed)");
+  static starpu_codelet cpu_cl = empty_codelet(STARPU_CPU, "empty");
+  static starpu_codelet cuda_cl = empty_codelet(STARPU_CUDA, "empty_cuda");
+  starpu_codelet* cl = on_cuda ? &cuda_cl : &cpu_cl;
+  const int tiles = kind == EmptyTasks::Independent ? count : 1;
+  std::vector<float> values(tiles, 0.0f);
+  std::vector<starpu_data_handle_t> handles(tiles);
+  for (int t = 0; t < tiles; ++t)
+    starpu_vector_data_register(&handles[t], STARPU_MAIN_RAM, uintptr_t(&values[t]), 1, sizeof(float));
+  auto submit_one = [&](int i, TaskGroup* group) {
     starpu_task* task = starpu_task_create();
-    task->cl = &cl;
+    task->cl = cl;
+    task->handles[0] = handles[i % tiles];
     submit(task, group);
+  };
+  // One task first, waited for: the tiles reach the workers' memory before the clock starts.
+  for (int t = 0; t < tiles; ++t) {
+    auto* group = new TaskGroup();
+    submit_one(t, group);
     wait(group, "an empty task");
   }
-  return std::chrono::duration<double>(Clock::now() - start).count() / count;
+  auto start = Clock::now();
+  if (kind == EmptyTasks::RoundTrip) {
+    for (int i = 0; i < count; ++i) {
+      auto* group = new TaskGroup();
+      submit_one(i, group);
+      wait(group, "an empty task");
+    }
+  } else {
+    auto* group = new TaskGroup();
+    for (int i = 0; i < count; ++i) submit_one(i, group);
+    wait(group, "empty tasks");
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count() / count;
+  for (starpu_data_handle_t h : handles) starpu_data_unregister(h);
+  return seconds;
 }
 
 RuntimeStats runtime_stats() {

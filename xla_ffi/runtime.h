@@ -146,8 +146,13 @@ RuntimeStats runtime_stats();
 // Starts the peak memory use of every node over from its current use.
 void reset_peaks();
 
-// Submits `count` empty tasks one at a time, each waited for, and returns the
-// mean seconds from submission to completion: the scheduler's per-task overhead.
-double measure_empty_task_latency(int count);
+// The mean seconds per task of `count` empty tasks on CPU or CUDA workers: the
+// runtime's own cost of a task. RoundTrip submits one at a time and waits for
+// each (submission to completion, as a blocking read pays); Chain submits all
+// at once on one tile, each depending on the one before (what a chain of ops
+// pays between kernels); Independent submits all at once on tiles of their own
+// (the workers' task throughput).
+enum class EmptyTasks { RoundTrip, Chain, Independent };
+double measure_empty_tasks(int count, EmptyTasks kind, bool on_cuda);
 
 }  // namespace jnntile
