@@ -2,7 +2,8 @@
 
     .venv-cuda/bin/python bench/gpu.py [--out out/gpu/report.json] [--only gemm train limited capacity]
         [--capacity-layers 16] [--capacity-full] [--swap-dir DIR] [--placement auto|any|cpu|cuda] [--workers N]
-        [--fused-attention] [--scheduler dmdas|lws|eager|...] [--tiles batch=8 vocab=50257 ...] [--smoke]
+        [--fused-attention] [--scheduler dmdas|lws|eager|...] [--fused-update auto|on|off]
+        [--tiles batch=8 vocab=50257 ...] [--smoke]
 
 Sections, each measured in a process of its own so that it has the whole GPU:
   gemm      tile GEMM through StarPU vs jnp.dot on the GPU, FP32 and TF32, several tile sizes
@@ -191,7 +192,7 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
                                      workers=settings.get("workers"))
     jnntile.runtime.stop()
     jnntile.runtime.start(**settings)
-    step = jnntile_step(config, B, T)
+    step = jnntile_step(config, B, T, p.get("fused_update") or "auto")
     # dmdas runs each kernel STARPU_CALIBRATE_MINIMUM (10) times per tile shape on each kind of worker before
     # it trusts its performance model, so the first steps put GEMMs on CPU workers on purpose (measured on an
     # H200 with 2 warm-up steps: 0.84 s/step, CPU workers 94% of the busy time). Measured after calibration.
@@ -204,7 +205,8 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     after = jnntile.runtime.stats()
     seconds = statistics.median(times)
     return {"config": p["model"], "batch": [B, T], "tiles": str(step.model.tiles),
-            "runtime": jnntile.runtime.describe(), "settings": settings, "calibration_step_s": calibration_s,
+            "runtime": jnntile.runtime.describe(), "settings": settings, "fused_update": p.get("fused_update") or "auto",
+            "calibration_step_s": calibration_s,
             "step_s": seconds, "steps": p["steps"], "tokens_per_s": B * T / seconds,
             "workers": _worker_shares(before, after),
             "kernels_per_step": _kernels_per_step(before, after, p["steps"]),
@@ -305,6 +307,7 @@ def gpu_summary() -> dict:
 
 
 def main(argv=None) -> int:
+    from jnntile.optim import FUSED_UPDATE_CHOICES
     from jnntile.runtime import SCHEDULERS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -327,6 +330,9 @@ def main(argv=None) -> int:
     parser.add_argument("--scheduler", choices=SCHEDULERS, default=None,
                         help="StarPU scheduler of jnntile's training runs (default: the runtime's, auto: dmdas "
                              "with a GPU)")
+    parser.add_argument("--fused-update", choices=FUSED_UPDATE_CHOICES, default=None,
+                        help="when jnntile's training runs update the parameters (default: auto; on: in the "
+                             "backward, speculatively under the clip)")
     parser.add_argument("--tiles", nargs="+", default=[], metavar="AXIS=SIZE", type=_tile_setting,
                         help="tile sizes of the training runs (axes: batch seq embd heads hidden vocab; default: "
                              "jnntile's automatic tiles)")
@@ -355,7 +361,8 @@ def main(argv=None) -> int:
         # jnntile keeps JAX on the CPU with the CUDA build; the plain-JAX baselines ask for its GPU.
         xla_env = {"JAX_PLATFORMS": "cuda"} if report["cuda_workers"] > 0 else {}
         runtime_flags = {"placement": args.placement, "workers": args.workers,  # of jnntile's training runs
-                         "fused_attention": args.fused_attention or None, "scheduler": args.scheduler}
+                         "fused_attention": args.fused_attention or None, "scheduler": args.scheduler,
+                         "fused_update": args.fused_update}
         tiles = dict(args.tiles)
         if "gemm" in args.only:
             report["gemm"] = measure_gemm(s["gemm"], log, timeout_s, xla_env)

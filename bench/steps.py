@@ -38,8 +38,9 @@ def random_batch(config, batch_size: int, seq_len: int, seed: int = 0):
     return tuple(rng.integers(0, config.vocab_size, (batch_size, seq_len)).astype(np.int32) for _ in range(2))
 
 
-def jnntile_step(config, batch_size: int, seq_len: int):
-    """One jnntile training step per call (`.model` holds the model, for its tiles).
+def jnntile_step(config, batch_size: int, seq_len: int, fused_update: str = "auto"):
+    """One jnntile training step per call (`.model` holds the model, for its tiles); `fused_update` as
+    `jnntile.train.make_steps` takes it.
 
     In a distributed run each rank trains on its rows of the batch and the loss is the mean over the ranks.
     """
@@ -48,7 +49,7 @@ def jnntile_step(config, batch_size: int, seq_len: int):
     tx = optax.chain(optim.clip_by_global_norm(MAX_NORM), optim.adamw(LEARNING_RATE))
     graphdef, params = nnx.split(model, nnx.Param)
     state = {"params": params, "opt": tx.init(params)}
-    train_step, _ = make_steps(graphdef, tx)
+    train_step, _ = make_steps(graphdef, tx, fused_update=fused_update)
 
     def step() -> float:
         # One micro-batch per step: ids shaped (1, B, T), one dropout seed (none).

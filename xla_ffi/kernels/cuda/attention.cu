@@ -230,8 +230,20 @@ constexpr size_t kSharedBytes = sizeof(Shared);
 __device__ inline bf16 to_bf16(float x) { return __ushort_as_bfloat16(from_float<bfloat16>(x).bits); }
 
 // Rows [row0, row0 + 64) of a tile's head (rows `ld` elements apart, `rows` of them) into a shared block,
-// zeros past the last row.
+// zeros past the last row. Eight bfloat16 (16 bytes) per load where the head's rows start 16 bytes apart,
+// as a tile's do (heads and rows start at multiples of 64 elements): one load for eight, and no division
+// per element. The shared rows (kLd * 2 = 144 bytes) start 16 bytes apart too.
 __device__ void load_rows(const bfloat16* head, int64_t ld, int64_t row0, int64_t rows, bf16* block) {
+  constexpr int kVector = 8, kVectors = kD / kVector;  // per row
+  if (ld % kVector == 0 && reinterpret_cast<uintptr_t>(head) % 16 == 0) {
+    for (int i = threadIdx.x; i < kRows * kVectors; i += blockDim.x) {
+      const int r = i / kVectors, c = (i % kVectors) * kVector;
+      const uint4 eight = row0 + r < rows ? *reinterpret_cast<const uint4*>(head + (row0 + r) * ld + c)
+                                          : make_uint4(0, 0, 0, 0);  // bfloat16 zeros
+      *reinterpret_cast<uint4*>(block + r * kLd + c) = eight;
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < kRows * kD; i += blockDim.x) {
     const int r = i / kD, c = i % kD;
     block[r * kLd + c] = row0 + r < rows ? __ushort_as_bfloat16(head[(row0 + r) * ld + c].bits) : to_bf16(0.0f);
@@ -296,8 +308,12 @@ __global__ void __launch_bounds__(kWarps * cuda::kWarp)
   FragC acc[kD / kFrag];
   if (first) {
     for (FragC& f : acc) wmma::fill_fragment(f, 0.0f);
-  } else {  // o's rows through the stage into the accumulators
-    for (int c = c0; c < c0 + kRows / 2; ++c) stage[lr * kLdf + c] = live && c < kD ? o[i * kD + c] : 0.0f;
+  } else {  // o's rows through the stage into the accumulators, a row at a time over the lanes (coalesced)
+    for (int rr = 0; rr < kFrag; ++rr) {
+      const int64_t row = q_row0 + warp * kFrag + rr;
+      const float* o_row = row < p.nq ? o + row_index(p, b, row, h) * kD : nullptr;
+      for (int c = cuda::lane(); c < kD; c += cuda::kWarp) stage[rr * kLdf + c] = o_row ? o_row[c] : 0.0f;
+    }
     __syncwarp();
     for (int j = 0; j < kD / kFrag; ++j)
       wmma::load_matrix_sync(acc[j], stage + j * kFrag, kLdf, wmma::mem_row_major);
@@ -341,24 +357,26 @@ __global__ void __launch_bounds__(kWarps * cuda::kWarp)
   __syncwarp();
   store(acc, kD / kFrag, stage);
   __syncwarp();
-  if (!live) return;
-  for (int c = c0; c < c0 + kRows / 2; ++c)
-    if (c < kD) o[i * kD + c] = stage[lr * kLdf + c];
-  if (c0 == 0) {
+  for (int rr = 0; rr < kFrag; ++rr) {  // a row at a time over the lanes
+    const int64_t row = q_row0 + warp * kFrag + rr;
+    if (row < p.nq)
+      for (int c = cuda::lane(); c < kD; c += cuda::kWarp) o[row_index(p, b, row, h) * kD + c] = stage[rr * kLdf + c];
+  }
+  if (live && c0 == 0) {
     stats[2 * i] = m;
     stats[2 * i + 1] = l;
   }
 }
 
-// Adds a warp's 16 x 64 float32 result (scaled) to rows [row0, row0 + 16) of a float32 tile's head.
+// Adds a warp's 16 x 64 float32 result (scaled) to rows [row0, row0 + 16) of a float32 tile's head, a row at
+// a time over the lanes (consecutive lanes, consecutive floats: coalesced).
 __device__ void add_rows(const FragC* acc, float scale, float* stage, float* head, int64_t ld, int64_t row0,
                          int64_t rows) {
   store(acc, kD / kFrag, stage);
   __syncwarp();
-  const int lr = lane_row(), c0 = lane_col0();
-  if (row0 + lr < rows)
-    for (int c = c0; c < c0 + kRows / 2; ++c)
-      if (c < kD) head[(row0 + lr) * ld + c] += scale * stage[lr * kLdf + c];
+  for (int rr = 0; rr < kFrag; ++rr)
+    if (row0 + rr < rows)
+      for (int c = cuda::lane(); c < kD; c += cuda::kWarp) head[(row0 + rr) * ld + c] += scale * stage[rr * kLdf + c];
   __syncwarp();
 }
 
