@@ -11,7 +11,8 @@ NATIVE_SOURCES := $(shell find xla_ffi -name '*.cc' -o -name '*.h' -o -name '*.c
 # What the package and its tests import; the GPU machines have them preinstalled.
 PYTHON_DEPS := jax flax optax numpy safetensors tokenizers tqdm matplotlib pytest nanobind scikit-build-core cmake ninja
 
-.PHONY: setup system-packages build train test bench bench-torch bench-memory cuda cuda-python-deps test-gpu clean
+.PHONY: setup system-packages build train test bench bench-torch bench-memory cuda cuda-python-deps test-gpu \
+	emulated-gpu test-emulated-gpu clean
 
 setup: $(STAMP)
 
@@ -113,6 +114,19 @@ test-gpu: cuda
 	  || $(call CRASH_SUMMARY,$(GPU_OUT)/test-gpu.log)
 	set -o pipefail; $(CUDA_PY) bench/gpu.py --out $(GPU_OUT)/report.json $(GPU_BENCH) 2>&1 \
 	  | tee -a $(GPU_OUT)/test-gpu.log
+
+# The CUDA build on an emulated GPU, for machines without one (tools/emulated_gpu/emulated_gpu.c): StarPU's CUDA
+# worker, GPU memory limits, eviction and transfers run for real, on host memory, with the CPU kernels.
+EMULATED_GPU := $(CUDA_DIR)/libemulated_gpu.so
+EMULATED_GPU_TESTS ?= tests/test_emulated_gpu.py tests/test_gpu.py tests/test_optim.py tests/test_grad_accumulation.py
+$(EMULATED_GPU): tools/emulated_gpu/emulated_gpu.c $(CUDA_DIR)/starpu.stamp
+	cc -O2 -Wall -Wextra -shared -fPIC -I$(CUDA_DIR)/toolkit/targets/x86_64-linux/include -o $@ $< -lpthread
+
+emulated-gpu: cuda $(EMULATED_GPU)
+
+test-emulated-gpu: emulated-gpu
+	set -o pipefail; LD_PRELOAD=$(abspath $(EMULATED_GPU)) $(CUDA_PY) -m pytest -q -rs --capture=sys \
+	  $(EMULATED_GPU_TESTS) 2>&1 | tee $(CUDA_VENV)/test-emulated-gpu.log || $(call CRASH_SUMMARY,$(CUDA_VENV)/test-emulated-gpu.log)
 
 clean:
 	rm -rf build $(VENV) $(CUDA_VENV) $(CUDA_DIR)

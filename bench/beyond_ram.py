@@ -61,6 +61,8 @@ QUICK_SHAPES = {  # --quick: the same runs on models of a few MB
 }
 QUICK_LIMIT_MB = 8
 PROMPT = "def main("
+# RAM and disk are what this measures: on a GPU machine the step would otherwise live in the GPU's memory.
+CPU_ONLY = ["--cuda-workers", "0"]
 NO_LIMIT_MB = 16384  # the "no limit" run's --memory-limit-mb, as in bench/memory.py
 
 
@@ -201,7 +203,7 @@ def _plan(shape: list[str], limit_mb: int, vocab_size: int):
     parser = argparse.ArgumentParser()
     memory.add_arguments(parser)
     return memory.plan_from_args(parser.parse_args([*shape, "--vocab-size", str(vocab_size),
-                                                    "--memory-limit-mb", str(limit_mb)]))
+                                                    "--memory-limit-mb", str(limit_mb), *CPU_ONLY]))
 
 
 class Report:
@@ -220,7 +222,7 @@ class Report:
 
 def _train_argv(shape, out: Path, steps: int, limit_mb: int | None, swap_dir: Path | None, swap_mb: int) -> list[str]:
     argv = [*shape, "--steps", str(steps), "--samples", "0", "--eval-interval", "0", "--checkpoint-interval", "0",
-            "--quiet", "--out", str(out)]
+            "--quiet", "--out", str(out), *CPU_ONLY]
     if limit_mb is not None:
         argv += ["--memory-limit-mb", str(limit_mb)]
     if swap_dir is not None:
@@ -284,7 +286,7 @@ def measure_generate(args, report, root, ckpt: Path, limit, bandwidth) -> None:
               f"from the page cache), limit {limit} MB, swap {swap_mb} MB")
     argv = ["--checkpoint", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", str(args.max_new_tokens),
             "--temperature", "0", "--quiet", "--memory-limit-mb", str(limit), "--swap-dir", str(root / "swap"),
-            "--swap-size-mb", str(swap_mb)]
+            "--swap-size-mb", str(swap_mb), *CPU_ONLY]
     r = run("xl generate", dict(kind="generate", argv=argv), args.timeout_s)
     if "error" in r:
         report.add("xl_generate", error=r["error"])

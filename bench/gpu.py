@@ -303,7 +303,7 @@ def gpu_summary() -> dict:
 
     jnntile.runtime.start()
     return {"runtime": jnntile.runtime.describe(), "cuda_workers": jnntile.runtime.cuda_worker_count(),
-            "gpu_memory_mb": jnntile.runtime.gpu_memory_mb()}
+            "gpu_memory_mb": jnntile.runtime.gpu_memory_mb(), "emulated_gpu": jnntile._xla_ffi.emulated_gpu()}
 
 
 def main(argv=None) -> int:
@@ -358,8 +358,9 @@ def main(argv=None) -> int:
     timeout_s = 300 if not args.smoke else 120
     log_path = out_path.with_suffix(".log")
     with log_path.open("w") as log, tempfile.TemporaryDirectory(prefix="jnntile-bench-swap-") as tmp_swap:
-        # jnntile keeps JAX on the CPU with the CUDA build; the plain-JAX baselines ask for its GPU.
-        xla_env = {"JAX_PLATFORMS": "cuda"} if report["cuda_workers"] > 0 else {}
+        # jnntile keeps JAX on the CPU with the CUDA build; the plain-JAX baselines ask for its GPU (an emulated
+        # GPU has none for JAX: there they run on the CPU).
+        xla_env = {"JAX_PLATFORMS": "cuda"} if report["cuda_workers"] > 0 and not report["emulated_gpu"] else {}
         runtime_flags = {"placement": args.placement, "workers": args.workers,  # of jnntile's training runs
                          "fused_attention": args.fused_attention or None, "scheduler": args.scheduler,
                          "fused_update": args.fused_update}

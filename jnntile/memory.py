@@ -909,7 +909,7 @@ def limits_from_args(args) -> tuple[int, int, int]:
     """(memory limit MB, swap MB, GPU MB) the flags give, runtime defaults filling the gaps; 0 means none.
 
     --swap-size-mb without --swap-dir plans with that much swap, and
-    --gpu-memory-limit-mb with that much GPU memory (what-if).
+    --gpu-memory-limit-mb with that much GPU memory (what-if); --cuda-workers 0 with none.
     """
     config = runtime.config()
     limit = args.memory_limit_mb if getattr(args, "memory_limit_mb", None) is not None else config.memory_limit_mb
@@ -917,7 +917,9 @@ def limits_from_args(args) -> tuple[int, int, int]:
     if swap is None:
         swap = config.swap_size_mb if getattr(args, "swap_dir", None) else 0
     gpu = getattr(args, "gpu_memory_limit_mb", None)
-    if gpu is None:
+    if getattr(args, "cuda_workers", None) == 0:
+        gpu = 0  # CPU workers only (--cuda-workers 0): the GPU's memory holds nothing
+    elif gpu is None:
         gpu = runtime.gpu_memory_mb(config)
     return limit, swap, gpu
 

@@ -399,9 +399,11 @@ def describe() -> str:
             if _config.swap_dir else "")
     ranks = (f", rank {rank()} of {world_size()} (StarPU-MPI, gradients summed by a {_config.allreduce})"
              if _config.distributed else "")
+    # Under GPU, RAM and disk limits StarPU prefetches nothing (runtime.cc: its prefetches stalled there).
+    prefetch = ", no prefetching (GPU with disk swap)" if cuda and _config.swap_dir and not _xla_ffi.prefetch() else ""
     return (f"{gpus}{_config.workers} CPU workers, scheduler {resolved_scheduler(_config)}, memory limit "
             f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_started_gpu_limit_mb} MB" if cuda else "") + swap
-            + ranks)
+            + prefetch + ranks)
 
 
 def blas_core() -> str:

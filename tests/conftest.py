@@ -244,6 +244,21 @@ def cuda_skip_reason() -> str | None:
     return None
 
 
+def emulated_gpu() -> bool:
+    """Whether this process runs on tools/emulated_gpu (`make test-emulated-gpu`): a CUDA worker on host memory
+    that runs the CPU kernels."""
+    from jnntile import _xla_ffi
+
+    return _xla_ffi.emulated_gpu()
+
+
+def gpu_kernels_skip_reason() -> str | None:
+    """Why the GPU's own kernels (cuBLAS, TF32 products, the fused attention) cannot run here, or None."""
+    if cuda_skip_reason() is None and emulated_gpu():
+        return "an emulated GPU (tools/emulated_gpu) runs the CPU kernels on its CUDA worker"
+    return cuda_skip_reason()
+
+
 @pytest.fixture
 def restore_runtime():
     """Puts the runtime configuration back after a test that changes it."""

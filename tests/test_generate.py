@@ -280,7 +280,8 @@ def test_generation_under_a_memory_limit_with_swap_matches(tmp_path):
     def run(**settings):
         jnntile.runtime.stop()
         jnntile.release_traced()
-        jnntile.runtime.start(**settings)
+        # CPU workers only: with a GPU the tiles would stay in its memory, and RAM and swap go unused.
+        jnntile.runtime.start(cuda_workers=0, placement="cpu", **settings)
         model = gpt2.GPT2(config, batch_size=2, seq_len=16, seed=3)
         decoder = decoding.Decoder(model, batch_size=2, max_len=16, prefill_chunk=2)
         tokens = decoder.generate(prompts, 8, temperature=0)

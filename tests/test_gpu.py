@@ -15,14 +15,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import (SUITE_RUNTIME, TRAIN_STEPS_LR, assert_trained_params_close, cuda_skip_reason, rel_err,
-                      restart_runtime, train_steps)
+from conftest import (SUITE_RUNTIME, TRAIN_STEPS_LR, assert_trained_params_close, cuda_skip_reason,
+                      gpu_kernels_skip_reason, rel_err, restart_runtime, train_steps)
 
 import jnntile
 from jnntile.models.gpt2.config import GPT2Config
 from jnntile.ops import _ffi, gemm
 
 needs_gpu = pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))
+needs_gpu_kernels = pytest.mark.skipif(gpu_kernels_skip_reason() is not None, reason=str(gpu_kernels_skip_reason()))
 
 B, T = 2, 32
 # 2.7M parameters, 42 MB of parameters, gradients and AdamW state; several tiles on every axis.
@@ -104,7 +105,7 @@ def test_auto_placement_runs_every_kernel_that_has_a_cuda_version_on_the_gpu(pla
         assert gemm_tasks["cuda_tasks"] == 64
 
 
-@needs_gpu
+@needs_gpu_kernels
 def test_matmul_precision(restore_runtime):
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((512, 512)).astype(np.float32) for _ in range(2))

@@ -420,19 +420,18 @@ def test_automatic_tiles_shrink_until_every_task_fits(gpu):
 
 
 def test_memory_cli_says_which_tiles_it_chose(capsys):
-    assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
-                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--workers", "2", "--remat", "none"]) == 0
+    # CPU workers only (--cuda-workers 0): on a GPU machine the plan would put the step in the GPU's memory.
+    tiny = ["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64", "--memory-limit-mb",
+            "8", "--swap-size-mb", "64", "--workers", "2", "--cuda-workers", "0"]
+    assert memory.main(tiny + ["--remat", "none"]) == 0
     out = capsys.readouterr().out
     assert "automatic tiles shrunk (vocab 4096 -> 1024)" in out and "tiles batch=4 seq=64 embd=128" in out
     assert "vocab=1024" in out and "needs 29 MB of swap" in out and "page cache" not in out
     # Under a memory limit recomputation is chosen by default where it lowers the peak: less swap.
-    assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
-                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--workers", "2"]) == 0
+    assert memory.main(tiny) == 0
     out = capsys.readouterr().out
     assert "--remat auto: block, all 2 blocks recomputed" in out and "needs 24 MB of swap" in out
-    assert memory.main(["--model", "tiny", "--vocab-size", "4096", "--batch-size", "4", "--seq-len", "64",
-                        "--memory-limit-mb", "8", "--swap-size-mb", "64", "--swap-backend", "unistd", "--remat",
-                        "none"]) == 0
+    assert memory.main(tiny + ["--swap-backend", "unistd", "--remat", "none"]) == 0
     assert "swap backend unistd: the kernel's page cache may also hold up to 29 MB" in capsys.readouterr().out
 
 
@@ -512,15 +511,15 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
         parser = argparse.ArgumentParser()
         memory.add_arguments(parser)
         args = parser.parse_args("--model tiny --n-layer 1 --n-embd 128 --n-head 2 --vocab-size 2048 --n-positions 32 "
-                                 "--batch-size 1 --seq-len 32 --tile-vocab 2048 --tile-embd 128 --memory-limit-mb 2 --workers 2 "
-                                 "--remat none"
+                                 "--batch-size 1 --seq-len 32 --tile-vocab 2048 --tile-embd 128 --memory-limit-mb 2 "
+                                 "--workers 2 --remat none --cuda-workers 0"
                                  .split() + ({swap!r} and ["--swap-dir", {str(tmp_path)!r}] or []))
         try:
             memory.check_before_training(args)
         except memory.MemoryPlanError as e:
             print("PLANNER:", e, flush=True)
         # Run anyway, as if the planner had missed it.
-        jnntile.runtime.start(memory_limit_mb=2, watchdog_s=3{swap_settings})
+        jnntile.runtime.start(memory_limit_mb=2, watchdog_s=3, cuda_workers=0{swap_settings})
         model = gpt2.GPT2(memory.config_from_args(args), batch_size=1, seq_len=32)
         ids = np.zeros((1, 32), np.int32)
         _, grads = gpt2.loss_and_grads(model, ids, ids)
@@ -546,7 +545,7 @@ def test_swap_dir_is_removed_at_exit_and_after_an_error(tmp_path, ending):
     script = f"""
         import os, numpy as np, jnntile
         from jnntile.ops import gemm
-        jnntile.runtime.start(memory_limit_mb=2, swap_dir={str(tmp_path)!r}, swap_size_mb=32)
+        jnntile.runtime.start(memory_limit_mb=2, swap_dir={str(tmp_path)!r}, swap_size_mb=32, cuda_workers=0)
         a = jnntile.random_normal((1024, 1024), seed=1, tile_shape=256)
         b = gemm.matmul(a, a)  # 8 MB of tiles under a 2 MB limit
         b.numpy()

@@ -71,7 +71,7 @@ def test_weight_decay_mask_matches_optax(rng):
     _compare(rng, optim.adamw(1e-2, weight_decay=0.5, mask=mask), optax.adamw(1e-2, weight_decay=0.5, mask=mask))
 
 
-def test_small_tiles_share_update_tasks(rng):
+def test_small_tiles_share_update_tasks(rng, placement):
     """Tiles under 32768 elements are updated up to 16 to a task, across the parameters of one kind (same weight
     decay, compute copy and clip); large ones alone. The values stay optax's."""
     from jnntile.ops import elementwise as ew
@@ -105,8 +105,10 @@ def test_small_tiles_share_update_tasks(rng):
         before = tasks("adamw"), tasks("sumsq_partial")
         params, state = jax.block_until_ready(step(params, state))  # its tasks submitted
         # AdamW: the bias's 20 tiles (no decay) in 16 + 4; small's 4 tiles in one task, big alone (decay).
-        # The global norm's partial sums: the 24 small tiles in 16 + 8, big alone.
-        assert (tasks("adamw") - before[0], tasks("sumsq_partial") - before[1]) == (4, 3)
+        # The global norm's partial sums: the 24 small tiles in 16 + 8, big alone. On the GPU big is small too
+        # (under 4M elements, task.h): it joins small's task, and the norm's 25 tiles take 16 + 9.
+        expected = (3, 2) if placement == "cuda" else (4, 3)
+        assert (tasks("adamw") - before[0], tasks("sumsq_partial") - before[1]) == expected
         ref_grads = jax.grad(ref_loss)(ref_params)
         ref_updates, ref_state = ref_tx.update(ref_grads, ref_state, ref_params)
         ref_params = optax.apply_updates(ref_params, ref_updates)
@@ -142,9 +144,10 @@ def test_small_tiles_share_update_tasks_within_a_memory_limit(rng, restore_runti
     half the limit together (1 MB, 2 workers: 256 KB each). A task holds each buffer it has fetched until it
     ends, and two workers' AdamW tasks that each filled half a 1 MB limit once waited for each other forever."""
     jnntile.runtime.stop()
-    # No CUDA worker: each would count for a pipeline of two tasks in the share (task_group_bytes_limit).
+    # No CUDA worker (in either half of the module's placement): each would count for a pipeline of two tasks in
+    # the share (task_group_bytes_limit).
     jnntile.runtime.start(workers=2, memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60,
-                          cuda_workers=0)
+                          cuda_workers=0, placement="cpu")
     # 8 tiles of 4096 elements (16 KB), each update holding 64 KB (parameter, gradient, two moments): 4 tiles
     # to a task, not all 8 (the 32768 elements of a task without a limit).
     assert one_adamw_step_of_a_square(rng.standard_normal((512, 64)).astype(np.float32), (64, 64)) == 2

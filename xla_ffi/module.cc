@@ -152,6 +152,8 @@ NB_MODULE(_xla_ffi, m) {
       .value("round_trip", EmptyTasks::RoundTrip)
       .value("chain", EmptyTasks::Chain)
       .value("independent", EmptyTasks::Independent);
+  m.def("emulated_gpu", &emulated_gpu);
+  m.def("prefetch", [] { return runtime_running() && starpu_get_prefetch_flag() != 0; });
   m.def("measure_empty_tasks", [](int count, EmptyTasks kind, bool on_cuda) {
     nb::gil_scoped_release release;
     return measure_empty_tasks(count, kind, on_cuda);

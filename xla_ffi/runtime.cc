@@ -12,6 +12,7 @@ extern "C" {
 #endif
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <execinfo.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -413,6 +414,19 @@ void runtime_start(const RuntimeConfig& config) {
   // read the variable; its sub-allocator serves only GPU memory and pinned RAM, which
   // Debian's build without CUDA never uses.
   setenv("STARPU_SUBALLOCATOR", "0", 1);
+  // A GPU in front of RAM and disk swap: StarPU 1.4 issues a task's prefetches when dmdas queues it, long before
+  // it runs, and under all three limits allocations on the GPU evicted tiles that had to go to RAM, whose
+  // allocations evicted tiles to disk, each eviction waiting inside the last: GPT-2 steps under 1 MB GPU and
+  // 2 MB RAM limits stopped making progress in every run, and under 16 and 16 MB, on tools/emulated_gpu. Without
+  // prefetches they completed (docs/design.md, "GPU, RAM and disk limits together"). Tiles are then fetched
+  // when their task starts; the user's own STARPU_PREFETCH is left as it is.
+  static const bool user_prefetch = std::getenv("STARPU_PREFETCH") != nullptr;
+  if (!user_prefetch) {
+    if (config.cuda_workers != 0 && cuda_device_count() > 0 && !config.swap_dir.empty())
+      setenv("STARPU_PREFETCH", "0", 1);
+    else
+      unsetenv("STARPU_PREFETCH");
+  }
   setenv("STARPU_SILENT", "1", 0);
   setenv("STARPU_NOPENCL", "0", 0);
 
@@ -605,6 +619,11 @@ void runtime_fail(const std::string& why) {
 }
 
 int max_cpu_workers() { return STARPU_MAXCPUS; }
+
+bool emulated_gpu() {
+  static const bool preloaded = dlsym(RTLD_DEFAULT, "jnntile_emulated_gpu") != nullptr;
+  return preloaded;
+}
 
 size_t swap_io_alignment() { return io_alignment; }
 

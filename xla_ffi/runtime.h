@@ -125,8 +125,11 @@ void runtime_fail(const std::string& why);
 // kernels, so that a stop can drain them (their host buffers may be gone).
 bool kernels_skipped();
 const RuntimeConfig& runtime_config();
-// Whether every kernel with a CUDA version runs on CUDA workers (placement cuda): its tasks need no working
-// memory that only a CPU worker uses, and a GPU task may take more of the work than a CPU one.
+// Whether the process runs on tools/emulated_gpu (preloaded in place of the CUDA runtime, on a machine without
+// a GPU): its CUDA workers then run the CPU kernels, on "device" memory that is host memory.
+bool emulated_gpu();
+// Whether every kernel with a CUDA version runs on CUDA workers (placement cuda): a GPU task may take more of
+// the work than a CPU one, and (on a real GPU) its tasks need no working memory that only a CPU kernel uses.
 inline bool kernels_run_on_gpu() { return runtime_config().placement == Placement::Cuda; }
 // Throws std::runtime_error naming the problem when the runtime is not usable.
 void require_runtime();

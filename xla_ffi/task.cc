@@ -13,7 +13,7 @@ starpu_codelet make_codelet(const char* name, KernelEntry cpu, KernelEntry cuda)
 #if JNNTILE_CUDA
   if (cuda != nullptr) {
     cl.where |= STARPU_CUDA;
-    cl.cuda_funcs[0] = cuda;
+    cl.cuda_funcs[0] = emulated_gpu() ? cpu : cuda;  // tools/emulated_gpu: host memory, CPU kernels
     cl.cuda_flags[0] = STARPU_CUDA_ASYNC;
   }
 #endif

@@ -197,8 +197,10 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       starpu_data_handle_t scratch = nullptr;
       if (!tile_types.all_f32()) {
         // Sized before StarPU picks the worker; cuBLAS writes a bfloat16 C itself, so on the GPU alone none
-        // (the float32 sum of GPT-2's 8192 x 16384 logits tile would be 512 MB of GPU memory per task).
-        const int64_t floats = kernels_run_on_gpu() ? 0 : gemm_scratch_floats(tile_types, batch, m, n, k);
+        // (the float32 sum of GPT-2's 8192 x 16384 logits tile would be 512 MB of GPU memory per task). An
+        // emulated GPU runs the CPU kernel, which needs it.
+        const bool cublas = kernels_run_on_gpu() && !emulated_gpu();
+        const int64_t floats = cublas ? 0 : gemm_scratch_floats(tile_types, batch, m, n, k);
         scratch = temporary_vector(floats, sizeof(float));
         buffers.push_back({scratch, STARPU_SCRATCH});
       }

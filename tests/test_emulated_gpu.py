@@ -1,0 +1,95 @@
+"""A GPU's memory and tasks through StarPU's CUDA driver, on a machine without a GPU: `make test-emulated-gpu`
+runs this file with tools/emulated_gpu preloaded (elsewhere it skips, with the reason).
+
+The emulated GPU's CUDA worker runs the CPU kernels on "device" memory that is host memory, so a run on it must
+give the bits of a run on CPU workers: what these tests check is everything between the kernels, which is what
+a GPU run adds (tiles moved to and evicted from GPU memory, the CUDA worker's pipeline, GPU memory limits with
+RAM and disk behind them). The CUDA kernels themselves need a GPU (tests/test_gpu.py and the ops' tests).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import emulated_gpu, restart_runtime, train_steps
+
+import jnntile
+from jnntile.models.gpt2.config import GPT2Config
+from jnntile.ops import gemm
+
+pytestmark = pytest.mark.skipif(
+    not (jnntile.runtime.HAS_CUDA and emulated_gpu()),
+    reason="needs the CUDA build with tools/emulated_gpu preloaded: `make test-emulated-gpu`")
+
+B, T = 2, 32
+# 2.7M parameters, 42 MB of parameters, gradients and AdamW state; several tiles on every axis.
+CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=4096, n_positions=T, tile_batch=1, tile_seq=16,
+                    tile_embd=128, tile_heads=2, tile_hidden=256, tile_vocab=1024)
+
+
+def test_the_runtime_runs_a_cuda_worker_on_the_emulated_gpu(restore_runtime):
+    restart_runtime(placement="cuda")
+    jnntile.runtime.ensure_started()
+    assert jnntile.runtime.cuda_worker_count() == 1 and "emulated GPU" in jnntile.runtime.describe()
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    a = jnntile.from_array(x, 4)
+    np.testing.assert_array_equal(gemm.matmul(a, a).numpy(), x @ x)
+    gemm_tasks = jnntile.runtime.stats()["codelets"]["gemm"]
+    assert gemm_tasks["cuda_tasks"] == gemm_tasks["tasks"] == 8
+
+
+def _cpu_run(steps: int):
+    """Losses and parameters of `steps` training steps on CPU workers alone."""
+    restart_runtime(placement="cpu", cuda_workers=0, gpu_memory_limit_mb=0, memory_limit_mb=1024, swap_dir=None)
+    return train_steps(CONFIG, steps=steps, batch_size=B, seq_len=T)
+
+
+def _assert_same_run(run, reference):
+    (losses, params), (ref_losses, ref_params) = run, reference
+    np.testing.assert_array_equal(losses, ref_losses)
+    for name in ref_params:
+        np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
+
+
+def test_training_under_a_gpu_limit_gives_the_bits_of_cpu_workers(restore_runtime):
+    """A GPU limit of a tenth of the state: tiles leave the GPU for RAM and come back, the numbers do not change."""
+    reference = _cpu_run(3)
+    restart_runtime(placement="cuda", cuda_workers=-1, gpu_memory_limit_mb=4)
+    jnntile.runtime.reset_peaks()
+    _assert_same_run(train_steps(CONFIG, steps=3, batch_size=B, seq_len=T), reference)
+    stats = jnntile.runtime.stats()
+    assert stats["bytes_moved"]["CUDA->RAM"] > 0 and stats["bytes_moved"]["RAM->CUDA"] > 0
+    assert all(n["peak_used_bytes"] <= 4 * 2**20 for n in stats["nodes"] if n["kind"] == "CUDA")
+
+
+THREE_LEVELS = """
+import sys
+import numpy as np
+import jnntile
+from conftest import train_steps
+from test_emulated_gpu import B, CONFIG, T
+jnntile.runtime.start(placement="cuda", gpu_memory_limit_mb=16, memory_limit_mb=16, swap_dir=sys.argv[1],
+                      swap_size_mb=128, watchdog_s=60)
+print(jnntile.runtime.describe(), flush=True)
+losses, params = train_steps(CONFIG, steps=2, batch_size=B, seq_len=T)
+np.savez(sys.argv[2], losses=losses, moved=[jnntile.runtime.stats()["bytes_moved"].get(k, 0)
+                                            for k in ("CUDA->RAM", "RAM->DISK", "DISK->RAM")], **params)
+"""
+
+
+def test_gpu_ram_and_disk_limits_together(restore_runtime, tmp_path):
+    """All three levels, each holding part of the 42 MB of state: tiles go GPU -> RAM -> disk and back.
+
+    With StarPU's prefetches this run stopped making progress (no task completing: evictions nested in each
+    other on the GPU's worker), under 16/16 and 8/16 MB every time; jnntile turns them off with a GPU and disk
+    swap (runtime.cc), and then it completes, in a process of its own: after another run in the same process
+    it still stops, as under 8/8 MB (docs/design.md, "GPU, RAM and disk limits together")."""
+    result = subprocess.run([sys.executable, "-c", THREE_LEVELS, str(tmp_path), str(tmp_path / "run.npz")],
+                            cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "no prefetching (GPU with disk swap)" in result.stdout
+    run = np.load(tmp_path / "run.npz")
+    assert all(run["moved"] > 0)  # CUDA->RAM, RAM->DISK, DISK->RAM
+    _assert_same_run((run["losses"], {name: run[name] for name in run.files}), _cpu_run(2))
