@@ -160,11 +160,12 @@ def test_stuck_tasks_raise_instead_of_hanging():
 
 
 def _run_stuck(submit_stuck_work: str) -> list[str]:
-    """Runs `submit_stuck_work` under a 2 MB limit without swap, then stop() and a fresh start; the lines printed."""
+    """Runs `submit_stuck_work` under a 2 MB limit without swap, then stop() and a fresh start; the lines printed.
+    CPU workers only: a GPU would run the products in its own memory."""
     script = textwrap.dedent("""
         import numpy as np, jnntile
         from jnntile.ops import gemm
-        jnntile.runtime.start(memory_limit_mb=2, watchdog_s=2)
+        jnntile.runtime.start(memory_limit_mb=2, watchdog_s=2, cuda_workers=0)
         try:
             {work}
         except RuntimeError as e:

@@ -206,7 +206,8 @@ def test_bad_input_is_refused_before_training(dataset, tmp_path, extra, message)
 
 
 def test_step_that_cannot_fit_the_memory_limit_is_refused_before_training(dataset, tmp_path):
-    bigger = ["--batch-size", "8", "--seq-len", "64", "--memory-limit-mb", "2"]
+    # CPU workers only: on a GPU machine the plan puts the step in the GPU's memory (docs/design.md, GPUs).
+    bigger = ["--batch-size", "8", "--seq-len", "64", "--memory-limit-mb", "2", "--cuda-workers", "0"]
     args = train_mod.parse_args(["--data", str(dataset), *SMALL, *bigger])
     config = train_mod._config(args, data_mod.TokenDataset(dataset).vocab_size)
     assert config.remat == "auto"  # the default under a memory limit; recomputation does not make it fit either
