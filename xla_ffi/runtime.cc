@@ -418,8 +418,8 @@ void runtime_start(const RuntimeConfig& config) {
   // it runs, and under all three limits allocations on the GPU evicted tiles that had to go to RAM, whose
   // allocations evicted tiles to disk, each eviction waiting inside the last: GPT-2 steps under 1 MB GPU and
   // 2 MB RAM limits stopped making progress in every run, and under 16 and 16 MB, on tools/emulated_gpu. Without
-  // prefetches they completed (docs/design.md, "GPU, RAM and disk limits together"). Tiles are then fetched
-  // when their task starts; the user's own STARPU_PREFETCH is left as it is.
+  // prefetches they completed on an idle machine (a partial fix: docs/design.md, "GPU, RAM and disk limits
+  // together"). Tiles are then fetched when their task starts; the user's own STARPU_PREFETCH is left as it is.
   static const bool user_prefetch = std::getenv("STARPU_PREFETCH") != nullptr;
   if (!user_prefetch) {
     if (config.cuda_workers != 0 && cuda_device_count() > 0 && !config.swap_dir.empty())
