@@ -39,7 +39,12 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
   *ptr = NULL;
   if (!fits) return cudaErrorMemoryAllocation;
   char* block = aligned_alloc(kHeader, kHeader + ((size + kHeader - 1) / kHeader) * kHeader);
-  if (block == NULL) return cudaErrorMemoryAllocation;
+  if (block == NULL) {
+    pthread_mutex_lock(&lock);
+    allocated -= size;
+    pthread_mutex_unlock(&lock);
+    return cudaErrorMemoryAllocation;
+  }
   memcpy(block, &size, sizeof size);
   *ptr = block + kHeader;
   return cudaSuccess;
