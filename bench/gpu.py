@@ -183,6 +183,7 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     config = _config(p["model"])
     B, T = p["batch"], p["seq"]
     settings = {k: p[k] for k in ("placement", "workers", "fused_attention", "scheduler") if p.get(k) is not None}
+    fused_update = p.get("fused_update") or "auto"
     if gpu_memory_fraction is not None:
         plan = memory.plan(config, B, T)
         gpu_mb = settings["gpu_memory_limit_mb"] = max(1, int((plan.state + plan.activations) * gpu_memory_fraction
@@ -192,7 +193,7 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
                                      workers=settings.get("workers"))
     jnntile.runtime.stop()
     jnntile.runtime.start(**settings)
-    step = jnntile_step(config, B, T, p.get("fused_update") or "auto")
+    step = jnntile_step(config, B, T, fused_update)
     # dmdas runs each kernel STARPU_CALIBRATE_MINIMUM (10) times per tile shape on each kind of worker before
     # it trusts its performance model, so the first steps put GEMMs on CPU workers on purpose (measured on an
     # H200 with 2 warm-up steps: 0.84 s/step, CPU workers 94% of the busy time). Measured after calibration.
@@ -205,7 +206,7 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     after = jnntile.runtime.stats()
     seconds = statistics.median(times)
     return {"config": p["model"], "batch": [B, T], "tiles": str(step.model.tiles),
-            "runtime": jnntile.runtime.describe(), "settings": settings, "fused_update": p.get("fused_update") or "auto",
+            "runtime": jnntile.runtime.describe(), "settings": settings, "fused_update": fused_update,
             "calibration_step_s": calibration_s,
             "step_s": seconds, "steps": p["steps"], "tokens_per_s": B * T / seconds,
             "workers": _worker_shares(before, after),

@@ -110,7 +110,6 @@ def test_other_scheduler_runs_ops():
         jnntile.runtime.configure(scheduler="auto", workers=2)
 
 
-
 @pytest.mark.parametrize("kind", ["round_trip", "chain", "independent"])
 def test_empty_task_measurement_runs_its_tasks_and_reports_a_time(kind):
     """bench/overhead.py's measurement: each kind runs its tasks (one warm-up task per tile, then `count`) and

@@ -5,6 +5,7 @@ extern "C" {
 #include "runtime.h"
 
 #include "distributed.h"
+#include "task.h"
 #include "tensor.h"
 
 #if JNNTILE_CUDA
@@ -772,27 +773,14 @@ void wait_all(const char* what) {
 namespace {
 void empty_kernel(void**, void*) {}
 
-// An empty kernel on a one-float tile, on CPU or CUDA workers. It has a history-based performance model as
-// every jnntile codelet has, so that a model-based scheduler (dmdas) does the per-task work it does in a step.
-starpu_codelet empty_codelet(uint32_t where, const char* name) {
-  starpu_codelet c;
-  starpu_codelet_init(&c);
-  c.where = where;
-  c.cpu_funcs[0] = empty_kernel;
-#if JNNTILE_CUDA
-  c.cuda_funcs[0] = empty_kernel;  // launches nothing: StarPU records its stream's event at once
-  c.cuda_flags[0] = STARPU_CUDA_ASYNC;
-#endif
+// An empty kernel on a one-float tile, on CPU or CUDA workers, declared as every jnntile codelet is (a
+// history-based performance model among the rest), so that a model-based scheduler (dmdas) does the per-task
+// work it does in a step. On CUDA workers it launches nothing: StarPU records its stream's event at once.
+starpu_codelet empty_codelet(bool on_cuda) {
+  starpu_codelet c = make_codelet(on_cuda ? "empty_cuda" : "empty", empty_kernel, empty_kernel);
+  c.where = on_cuda ? STARPU_CUDA : STARPU_CPU;
   c.nbuffers = 1;
   c.modes[0] = STARPU_RW;
-  c.name = name;
-  static starpu_perfmodel model = [] {
-    starpu_perfmodel m{};
-    m.type = STARPU_HISTORY_BASED;
-    m.symbol = "jnntile_empty";
-    return m;
-  }();
-  c.model = &model;
   return c;
 }
 }  // namespace
@@ -804,8 +792,8 @@ double measure_empty_tasks(int count, EmptyTasks kind, bool on_cuda) {
   if (on_cuda && starpu_cuda_worker_get_count() == 0)
     throw std::runtime_error("measure_empty_tasks on CUDA workers: this runtime has none (a GPU, `make cuda` "
                              "and cuda_workers != 0 are needed)");
-  static starpu_codelet cpu_cl = empty_codelet(STARPU_CPU, "empty");
-  static starpu_codelet cuda_cl = empty_codelet(STARPU_CUDA, "empty_cuda");
+  static starpu_codelet cpu_cl = empty_codelet(false);
+  static starpu_codelet cuda_cl = empty_codelet(true);
   starpu_codelet* cl = on_cuda ? &cuda_cl : &cpu_cl;
   const int tiles = kind == EmptyTasks::Independent ? count : 1;
   std::vector<float> values(tiles, 0.0f);
