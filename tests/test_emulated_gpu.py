@@ -70,8 +70,8 @@ import numpy as np
 import jnntile
 from conftest import train_steps
 from test_emulated_gpu import B, CONFIG, T
-jnntile.runtime.start(placement="cuda", gpu_memory_limit_mb=16, memory_limit_mb=32, swap_dir=sys.argv[1],
-                      swap_size_mb=128, watchdog_s=60)
+jnntile.runtime.start(placement="cuda", gpu_memory_limit_mb=int(sys.argv[3]), memory_limit_mb=int(sys.argv[4]),
+                      swap_dir=sys.argv[1], swap_size_mb=128, watchdog_s=60)
 print(jnntile.runtime.describe(), flush=True)
 losses, params = train_steps(CONFIG, steps=2, batch_size=B, seq_len=T)
 np.savez(sys.argv[2], losses=losses, moved=[jnntile.runtime.stats()["bytes_moved"].get(k, 0)
@@ -79,15 +79,17 @@ np.savez(sys.argv[2], losses=losses, moved=[jnntile.runtime.stats()["bytes_moved
 """
 
 
-def test_gpu_ram_and_disk_limits_together(restore_runtime, tmp_path):
+@pytest.mark.parametrize("gpu_mb, ram_mb", [(8, 8), (4, 4)])
+def test_gpu_ram_and_disk_limits_together(gpu_mb, ram_mb, restore_runtime, tmp_path):
     """All three levels, each holding part of the 42 MB of state: tiles go GPU -> RAM -> disk and back, in a
-    process of its own, and the run gives the bits of CPU workers alone.
+    process of its own, and the run gives the bits of CPU workers alone. 4 MB is the least one AdamW task of
+    CONFIG needs on two workers.
 
-    Tighter limits stop making progress (no task completing: evictions nested in each other on the GPU's
-    worker): 16/16 MB with StarPU's prefetches in every run, without them (jnntile's default with a GPU and
-    swap, runtime.cc) in 4 runs of 6 with another job on the machine; 8/8 MB either way. 16/32 MB completed in
-    every run, with or without prefetches (docs/design.md, "GPU, RAM and disk limits together")."""
-    result = subprocess.run([sys.executable, "-c", THREE_LEVELS, str(tmp_path), str(tmp_path / "run.npz")],
+    Before tools/starpu-patches/bounded-nested-writebacks.patch, 8/8 and 4/8 MB stopped making progress in
+    every run (StarPU's evictions nested in each other on the GPU's worker); with StarPU's prefetches forced back
+    on they still do (docs/design.md, "GPU, RAM and disk limits together")."""
+    result = subprocess.run([sys.executable, "-c", THREE_LEVELS, str(tmp_path), str(tmp_path / "run.npz"),
+                             str(gpu_mb), str(ram_mb)],
                             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "no prefetching (GPU with disk swap)" in result.stdout

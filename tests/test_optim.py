@@ -437,16 +437,11 @@ def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, placement, 
     """Shadows, exchanged tiles and the commit's invalidations through StarPU's eviction to disk."""
     from jnntile import runtime
 
-    if placement == "cuda":
-        # On CUDA workers tiles reach the disk only through a GPU limit as well, and on an H200 steps under GPU
-        # and RAM limits of 1 MB with disk swap crashed (SIGSEGV) or made no progress, with or without the
-        # fused update; on the emulated GPU they stop every run, even without StarPU's prefetching: a known
-        # defect (docs/design.md, "GPU, RAM and disk limits together"; tests/test_emulated_gpu.py runs 16 MB).
-        pytest.skip("GPU and RAM limits of 1 MB with disk swap: a known stop on CUDA workers (docs/design.md)")
     losses, params, _, _ = _train_gpt2(False, FUSED_CLIPS[clip])
     runtime.stop()
     jnntile.release_traced()
-    # The CPU half without CUDA workers; the CUDA half (skipped above) limits the GPU to 1 MB as well.
+    # The CPU half without CUDA workers. On CUDA workers tiles reach the disk only through a GPU limit as well, so
+    # the CUDA half limits GPU memory, RAM and disk together (docs/design.md).
     limits = dict(gpu_memory_limit_mb=1) if placement == "cuda" else dict(cuda_workers=0)
     runtime.start(memory_limit_mb=1, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60, **limits)
     fused_losses, fused_params, tasks, _ = _train_gpt2(True, FUSED_CLIPS[clip])

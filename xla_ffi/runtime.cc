@@ -416,11 +416,10 @@ void runtime_start(const RuntimeConfig& config) {
   // Debian's build without CUDA never uses.
   setenv("STARPU_SUBALLOCATOR", "0", 1);
   // A GPU in front of RAM and disk swap: StarPU 1.4 issues a task's prefetches when dmdas queues it, long before
-  // it runs, and under all three limits allocations on the GPU evicted tiles that had to go to RAM, whose
-  // allocations evicted tiles to disk, each eviction waiting inside the last: GPT-2 steps under 1 MB GPU and
-  // 2 MB RAM limits stopped making progress in every run, and under 16 and 16 MB, on tools/emulated_gpu. Without
-  // prefetches they completed on an idle machine (a partial fix: docs/design.md, "GPU, RAM and disk limits
-  // together"). Tiles are then fetched when their task starts; the user's own STARPU_PREFETCH is left as it is.
+  // it runs, and under all three limits they hold the memory the evictions need: a 42 MB GPT-2 under GPU/RAM
+  // limits of 8/8 MB (tools/emulated_gpu) stopped making progress in every run with them, and completed in every
+  // run without them (with tools/starpu-patches/bounded-nested-writebacks.patch; docs/design.md, "GPU, RAM and
+  // disk limits together"). Tiles are then fetched when their task starts; the user's own STARPU_PREFETCH is kept.
   static const bool user_prefetch = std::getenv("STARPU_PREFETCH") != nullptr;
   if (!user_prefetch) {
     if (config.cuda_workers != 0 && cuda_device_count() > 0 && !config.swap_dir.empty())
