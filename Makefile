@@ -118,7 +118,8 @@ test-gpu: cuda
 # The CUDA build on an emulated GPU, for machines without one (tools/emulated_gpu/emulated_gpu.c): StarPU's CUDA
 # worker, GPU memory limits, eviction and transfers run for real, on host memory, with the CPU kernels.
 EMULATED_GPU := $(CUDA_DIR)/libemulated_gpu.so
-EMULATED_GPU_TESTS ?= tests/test_emulated_gpu.py tests/test_gpu.py tests/test_optim.py tests/test_grad_accumulation.py
+EMULATED_GPU_TESTS ?= tests/test_emulated_gpu.py tests/test_gpu.py tests/test_optim.py tests/test_grad_accumulation.py \
+  tests/test_runtime.py
 $(EMULATED_GPU): tools/emulated_gpu/emulated_gpu.c $(CUDA_DIR)/starpu.stamp
 	cc -O2 -Wall -Wextra -shared -fPIC -I$(CUDA_DIR)/toolkit/targets/x86_64-linux/include -o $@ $< -lpthread
 
