@@ -734,11 +734,12 @@ def _swap_traffic(step: _RecordedStep, optimizer: str, capacity: int, update: st
 
 
 def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None,
-         grad_accum_steps: int = 1, finetune=None, update: str = "after") -> MemoryPlan:
+         grad_accum_steps: int = 1, finetune=None, update: str = "after", gpu_mb: float | None = None) -> MemoryPlan:
     """The memory plan of one training step of `config`'s model (its family's) on (batch_size, seq_len) tokens.
 
-    Tile sizes are the config's (or the automatic ones), as `resolve_tiles`
-    gives them; `workers` defaults to the runtime's. With `grad_accum_steps`
+    Tile sizes are the config's (or the automatic ones, for `gpu_mb` of GPU
+    memory), as `resolve_tiles` gives them; `workers` and `gpu_mb` default to
+    the runtime's. With `grad_accum_steps`
     > 1 a step is that many micro-batches of (batch_size, seq_len): the plan is
     the one of a micro-batch that adds to gradients already there (the state
     is the same, activations are one micro-batch's). `finetune` (jnntile.lora.FineTune) says what trains:
@@ -751,7 +752,7 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
         raise ValueError(f"seq_len={seq_len} is longer than the model's {config.max_positions} positions")
     if workers is None:
         workers = runtime.config().workers
-    tiles = resolve_tiles(config, batch_size, seq_len)
+    tiles = resolve_tiles(config, batch_size, seq_len, gpu_mb)
     return _plan_of(_trace_step(config, batch_size, seq_len, tiles, finetune), optimizer, workers, grad_accum_steps,
                     update, batch_size=batch_size, seq_len=seq_len, tiles=tiles, config=config, finetune=finetune)
 
@@ -786,40 +787,45 @@ def _plan_of(step: _RecordedStep, optimizer: str, workers: int, grad_accum_steps
 
 
 def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, optimizer: str = "adamw",
-                 workers: int | None = None, finetune=None, update: str = "after", grad_accum_steps: int = 1):
-    """`config` with remat="auto" resolved. "none" when the step fits the memory limit without recomputation;
+                 workers: int | None = None, finetune=None, update: str = "after", grad_accum_steps: int = 1,
+                 gpu_mb: float | None = None):
+    """`config` with remat="auto" resolved. "none" when the step fits the memory limit without recomputation
+    (beside `gpu_mb` of GPU memory, default the runtime's: what the GPU holds needs no RAM);
     else "block" with the fewest blocks recomputed (`remat_blocks`) that make it fit; when even all of them do
     not, all blocks or none, whichever the planner predicts to move fewer bytes to and from swap
     (`MemoryPlan.swap_traffic`). Returns (config, note); the note says what was chosen and why ("" when the
     config chose itself)."""
     if config.remat != "auto":
         return config, ""
+    gpu_mb = runtime.gpu_memory_mb() if gpu_mb is None else gpu_mb
     limit = memory_limit_mb * 2**20
+    peak = "planned peak" + (f" beyond the GPU's {gpu_mb:.0f} MB" if gpu_mb else "")
+    capacity_mb = memory_limit_mb + gpu_mb  # what swap traffic is predicted against: GPU and RAM together
 
     @functools.cache  # each plan records the whole model
     def plan_with(blocks: int) -> MemoryPlan:
         chosen = dataclasses.replace(config, remat="block" if blocks else "none", remat_blocks=blocks or None)
-        return plan(chosen, batch_size, seq_len, optimizer, workers, grad_accum_steps, finetune, update)
+        return plan(chosen, batch_size, seq_len, optimizer, workers, grad_accum_steps, finetune, update, gpu_mb)
 
-    def peak_with(blocks: int) -> int:
-        return plan_with(blocks).peak
+    def peak_with(blocks: int) -> int:  # what host memory must hold
+        return plan_with(blocks).host_bytes(gpu_mb)
 
     plain_peak = peak_with(0)
     plain = dataclasses.replace(config, remat="none", remat_blocks=None)
     if plain_peak <= limit:
-        return plain, (f"--remat auto: none (the step's planned peak, {plain_peak / 2**20:.0f} MB, fits the "
+        return plain, (f"--remat auto: none (the step's {peak}, {plain_peak / 2**20:.0f} MB, fits the "
                        f"{memory_limit_mb:.0f} MB limit)")
     n_blocks = config.n_blocks
     all_peak = peak_with(n_blocks)
     if all_peak > limit:  # swap either way: the fewer bytes moved
-        moved = {blocks: sum(plan_with(blocks).swap_traffic(memory_limit_mb)) for blocks in (0, n_blocks)}
+        moved = {blocks: sum(plan_with(blocks).swap_traffic(capacity_mb)) for blocks in (0, n_blocks)}
         if moved[0] <= moved[n_blocks]:
             return plain, (f"--remat auto: none (the step swaps either way, and recomputation would not lower "
                            f"the predicted swap traffic of {moved[0] / 2**30:.1f} GB per step)")
         chosen = dataclasses.replace(config, remat="block", remat_blocks=n_blocks)
         return chosen, (f"--remat auto: block, all {n_blocks} blocks recomputed in the backward (the step swaps "
                         f"either way: {moved[n_blocks] / 2**30:.1f} GB per step predicted instead of "
-                        f"{moved[0] / 2**30:.1f} GB; planned peak {all_peak / 2**20:.0f} MB instead of "
+                        f"{moved[0] / 2**30:.1f} GB; {peak} {all_peak / 2**20:.0f} MB instead of "
                         f"{plain_peak / 2**20:.0f} MB under the {memory_limit_mb:.0f} MB limit)")
     low, high = 1, n_blocks  # the fewest blocks that fit: the peak falls as blocks are added
     while low < high:
@@ -830,7 +836,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
             low = middle + 1
     chosen = dataclasses.replace(config, remat="block", remat_blocks=low)
     return chosen, (f"--remat auto: block, the first {low} of {n_blocks} blocks recomputed in the backward "
-                    f"(planned peak {peak_with(low) / 2**20:.0f} MB instead of {plain_peak / 2**20:.0f} MB under "
+                    f"({peak} {peak_with(low) / 2**20:.0f} MB instead of {plain_peak / 2**20:.0f} MB under "
                     f"the {memory_limit_mb:.0f} MB limit)")
 
 
@@ -844,7 +850,8 @@ def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu
     task fit, the config comes back as it was and `plan(...).check` refuses it
     with a suggestion.
     """
-    memory_plan = plan(config, batch_size, seq_len, optimizer, workers, finetune=finetune, update=update)
+    memory_plan = plan(config, batch_size, seq_len, optimizer, workers, finetune=finetune, update=update,
+                       gpu_mb=gpu_mb)
     problem = memory_plan.task_fit_problem(memory_limit_mb, gpu_mb)
     if problem is None:
         return config, ""
@@ -898,9 +905,10 @@ def plan_from_args(args) -> MemoryPlan:
     finetune = flags.finetune_settings(args) if hasattr(args, "lora_rank") else None
     update = flags.update_mode(args) if hasattr(args, "fused_update") else "after"
     config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers, finetune, update,
-                                      args.grad_accum_steps)
+                                      args.grad_accum_steps, gpu)
     config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers, finetune, update)
-    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, args.grad_accum_steps, finetune, update)
+    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, args.grad_accum_steps, finetune, update,
+                       gpu)
     memory_plan.tiles_note = "\n".join(n for n in (note, remat_note) if n)
     return memory_plan
 

@@ -446,12 +446,12 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         update = flags.update_mode(args)
         config, remat_note = memory.choose_remat(config, batch_size, args.seq_len, runtime_config.memory_limit_mb,
                                                  args.optimizer, runtime_config.workers, finetune, update,
-                                                 args.grad_accum_steps)
+                                                 args.grad_accum_steps, gpu_mb)
         config, tiles_note = memory.fit_tiles(config, batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
                                               args.optimizer, runtime_config.workers, finetune, update)
         tiles_note = "\n".join(note for note in (remat_note, tiles_note) if note)
         plan = memory.plan(config, batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
-                           grad_accum_steps=args.grad_accum_steps, finetune=finetune, update=update)
+                           grad_accum_steps=args.grad_accum_steps, finetune=finetune, update=update, gpu_mb=gpu_mb)
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
         verdict = plan.check(runtime_config.memory_limit_mb,
                              runtime_config.swap_size_mb if runtime_config.swap_dir else 0, gpu_mb)

@@ -458,6 +458,18 @@ def test_planner_gpu_verdicts():
         plan.check(ram_mb, gpu_mb=1.5 * task_mb)
 
 
+def test_memory_cli_plans_the_tiles_of_the_workers_its_flags_give(capsys, monkeypatch):
+    """Automatic tiles follow the flags, not the runtime's current configuration: GPU tiles where a GPU will
+    hold the step, CPU tiles with --cuda-workers 0 on a machine with a GPU."""
+    monkeypatch.setattr(jnntile.runtime, "gpu_memory_mb", lambda config=None: 80000)  # as on an H100
+    gpt2_vocab = ["--model", "tiny", "--vocab-size", "50257", "--batch-size", "2", "--seq-len", "64",
+                  "--memory-limit-mb", "4096", "--remat", "none"]
+    assert memory.main(gpt2_vocab) == 0
+    assert "vocab=16384" in capsys.readouterr().out  # 3 x 16384 + 1105 (tests/test_gpt2.py)
+    assert memory.main(gpt2_vocab + ["--cuda-workers", "0"]) == 0
+    assert "vocab=7180" in capsys.readouterr().out  # 7 even tiles
+
+
 def test_memory_cli_plans_for_a_gpu_without_one(capsys):
     assert memory.main(["--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--gpu-memory-limit-mb",
                         "4096", "--memory-limit-mb", "1024"]) == 0

@@ -151,12 +151,14 @@ def gpu_aligned_tile(n: int, largest: int) -> int:
     return even_tile(n, largest, GPU_TILE_MULTIPLE)
 
 
-def resolve_tiles(config, batch_size: int, seq_len: int) -> Tiles:
+def resolve_tiles(config, batch_size: int, seq_len: int, gpu_mb: float | None = None) -> Tiles:
     """Tile sizes for a model config (`axis_sizes`, `head_dim`): the config's where given, else automatic
-    ones: even splits of every axis, about CPU_TILES["rows"] token rows per tile (GPU_TILES with a CUDA
-    worker, the feature axes aligned for tensor cores). Raises naming the field that does not fit."""
+    ones: even splits of every axis, about CPU_TILES["rows"] token rows per tile (GPU_TILES with GPU memory
+    to use, the feature axes aligned for tensor cores). `gpu_mb` is that memory (default: the runtime's,
+    `runtime.gpu_memory_mb()`; the planner passes the one its flags give). Raises naming the field that does
+    not fit."""
     sizes = {"batch": batch_size, "seq": seq_len, **config.axis_sizes()}
-    on_gpu = bool(runtime.gpu_memory_mb())
+    on_gpu = bool(runtime.gpu_memory_mb() if gpu_mb is None else gpu_mb)
     largest = GPU_TILES if on_gpu else CPU_TILES
     feature_tile = gpu_aligned_tile if on_gpu else even_tile
     seq = even_tile(seq_len, largest["seq"])
