@@ -64,14 +64,15 @@ def test_training_under_a_gpu_limit_gives_the_bits_of_cpu_workers(restore_runtim
     assert all(n["peak_used_bytes"] <= 4 * 2**20 for n in stats["nodes"] if n["kind"] == "CUDA")
 
 
-THREE_LEVELS = """
+# Two steps under the limits of argv: swap dir ("" for none), output file, GPU MB (0: unlimited), RAM MB.
+LIMITED_RUN = """
 import sys
 import numpy as np
 import jnntile
 from conftest import train_steps
 from test_emulated_gpu import B, CONFIG, T
 jnntile.runtime.start(placement="cuda", gpu_memory_limit_mb=int(sys.argv[3]), memory_limit_mb=int(sys.argv[4]),
-                      swap_dir=sys.argv[1], swap_size_mb=128, watchdog_s=60)
+                      swap_dir=sys.argv[1] or None, swap_size_mb=128, watchdog_s=60)
 print(jnntile.runtime.describe(), flush=True)
 losses, params = train_steps(CONFIG, steps=2, batch_size=B, seq_len=T)
 np.savez(sys.argv[2], losses=losses, moved=[jnntile.runtime.stats()["bytes_moved"].get(k, 0)
@@ -88,11 +89,24 @@ def test_gpu_ram_and_disk_limits_together(gpu_mb, ram_mb, restore_runtime, tmp_p
     Before tools/starpu-patches/bounded-nested-writebacks.patch, 8/8 and 4/8 MB stopped making progress in
     every run (StarPU's evictions nested in each other on the GPU's worker); with StarPU's prefetches forced back
     on they still do (docs/design.md, "GPU, RAM and disk limits together")."""
-    result = subprocess.run([sys.executable, "-c", THREE_LEVELS, str(tmp_path), str(tmp_path / "run.npz"),
-                             str(gpu_mb), str(ram_mb)],
-                            cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "no prefetching (GPU with disk swap)" in result.stdout
-    run = np.load(tmp_path / "run.npz")
+    stdout, run = _limited_run(str(tmp_path), tmp_path / "run.npz", gpu_mb, ram_mb)
+    assert "no prefetching (GPU with disk swap)" in stdout
     assert all(run["moved"] > 0)  # CUDA->RAM, RAM->DISK, DISK->RAM
     _assert_same_run((run["losses"], {name: run[name] for name in run.files}), _cpu_run(2))
+
+
+def test_ram_without_swap_takes_back_what_it_read_from_the_gpu(restore_runtime, tmp_path):
+    """An unlimited GPU holds the step and RAM, limited to 4 MB without swap, receives every tile read back
+    (train_steps reads all 10.8 MB of parameters, as a checkpoint does): RAM drops the copies the GPU also holds.
+    Before tools/starpu-patches/drop-clean-ram-copies.patch RAM kept them all and the run stopped."""
+    _, run = _limited_run("", tmp_path / "run.npz", 0, 4)
+    assert run["moved"][0] > 0  # CUDA->RAM
+    _assert_same_run((run["losses"], {name: run[name] for name in run.files}), _cpu_run(2))
+
+
+def _limited_run(swap_dir: str, out: Path, gpu_mb: int, ram_mb: int):
+    """LIMITED_RUN in a process of its own (a run that stops leaves StarPU unable to start again there)."""
+    result = subprocess.run([sys.executable, "-c", LIMITED_RUN, swap_dir, str(out), str(gpu_mb), str(ram_mb)],
+                            cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    return result.stdout, np.load(out)
