@@ -437,11 +437,6 @@ def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, placement, 
     """Shadows, exchanged tiles and the commit's invalidations through StarPU's eviction to disk."""
     from jnntile import runtime
 
-    if placement == "cuda":
-        # GPU, RAM and disk limits of 1 MB: with StarPU patched (docs/design.md, "GPU, RAM and disk limits
-        # together") this no longer stops, but in one CI run on the emulated GPU StarPU aborted writing a
-        # 128-byte buffer to the direct-I/O swap, which takes only whole pages; not yet explained.
-        pytest.skip("GPU and RAM limits of 1 MB with direct-I/O swap: a StarPU abort not yet explained")
     losses, params, _, _ = _train_gpt2(False, FUSED_CLIPS[clip])
     runtime.stop()
     jnntile.release_traced()

@@ -84,7 +84,8 @@ inline starpu_data_handle_t temporary_vector(int64_t n, size_t elem_size) {
   const int64_t count = n > 0 ? n : 1;
   starpu_vector_data_register(&handle, -1, 0, count, elem_size);
   // Direct-I/O swap moves whole pages: tensor tiles are padded to them, a
-  // temporary of another size stays in RAM (StarPU would abort writing it to disk).
+  // temporary of another size stays off disks (StarPU would abort writing it;
+  // tools/starpu-patches/temporaries-stay-off-disk.patch makes GPU evictions honour this too).
   if ((count * elem_size) % swap_io_alignment() != 0) starpu_data_set_ooc_flag(handle, 0);
   return handle;
 }
