@@ -293,16 +293,26 @@ class MemoryPlan:
                     "--gpu-memory-limit-mb")
         return None
 
-    def verdict(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0) -> str:
+    def verdict(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0,
+                cpu_kernels: bool = False) -> str:
         """A short sentence: "fits in RAM", "needs N MB of swap" or "cannot run: ...".
 
         With a GPU (gpu_mb: its memory limit, or its memory, in MB): "fits on the
         GPU", "fits on the GPU and N MB of host RAM", or the host verdicts for
-        what the GPU cannot hold.
+        what the GPU cannot hold. cpu_kernels: CPU workers run kernels beside the
+        GPU (placement "any", what a GPU memory limit resolves "auto" to). What
+        they write stays in RAM until a GPU task reads it, and without swap
+        nothing takes it back, so RAM must hold the whole peak: a 256 MB GPU
+        limit beside 4 MB of RAM stopped on the emulated GPU, unlimited it ran.
         """
         problem = self._task_problem(memory_limit_mb, gpu_mb)
         if problem:
             return problem
+        if gpu_mb and cpu_kernels and not swap_size_mb and self.peak > memory_limit_mb * MB:
+            return (f"cannot run: under a GPU memory limit CPU workers run kernels too and keep what they write in "
+                    f"RAM, which nothing takes back without swap, and the step's peak of {self.peak / MB:.0f} MB is "
+                    f"over the {memory_limit_mb:g} MB memory limit; give --swap-dir, raise --memory-limit-mb to "
+                    f"{math.ceil(self.peak / MB)}, or leave GPU memory unlimited (kernels then run on the GPU alone)")
         host_mb = math.ceil(self.host_bytes(gpu_mb) / MB)
         need = self.swap_needed_mb(memory_limit_mb, gpu_mb)
         if need == 0:
@@ -316,9 +326,10 @@ class MemoryPlan:
                     f"{swap_size_mb:g} MB; raise --swap-size-mb or --memory-limit-mb")
         return f"needs {need} MB of swap"
 
-    def check(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0) -> str:
+    def check(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0,
+              cpu_kernels: bool = False) -> str:
         """Returns the verdict, or raises MemoryPlanError when the step cannot run (no swap given counts)."""
-        text = self.verdict(memory_limit_mb, swap_size_mb, gpu_mb)
+        text = self.verdict(memory_limit_mb, swap_size_mb, gpu_mb, cpu_kernels)
         if text.startswith("cannot run"):
             raise MemoryPlanError(text)
         if text.startswith("needs") and not swap_size_mb:
@@ -901,7 +912,7 @@ def plan_from_args(args) -> MemoryPlan:
     if seq_len > config.max_positions:  # as python -m jnntile.train does: the positions grow to the sequence
         config = dataclasses.replace(config, **families.size_overrides(args.model, max_positions=seq_len))
     optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
-    limit, _, gpu = limits_from_args(args)
+    limit, _, gpu, _ = limits_from_args(args)
     finetune = flags.finetune_settings(args) if hasattr(args, "lora_rank") else None
     update = flags.update_mode(args) if hasattr(args, "fused_update") else "after"
     config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers, finetune, update,
@@ -913,13 +924,16 @@ def plan_from_args(args) -> MemoryPlan:
     return memory_plan
 
 
-def limits_from_args(args) -> tuple[int, int, int]:
-    """(memory limit MB, swap MB, GPU MB) the flags give, runtime defaults filling the gaps; 0 means none.
+def limits_from_args(args) -> tuple[int, int, int, bool]:
+    """(memory limit MB, swap MB, GPU MB, CPU kernels) the flags give, runtime defaults filling the gaps; 0 means
+    none. CPU kernels: CPU workers run kernels beside the GPU (see `MemoryPlan.verdict`).
 
     --swap-size-mb without --swap-dir plans with that much swap, and
     --gpu-memory-limit-mb with that much GPU memory (what-if); --cuda-workers 0 with none.
     """
     config = runtime.config()
+    if getattr(args, "gpu_memory_limit_mb", None):
+        config = dataclasses.replace(config, gpu_memory_limit_mb=args.gpu_memory_limit_mb)
     limit = args.memory_limit_mb if getattr(args, "memory_limit_mb", None) is not None else config.memory_limit_mb
     swap = getattr(args, "swap_size_mb", None)
     if swap is None:
@@ -929,7 +943,7 @@ def limits_from_args(args) -> tuple[int, int, int]:
         gpu = 0  # CPU workers only (--cuda-workers 0): the GPU's memory holds nothing
     elif gpu is None:
         gpu = runtime.gpu_memory_mb(config)
-    return limit, swap, gpu
+    return limit, swap, gpu, bool(gpu) and runtime.resolved_placement(config) == "any"
 
 
 def check_before_training(args) -> MemoryPlan:
@@ -950,7 +964,7 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
 
-    limit, swap_mb, gpu_mb = limits_from_args(args)
+    limit, swap_mb, gpu_mb, cpu_kernels = limits_from_args(args)
     config = memory_plan.config
     print(f"{config.describe()} ({args.model}), {args.optimizer}")
     if memory_plan.tiles_note:
@@ -958,7 +972,7 @@ def main(argv=None) -> int:
     print(memory_plan.table())
     gpu = f"GPU memory {gpu_mb} MB, " if gpu_mb else ""
     swap = f" and {swap_mb} MB of swap" if swap_mb else ""
-    verdict = memory_plan.verdict(limit, swap_mb, gpu_mb)
+    verdict = memory_plan.verdict(limit, swap_mb, gpu_mb, cpu_kernels)
     print(f"{gpu}memory limit {limit} MB{swap}: {verdict}")
     if verdict.startswith("needs"):
         written, read = memory_plan.swap_traffic(limit, args.grad_clip > 0)

@@ -454,7 +454,8 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                            grad_accum_steps=args.grad_accum_steps, finetune=finetune, update=update, gpu_mb=gpu_mb)
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
         verdict = plan.check(runtime_config.memory_limit_mb,
-                             runtime_config.swap_size_mb if runtime_config.swap_dir else 0, gpu_mb)
+                             runtime_config.swap_size_mb if runtime_config.swap_dir else 0, gpu_mb,
+                             cpu_kernels=jnntile.runtime.resolved_placement(runtime_config) == "any")
         resume_from = checkpoint.latest(out) if args.resume else None
         if args.resume and resume_from is None:
             raise ValueError(f"--resume: no checkpoint in {out}")

@@ -104,6 +104,26 @@ def test_ram_without_swap_takes_back_what_it_read_from_the_gpu(restore_runtime, 
     _assert_same_run((run["losses"], {name: run[name] for name in run.files}), _cpu_run(2))
 
 
+def test_a_gpu_limit_beside_too_little_ram_without_swap_is_refused_before_training(dataset, tmp_path):
+    """Under a GPU memory limit, CPU workers run kernels too and their results stay in RAM, which nothing takes
+    back without swap: a RAM limit below the step's peak stopped with the watchdog's error (README,
+    Troubleshooting), so the plan refuses it at once and names the RAM that suffices, which then runs."""
+    import re
+
+    def train(ram_mb: str, out: str):
+        return subprocess.run([sys.executable, "-m", "jnntile.train", "--data", str(dataset), "--n-layer", "2",
+                               "--n-embd", "256", "--n-head", "4", "--seq-len", "64", "--batch-size", "2", "--steps",
+                               "2", "--gpu-memory-limit-mb", "256", "--memory-limit-mb", ram_mb, "--out",
+                               str(tmp_path / out)], capture_output=True, text=True, timeout=300)
+
+    refused = train("4", "refused")
+    assert refused.returncode != 0 and "CPU workers run kernels too" in refused.stderr, refused.stderr[-2000:]
+    enough = re.search(r"raise --memory-limit-mb to (\d+)", refused.stderr).group(1)
+    ran = train(enough, "ran")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert (tmp_path / "ran" / "metrics.jsonl").read_text().count("\n") >= 2
+
+
 def _limited_run(swap_dir: str, out: Path, gpu_mb: int, ram_mb: int):
     """LIMITED_RUN in a process of its own (a run that stops leaves StarPU unable to start again there)."""
     result = subprocess.run([sys.executable, "-c", LIMITED_RUN, swap_dir, str(out), str(gpu_mb), str(ram_mb)],

@@ -458,6 +458,20 @@ def test_planner_gpu_verdicts():
         plan.check(ram_mb, gpu_mb=1.5 * task_mb)
 
 
+def test_cpu_kernels_beside_a_limited_gpu_need_ram_for_the_whole_peak_without_swap():
+    """Under a GPU memory limit CPU workers run kernels too, and what they write stays in RAM: without swap RAM
+    must hold the whole peak, however much the GPU could (tests/test_emulated_gpu.py runs the refused case)."""
+    plan = memory.plan(TINY, 2, 64, workers=2)
+    peak_mb = plan.peak / 2**20
+    assert plan.verdict(peak_mb / 2, gpu_mb=peak_mb + 1) == "fits on the GPU"
+    with pytest.raises(memory.MemoryPlanError, match=r"CPU workers run kernels too.*give --swap-dir, raise "
+                       rf"--memory-limit-mb to {math.ceil(peak_mb)}, or leave GPU memory unlimited"):
+        plan.check(peak_mb / 2, gpu_mb=peak_mb + 1, cpu_kernels=True)
+    assert plan.check(peak_mb + 1, gpu_mb=peak_mb + 1, cpu_kernels=True) == "fits on the GPU"
+    assert plan.check(peak_mb / 2, 64, gpu_mb=peak_mb + 1, cpu_kernels=True) == "fits on the GPU"
+    assert plan.verdict(peak_mb / 2, cpu_kernels=True) == plan.verdict(peak_mb / 2)  # no GPU: the usual verdict
+
+
 def test_memory_cli_plans_the_tiles_of_the_workers_its_flags_give(capsys, monkeypatch):
     """Automatic tiles follow the flags, not the runtime's current configuration: GPU tiles where a GPU will
     hold the step, CPU tiles with --cuda-workers 0 on a machine with a GPU."""
@@ -470,10 +484,17 @@ def test_memory_cli_plans_the_tiles_of_the_workers_its_flags_give(capsys, monkey
     assert "vocab=7180" in capsys.readouterr().out  # 7 even tiles
 
 
-def test_memory_cli_plans_for_a_gpu_without_one(capsys):
+def test_memory_cli_plans_for_a_gpu_without_one(capsys, monkeypatch):
     assert memory.main(["--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--gpu-memory-limit-mb",
                         "4096", "--memory-limit-mb", "1024"]) == 0
     assert "GPU memory 4096 MB" in capsys.readouterr().out
+    # A GPU limit resolves placement "auto" (the commands' placement; the suite's is "cpu") to "any": CPU
+    # workers' results then need RAM for the whole peak.
+    suite_config = jnntile.runtime.config()
+    monkeypatch.setattr(jnntile.runtime, "config", lambda: dataclasses.replace(suite_config, placement="auto"))
+    assert memory.main(["--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--gpu-memory-limit-mb",
+                        "4096", "--memory-limit-mb", "4"]) == 1
+    assert "cannot run: under a GPU memory limit CPU workers run kernels too" in capsys.readouterr().out
 
 
 def test_runtime_settings_from_flags():
@@ -484,10 +505,10 @@ def test_runtime_settings_from_flags():
     args = parser.parse_args(["--memory-limit-mb", "64", "--swap-dir", "/tmp/s", "--workers", "1"])
     assert flags.runtime_settings(args) == {"memory_limit_mb": 64, "swap_dir": "/tmp/s", "workers": 1}
     assert memory.limits_from_args(args) == (64, jnntile.runtime.config().swap_size_mb,
-                                             jnntile.runtime.gpu_memory_mb())
+                                             jnntile.runtime.gpu_memory_mb(), False)
     args = parser.parse_args(["--memory-limit-mb", "64", "--swap-size-mb", "100"])
     assert flags.runtime_settings(args) == {"memory_limit_mb": 64}
-    assert memory.limits_from_args(args) == (64, 100, jnntile.runtime.gpu_memory_mb())
+    assert memory.limits_from_args(args) == (64, 100, jnntile.runtime.gpu_memory_mb(), False)
     args = parser.parse_args(["--swap-dir", "/tmp/s", "--swap-backend", "unistd_o_direct"])
     assert flags.runtime_settings(args) == {"swap_dir": "/tmp/s", "swap_backend": "unistd_o_direct"}
 
