@@ -946,13 +946,6 @@ def limits_from_args(args) -> tuple[int, int, int, bool]:
     return limit, swap, gpu, bool(gpu) and runtime.resolved_placement(config) == "any"
 
 
-def check_before_training(args) -> MemoryPlan:
-    """Plans the step the flags describe; raises MemoryPlanError when it cannot run (for `jnntile.train`)."""
-    memory_plan = plan_from_args(args)
-    memory_plan.check(*limits_from_args(args))
-    return memory_plan
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jnntile.memory",
                                      description="What one training step needs in memory, and whether it "

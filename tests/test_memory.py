@@ -548,7 +548,7 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
                                  "--workers 2 --remat none --cuda-workers 0"
                                  .split() + ({swap!r} and ["--swap-dir", {str(tmp_path)!r}] or []))
         try:
-            memory.check_before_training(args)
+            memory.plan_from_args(args).check(*memory.limits_from_args(args))
         except memory.MemoryPlanError as e:
             print("PLANNER:", e, flush=True)
         # Run anyway, as if the planner had missed it.
