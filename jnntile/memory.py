@@ -54,7 +54,6 @@ F32 = 4
 I32 = 4
 F64 = 8
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}  # parameter-sized tensors of state per parameter
-GPU_TASKS_IN_FLIGHT = 2  # StarPU's default CUDA pipeline: tiles of this many tasks per worker on the GPU
 # The tile axes (jnntile.models.TILE_AXES) in the order a suggestion shrinks them, and the smallest tile it
 # proposes on each.
 _SHRINK_ORDER = ("vocab", "hidden", "embd", "seq", "heads", "batch")
@@ -268,13 +267,13 @@ class MemoryPlan:
 
     def _gpu_task_reason(self, gpu_mb: float) -> str | None:
         """Why one CUDA worker's tasks do not fit in GPU memory, or None when they do (or there is no GPU)."""
-        # A CUDA worker keeps GPU_TASKS_IN_FLIGHT tasks' tiles on the GPU at once (StarPU's pipeline).
-        need = GPU_TASKS_IN_FLIGHT * self.largest_task
+        in_flight = runtime.gpu_tasks_in_flight()  # StarPU's pipeline keeps this many tasks' tiles on the GPU
+        need = in_flight * self.largest_task
         if not gpu_mb or need <= gpu_mb * MB:
             return None
-        return (f"a single task ({self.largest_task_name}) needs {self.largest_task / MB:.1f} MB and a CUDA worker "
-                f"holds {GPU_TASKS_IN_FLIGHT} tasks' tiles at once ({need / MB:.1f} MB), more than the GPU memory "
-                f"limit of {gpu_mb:g} MB")
+        return (f"a single task ({self.largest_task_name}) needs {self.largest_task / MB:.1f} MB and a GPU holds "
+                f"{in_flight} tasks' tiles at once ({need / MB:.1f} MB), more than the GPU memory limit of "
+                f"{gpu_mb:g} MB")
 
     def task_fit_problem(self, memory_limit_mb: float, gpu_mb: float = 0) -> str | None:
         """Why the largest tasks do not fit under the RAM or GPU limit (None when they do): smaller tiles help."""
@@ -340,10 +339,10 @@ class MemoryPlan:
         return text
 
     def task_bytes_target(self, memory_limit_mb: float, gpu_mb: float = 0) -> float:
-        """The most bytes one task may need: every worker runs one task at once in RAM, and a CUDA worker
-        holds GPU_TASKS_IN_FLIGHT tasks on the GPU."""
+        """The most bytes one task may need: every worker runs one task at once in RAM, and a GPU holds
+        runtime.gpu_tasks_in_flight() tasks."""
         target = memory_limit_mb * MB / self.workers
-        return min(target, gpu_mb * MB / GPU_TASKS_IN_FLIGHT) if gpu_mb else target
+        return min(target, gpu_mb * MB / runtime.gpu_tasks_in_flight()) if gpu_mb else target
 
     def smaller_tiles(self, memory_limit_mb: float, gpu_mb: float = 0, axes=_SHRINK_ORDER) -> dict | None:
         """Tile sizes (axis -> size, all axes) under which every task fits the limits, shrinking only `axes`.

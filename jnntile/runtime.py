@@ -90,6 +90,14 @@ def gpu_memory_mb(config: "RuntimeConfig | None" = None) -> int:
     return config.gpu_memory_limit_mb or int(_xla_ffi.cuda_device_free_bytes() * (1 - GPU_MEMORY_RESERVE) / 2**20)
 
 
+def gpu_tasks_in_flight() -> int:
+    """Tasks whose tiles one GPU holds at once: StarPU's CUDA pipeline (STARPU_CUDA_PIPELINE, 2; 0 runs one task
+    at a time) on each of its CUDA workers (STARPU_NWORKER_PER_CUDA, 1). runtime.cc's task_group_bytes_limit
+    counts the same way."""
+    pipeline = max(1, int(os.environ.get("STARPU_CUDA_PIPELINE", "2")))
+    return pipeline * max(1, int(os.environ.get("STARPU_NWORKER_PER_CUDA", "1")))
+
+
 def gpu_memory_in_use_limit_mb() -> int:
     """The GPU memory limit the running runtime started with (0: no CUDA worker)."""
     return _started_gpu_limit_mb if is_running() and cuda_worker_count() else 0

@@ -458,6 +458,24 @@ def test_planner_gpu_verdicts():
         plan.check(ram_mb, gpu_mb=1.5 * task_mb)
 
 
+def test_a_deeper_cuda_pipeline_or_more_workers_per_gpu_hold_more_tasks_on_it(monkeypatch):
+    """StarPU's CUDA pipeline (2 tasks) on each CUDA worker of a GPU: what the GPU must hold follows both."""
+    for name in ("STARPU_CUDA_PIPELINE", "STARPU_NWORKER_PER_CUDA"):
+        monkeypatch.delenv(name, raising=False)
+    plan = memory.plan(TINY, 2, 64, workers=2)
+    task_mb = plan.largest_task / 2**20
+    assert jnntile.runtime.gpu_tasks_in_flight() == 2 and plan.task_fit_problem(1024, 2.5 * task_mb) is None
+    for name, value in (("STARPU_CUDA_PIPELINE", "4"), ("STARPU_NWORKER_PER_CUDA", "2")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert jnntile.runtime.gpu_tasks_in_flight() == 4
+            assert "a GPU holds 4 tasks' tiles at once" in plan.task_fit_problem(1024, 2.5 * task_mb)
+            assert plan.task_bytes_target(1024, 2.5 * task_mb) == 2.5 * task_mb * 2**20 / 4
+    with monkeypatch.context() as env:
+        env.setenv("STARPU_CUDA_PIPELINE", "0")  # StarPU runs a task at a time: one task's tiles
+        assert jnntile.runtime.gpu_tasks_in_flight() == 1
+
+
 def test_cpu_kernels_beside_a_limited_gpu_need_ram_for_the_whole_peak_without_swap():
     """Under a GPU memory limit CPU workers run kernels too, and what they write stays in RAM: without swap RAM
     must hold the whole peak, however much the GPU could (tests/test_emulated_gpu.py runs the refused case)."""

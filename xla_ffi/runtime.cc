@@ -631,7 +631,8 @@ size_t swap_io_alignment() { return io_alignment; }
 // grouped to small_tile_numel() elements each could fill it before any of them had all its buffers: two AdamW
 // tasks of 45 and 49 buffers filled a 1 MB limit with disk swap one buffer short each, both waiting for the
 // other (StarPU 1.4's CPU workers, 1 run in 8 of tests/test_grad_accumulation.py; no task completed again).
-// The tasks that run at once: one per CPU worker, a pipeline of STARPU_CUDA_PIPELINE (2) per CUDA worker.
+// The tasks that run at once: one per CPU worker, a pipeline of STARPU_CUDA_PIPELINE (2) per CUDA worker
+// (as jnntile.runtime.gpu_tasks_in_flight counts them for the planner).
 int64_t task_group_bytes_limit() {
   const RuntimeConfig& config = state().config;
   const char* pipeline_env = std::getenv("STARPU_CUDA_PIPELINE");
