@@ -7,6 +7,7 @@ a GPU run adds (tiles moved to and evicted from GPU memory, the CUDA worker's pi
 RAM and disk behind them). The CUDA kernels themselves need a GPU (tests/test_gpu.py and the ops' tests).
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,16 +81,18 @@ np.savez(sys.argv[2], losses=losses, moved=[jnntile.runtime.stats()["bytes_moved
 """
 
 
-@pytest.mark.parametrize("gpu_mb, ram_mb", [(8, 8), (4, 4)])
-def test_gpu_ram_and_disk_limits_together(gpu_mb, ram_mb, restore_runtime, tmp_path):
+@pytest.mark.parametrize("gpu_mb, ram_mb, copy_delay_us", [(8, 8, None), (4, 4, None), (8, 8, 300)],
+                         ids=["8-8", "4-4", "8-8-slow-copies"])
+def test_gpu_ram_and_disk_limits_together(gpu_mb, ram_mb, copy_delay_us, restore_runtime, tmp_path):
     """All three levels, each holding part of the 42 MB of state: tiles go GPU -> RAM -> disk and back, in a
     process of its own, and the run gives the bits of CPU workers alone. 4 MB is the least one AdamW task of
-    CONFIG needs on two workers.
+    CONFIG needs on two workers. With copy_delay_us, copies to and from the GPU complete that much later than
+    they were queued (EMULATED_GPU_ASYNC_US): what reads a copy before StarPU knows it is done reads stale bytes.
 
     Before tools/starpu-patches/bounded-nested-writebacks.patch, 8/8 and 4/8 MB stopped making progress in
     every run (StarPU's evictions nested in each other on the GPU's worker); with StarPU's prefetches forced back
     on they still do (docs/design.md, "GPU, RAM and disk limits together")."""
-    stdout, run = _limited_run(str(tmp_path), tmp_path / "run.npz", gpu_mb, ram_mb)
+    stdout, run = _limited_run(str(tmp_path), tmp_path / "run.npz", gpu_mb, ram_mb, copy_delay_us)
     assert "no prefetching (GPU with disk swap)" in stdout
     assert all(run["moved"] > 0)  # CUDA->RAM, RAM->DISK, DISK->RAM
     _assert_same_run((run["losses"], {name: run[name] for name in run.files}), _cpu_run(2))
@@ -124,9 +127,11 @@ def test_a_gpu_limit_beside_too_little_ram_without_swap_is_refused_before_traini
     assert (tmp_path / "ran" / "metrics.jsonl").read_text().count("\n") >= 2
 
 
-def _limited_run(swap_dir: str, out: Path, gpu_mb: int, ram_mb: int):
-    """LIMITED_RUN in a process of its own (a run that stops leaves StarPU unable to start again there)."""
+def _limited_run(swap_dir: str, out: Path, gpu_mb: int, ram_mb: int, copy_delay_us: int | None = None):
+    """LIMITED_RUN in a process of its own (a run that stops leaves StarPU unable to start again there), with the
+    emulated GPU's copies that much slower than they are queued when copy_delay_us is given."""
+    env = dict(os.environ, **({"EMULATED_GPU_ASYNC_US": str(copy_delay_us)} if copy_delay_us is not None else {}))
     result = subprocess.run([sys.executable, "-c", LIMITED_RUN, swap_dir, str(out), str(gpu_mb), str(ram_mb)],
-                            cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+                            cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result.stdout, np.load(out)

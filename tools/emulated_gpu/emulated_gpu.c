@@ -1,6 +1,6 @@
 // An emulated GPU for the CUDA build on a machine without one: preloaded (LD_PRELOAD) into a process of
 // .venv-cuda, it answers the CUDA runtime and cuBLAS calls StarPU and jnntile make, with "device memory" that
-// is host memory, copies that are memcpy and streams and events that are always done. StarPU then runs a CUDA
+// is host memory and copies that are memcpy, done at once or, below, later. StarPU then runs a CUDA
 // worker, GPU memory limits, eviction to RAM and disk swap, transfers and pinning through its real CUDA driver;
 // jnntile sees the library (jnntile_emulated_gpu below) and gives its codelets' CUDA slot the CPU kernels,
 // which read and write the "device" pointers directly. What it tests is StarPU's and jnntile's handling of a
@@ -8,6 +8,12 @@
 //
 // EMULATED_GPU_MB sets the device memory (default 1024). Calls outside this list reach the real CUDA runtime,
 // which finds no GPU and fails: a new call StarPU or jnntile makes shows up as that failure.
+//
+// EMULATED_GPU_ASYNC_US=N: the asynchronous copies and fills complete later than their call, as on a GPU. A copy
+// thread runs them in the order they were queued, N microseconds after the one before, and a stream or event
+// is done only once its operations are. Code that reads a copy's destination, or reuses its source, before the
+// copy's event says it is done then sees stale bytes, as it could on a GPU. Unset, every call completes before it
+// returns.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -16,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 // Found by jnntile (dlsym): the CUDA slot of its codelets then runs the CPU kernels.
 int jnntile_emulated_gpu = 1;
@@ -27,6 +34,8 @@ static size_t total_bytes(void) {
   const char* mb = getenv("EMULATED_GPU_MB");
   return (size_t)(mb != NULL && atoll(mb) > 0 ? atoll(mb) : 1024) << 20;
 }
+
+static void wait_for_every_stream(void);  // as cudaFree, cudaFreeHost and the synchronous copies do on a GPU
 
 // Each allocation is preceded by its size, so that cudaFree can count it back.
 enum { kHeader = 256 };  // cudaMalloc's alignment
@@ -52,6 +61,7 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
 
 cudaError_t cudaFree(void* ptr) {
   if (ptr == NULL) return cudaSuccess;  // StarPU's cudaFree(0) initialises the context
+  wait_for_every_stream();
   char* block = (char*)ptr - kHeader;
   size_t size;
   memcpy(&size, block, sizeof size);
@@ -104,7 +114,10 @@ cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer) {
 }
 cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) { (void)peer, (void)flags; return cudaSuccess; }
 cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) {
+  wait_for_every_stream();
+  return cudaSuccess;
+}
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 const char* cudaGetErrorString(cudaError_t error) { return error == cudaSuccess ? "no error" : "emulated GPU error"; }
 cudaError_t cudaFuncSetAttribute(const void* func, enum cudaFuncAttribute attr, int value) {
@@ -119,6 +132,7 @@ cudaError_t cudaHostAlloc(void** ptr, size_t size, unsigned int flags) {
   return *ptr != NULL ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 cudaError_t cudaFreeHost(void* ptr) {
+  wait_for_every_stream();
   free(ptr);
   return cudaSuccess;
 }
@@ -140,61 +154,171 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes* attributes, c
   return cudaSuccess;
 }
 
-// Streams and events: every operation completes before its call returns.
-static int stream_token;
+// Streams and events. A stream counts the operations queued on it and those done; an event records a stream
+// and its count when recorded. Without EMULATED_GPU_ASYNC_US every operation is done when its call returns.
+struct emulated_stream {
+  unsigned long long queued, done;
+};
+struct emulated_event {
+  struct emulated_stream* stream;
+  unsigned long long count;
+};
+struct queued_op {
+  struct queued_op* next;
+  struct emulated_stream* stream;
+  void (*run)(const void* args);
+  char args[];
+};
+static struct emulated_stream default_stream, every_stream;  // every_stream: all operations, whatever their stream
+static pthread_mutex_t queue_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t queue_changed = PTHREAD_COND_INITIALIZER;
+static struct queued_op *queue_head, *queue_tail;
+static pthread_once_t async_once = PTHREAD_ONCE_INIT;
+static long async_delay_us = -1;  // -1: synchronous
+
+static struct emulated_stream* stream_of(cudaStream_t stream) {
+  return stream != NULL ? (struct emulated_stream*)stream : &default_stream;
+}
+
+static void* copy_thread(void* unused) {
+  (void)unused;
+  pthread_mutex_lock(&queue_lock);
+  for (;;) {
+    while (queue_head == NULL) pthread_cond_wait(&queue_changed, &queue_lock);
+    struct queued_op* op = queue_head;
+    pthread_mutex_unlock(&queue_lock);
+    struct timespec delay = {async_delay_us / 1000000, (async_delay_us % 1000000) * 1000};
+    nanosleep(&delay, NULL);
+    op->run(op->args);
+    pthread_mutex_lock(&queue_lock);
+    queue_head = op->next;
+    if (queue_head == NULL) queue_tail = NULL;
+    op->stream->done++;
+    every_stream.done++;
+    pthread_cond_broadcast(&queue_changed);
+    free(op);
+  }
+  return NULL;
+}
+
+static void start_async(void) {
+  const char* us = getenv("EMULATED_GPU_ASYNC_US");
+  if (us == NULL || *us == '\0') return;
+  async_delay_us = atol(us) > 0 ? atol(us) : 0;
+  pthread_t thread;
+  pthread_create(&thread, NULL, copy_thread, NULL);
+  pthread_detach(thread);
+}
+
+// Runs `run` on a copy of `args` now, or queues it on `stream` behind everything queued before.
+static cudaError_t submit_op(cudaStream_t stream, void (*run)(const void*), const void* args, size_t size) {
+  pthread_once(&async_once, start_async);
+  if (async_delay_us < 0) {
+    run(args);
+    return cudaSuccess;
+  }
+  struct queued_op* op = malloc(sizeof *op + size);
+  if (op == NULL) return cudaErrorMemoryAllocation;
+  op->next = NULL;
+  op->stream = stream_of(stream);
+  op->run = run;
+  memcpy(op->args, args, size);
+  pthread_mutex_lock(&queue_lock);
+  op->stream->queued++;
+  every_stream.queued++;
+  if (queue_tail != NULL) queue_tail->next = op;
+  else queue_head = op;
+  queue_tail = op;
+  pthread_cond_broadcast(&queue_changed);
+  pthread_mutex_unlock(&queue_lock);
+  return cudaSuccess;
+}
+
+// Waits until `stream` has done what was queued on it before this call.
+static void wait_for(struct emulated_stream* stream) {
+  pthread_mutex_lock(&queue_lock);
+  const unsigned long long queued = stream->queued;
+  while (stream->done < queued) pthread_cond_wait(&queue_changed, &queue_lock);
+  pthread_mutex_unlock(&queue_lock);
+}
+
+static void wait_for_every_stream(void) { wait_for(&every_stream); }
+
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
   (void)flags;
-  *stream = (cudaStream_t)&stream_token;
+  *stream = (cudaStream_t)calloc(1, sizeof(struct emulated_stream));
+  return *stream != NULL ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  wait_for(stream_of(stream));  // a GPU finishes the stream's work first; events may still name it: kept
   return cudaSuccess;
 }
-cudaError_t cudaStreamDestroy(cudaStream_t stream) { (void)stream; return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t stream) { (void)stream; return cudaSuccess; }
-cudaError_t cudaStreamQuery(cudaStream_t stream) { (void)stream; return cudaSuccess; }
-static int event_token;
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  wait_for(stream_of(stream));
+  return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  pthread_mutex_lock(&queue_lock);
+  const int done = stream_of(stream)->done == stream_of(stream)->queued;
+  pthread_mutex_unlock(&queue_lock);
+  return done ? cudaSuccess : cudaErrorNotReady;
+}
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
   (void)flags;
-  *event = (cudaEvent_t)&event_token;
+  *event = (cudaEvent_t)calloc(1, sizeof(struct emulated_event));
+  return *event != NULL ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  free(event);
   return cudaSuccess;
 }
-cudaError_t cudaEventDestroy(cudaEvent_t event) { (void)event; return cudaSuccess; }
-cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) { (void)event, (void)stream; return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t event) { (void)event; return cudaSuccess; }
-cudaError_t cudaEventSynchronize(cudaEvent_t event) { (void)event; return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  struct emulated_event* e = (struct emulated_event*)event;
+  pthread_mutex_lock(&queue_lock);
+  e->stream = stream_of(stream);
+  e->count = e->stream->queued;
+  pthread_mutex_unlock(&queue_lock);
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  const struct emulated_event* e = (const struct emulated_event*)event;
+  pthread_mutex_lock(&queue_lock);
+  const int done = e->stream == NULL || e->stream->done >= e->count;
+  pthread_mutex_unlock(&queue_lock);
+  return done ? cudaSuccess : cudaErrorNotReady;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  const struct emulated_event* e = (const struct emulated_event*)event;
+  pthread_mutex_lock(&queue_lock);
+  while (e->stream != NULL && e->stream->done < e->count) pthread_cond_wait(&queue_changed, &queue_lock);
+  pthread_mutex_unlock(&queue_lock);
+  return cudaSuccess;
+}
 
-// Copies and fills.
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
-  (void)kind;
-  memmove(dst, src, count);
-  return cudaSuccess;
+// Copies and fills: the asynchronous ones go through submit_op, the others wait for every stream first.
+struct linear_copy {
+  void* dst;
+  const void* src;
+  size_t count;
+};
+static void run_linear_copy(const void* args) {
+  const struct linear_copy* c = args;
+  memmove(c->dst, c->src, c->count);
 }
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind, cudaStream_t s) {
-  (void)s;
-  return cudaMemcpy(dst, src, count, kind);
-}
-cudaError_t cudaMemcpyPeer(void* dst, int dst_device, const void* src, int src_device, size_t count) {
-  (void)dst_device, (void)src_device;
-  memmove(dst, src, count);
-  return cudaSuccess;
-}
-cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
-                                cudaStream_t s) {
-  (void)s;
-  return cudaMemcpyPeer(dst, dst_device, src, src_device, count);
-}
-cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
-                         enum cudaMemcpyKind kind) {
-  (void)kind;
-  for (size_t row = 0; row < height; ++row) memmove((char*)dst + row * dpitch, (const char*)src + row * spitch, width);
-  return cudaSuccess;
-}
-cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
-                              enum cudaMemcpyKind kind, cudaStream_t s) {
-  (void)s;
-  return cudaMemcpy2D(dst, dpitch, src, spitch, width, height, kind);
+struct pitched_copy {
+  void* dst;
+  size_t dpitch;
+  const void* src;
+  size_t spitch, width, height;
+};
+static void run_pitched_copy(const void* args) {
+  const struct pitched_copy* c = args;
+  for (size_t row = 0; row < c->height; ++row)
+    memmove((char*)c->dst + row * c->dpitch, (const char*)c->src + row * c->spitch, c->width);
 }
 // Linear memory only (StarPU copies pitched blocks of bytes this way, never arrays).
-cudaError_t cudaMemcpy3DPeer(const struct cudaMemcpy3DPeerParms* p) {
-  if (p->srcArray != NULL || p->dstArray != NULL) return cudaErrorInvalidValue;
+static void run_copy_3d(const void* args) {
+  const struct cudaMemcpy3DPeerParms* p = args;
   for (size_t z = 0; z < p->extent.depth; ++z)
     for (size_t y = 0; y < p->extent.height; ++y) {
       const char* src = (const char*)p->srcPtr.ptr + p->srcPos.x +
@@ -203,19 +327,69 @@ cudaError_t cudaMemcpy3DPeer(const struct cudaMemcpy3DPeerParms* p) {
                   ((p->dstPos.z + z) * p->dstPtr.ysize + p->dstPos.y + y) * p->dstPtr.pitch;
       memmove(dst, src, p->extent.width);
     }
+}
+struct pitched_fill {
+  void* ptr;
+  size_t pitch;
+  int value;
+  size_t width, height;
+};
+static void run_pitched_fill(const void* args) {
+  const struct pitched_fill* f = args;
+  for (size_t row = 0; row < f->height; ++row) memset((char*)f->ptr + row * f->pitch, f->value, f->width);
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind, cudaStream_t s) {
+  (void)kind;
+  const struct linear_copy c = {dst, src, count};
+  return submit_op(s, run_linear_copy, &c, sizeof c);
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
+  wait_for_every_stream();
+  cudaMemcpyAsync(dst, src, count, kind, NULL);
+  wait_for_every_stream();
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
+                                cudaStream_t s) {
+  (void)dst_device, (void)src_device;
+  return cudaMemcpyAsync(dst, src, count, cudaMemcpyDefault, s);
+}
+cudaError_t cudaMemcpyPeer(void* dst, int dst_device, const void* src, int src_device, size_t count) {
+  (void)dst_device, (void)src_device;
+  return cudaMemcpy(dst, src, count, cudaMemcpyDefault);
+}
+cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                              enum cudaMemcpyKind kind, cudaStream_t s) {
+  (void)kind;
+  const struct pitched_copy c = {dst, dpitch, src, spitch, width, height};
+  return submit_op(s, run_pitched_copy, &c, sizeof c);
+}
+cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                         enum cudaMemcpyKind kind) {
+  wait_for_every_stream();
+  cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, NULL);
+  wait_for_every_stream();
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy3DPeerAsync(const struct cudaMemcpy3DPeerParms* p, cudaStream_t s) {
-  (void)s;
-  return cudaMemcpy3DPeer(p);
+  if (p->srcArray != NULL || p->dstArray != NULL) return cudaErrorInvalidValue;
+  return submit_op(s, run_copy_3d, p, sizeof *p);
 }
-cudaError_t cudaMemset(void* ptr, int value, size_t count) {
-  memset(ptr, value, count);
-  return cudaSuccess;
+cudaError_t cudaMemcpy3DPeer(const struct cudaMemcpy3DPeerParms* p) {
+  wait_for_every_stream();
+  const cudaError_t result = cudaMemcpy3DPeerAsync(p, NULL);
+  wait_for_every_stream();
+  return result;
 }
 cudaError_t cudaMemset2DAsync(void* ptr, size_t pitch, int value, size_t width, size_t height, cudaStream_t s) {
-  (void)s;
-  for (size_t row = 0; row < height; ++row) memset((char*)ptr + row * pitch, value, width);
+  const struct pitched_fill f = {ptr, pitch, value, width, height};
+  return submit_op(s, run_pitched_fill, &f, sizeof f);
+}
+cudaError_t cudaMemset(void* ptr, int value, size_t count) {
+  wait_for_every_stream();
+  cudaMemset2DAsync(ptr, count, value, count, 1, NULL);
+  wait_for_every_stream();
   return cudaSuccess;
 }
 
