@@ -295,7 +295,8 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   return cudaSuccess;
 }
 
-// Copies and fills: the asynchronous ones go through submit_op, the others wait for every stream first.
+// Copies and fills: the asynchronous ones go through submit_op; a synchronous one queues as the asynchronous one
+// on the default stream, behind everything queued before, and returns once every stream is done (completed).
 struct linear_copy {
   void* dst;
   const void* src;
@@ -344,11 +345,12 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaM
   const struct linear_copy c = {dst, src, count};
   return submit_op(s, run_linear_copy, &c, sizeof c);
 }
+static cudaError_t completed(cudaError_t queued) {
+  wait_for_every_stream();
+  return queued;
+}
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
-  wait_for_every_stream();
-  cudaMemcpyAsync(dst, src, count, kind, NULL);
-  wait_for_every_stream();
-  return cudaSuccess;
+  return completed(cudaMemcpyAsync(dst, src, count, kind, NULL));
 }
 cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
                                 cudaStream_t s) {
@@ -367,30 +369,21 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
 }
 cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
                          enum cudaMemcpyKind kind) {
-  wait_for_every_stream();
-  cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, NULL);
-  wait_for_every_stream();
-  return cudaSuccess;
+  return completed(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, NULL));
 }
 cudaError_t cudaMemcpy3DPeerAsync(const struct cudaMemcpy3DPeerParms* p, cudaStream_t s) {
   if (p->srcArray != NULL || p->dstArray != NULL) return cudaErrorInvalidValue;
   return submit_op(s, run_copy_3d, p, sizeof *p);
 }
 cudaError_t cudaMemcpy3DPeer(const struct cudaMemcpy3DPeerParms* p) {
-  wait_for_every_stream();
-  const cudaError_t result = cudaMemcpy3DPeerAsync(p, NULL);
-  wait_for_every_stream();
-  return result;
+  return completed(cudaMemcpy3DPeerAsync(p, NULL));
 }
 cudaError_t cudaMemset2DAsync(void* ptr, size_t pitch, int value, size_t width, size_t height, cudaStream_t s) {
   const struct pitched_fill f = {ptr, pitch, value, width, height};
   return submit_op(s, run_pitched_fill, &f, sizeof f);
 }
 cudaError_t cudaMemset(void* ptr, int value, size_t count) {
-  wait_for_every_stream();
-  cudaMemset2DAsync(ptr, count, value, count, 1, NULL);
-  wait_for_every_stream();
-  return cudaSuccess;
+  return completed(cudaMemset2DAsync(ptr, count, value, count, 1, NULL));
 }
 
 // cuBLAS: handles only. jnntile's products run its CPU kernels here, so no cuBLAS product is ever called.
