@@ -130,7 +130,9 @@ def test_a_gpu_limit_beside_too_little_ram_without_swap_is_refused_before_traini
 def _limited_run(swap_dir: str, out: Path, gpu_mb: int, ram_mb: int, copy_delay_us: int | None = None):
     """LIMITED_RUN in a process of its own (a run that stops leaves StarPU unable to start again there), with the
     emulated GPU's copies that much slower than they are queued when copy_delay_us is given."""
-    env = dict(os.environ, **({"EMULATED_GPU_ASYNC_US": str(copy_delay_us)} if copy_delay_us is not None else {}))
+    env = dict(os.environ)
+    if copy_delay_us is not None:
+        env["EMULATED_GPU_ASYNC_US"] = str(copy_delay_us)
     result = subprocess.run([sys.executable, "-c", LIMITED_RUN, swap_dir, str(out), str(gpu_mb), str(ram_mb)],
                             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
