@@ -2,7 +2,7 @@
 
     .venv-cuda/bin/python bench/gpu.py [--out out/gpu/report.json] [--only gemm train limited capacity]
         [--capacity-layers 16] [--capacity-full] [--swap-dir DIR] [--placement auto|any|cpu|cuda] [--workers N]
-        [--fused-attention] [--scheduler dmdas|lws|eager|...] [--fused-update auto|on|off]
+        [--[no-]fused-attention] [--scheduler dmdas|lws|eager|...] [--fused-update auto|on|off]
         [--tiles batch=8 vocab=50257 ...] [--smoke]
 
 Sections, each measured in a process of its own so that it has the whole GPU:
@@ -326,8 +326,9 @@ def main(argv=None) -> int:
                         help="where jnntile's training runs kernels that have a CUDA version (default: the "
                              "runtime's, auto)")
     parser.add_argument("--workers", type=int, default=None, help="CPU workers of jnntile's training runs")
-    parser.add_argument("--fused-attention", action="store_true",
-                        help="jnntile's training runs take the fused bfloat16 attention kernels (runtime setting)")
+    parser.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
+                        help="whether jnntile's training runs take the fused bfloat16 attention kernels (runtime "
+                             "setting; default: the runtime's, on)")
     parser.add_argument("--scheduler", choices=SCHEDULERS, default=None,
                         help="StarPU scheduler of jnntile's training runs (default: the runtime's, auto: dmdas "
                              "with a GPU)")
@@ -363,7 +364,7 @@ def main(argv=None) -> int:
         # GPU has none for JAX: there they run on the CPU).
         xla_env = {"JAX_PLATFORMS": "cuda"} if report["cuda_workers"] > 0 and not report["emulated_gpu"] else {}
         runtime_flags = {"placement": args.placement, "workers": args.workers,  # of jnntile's training runs
-                         "fused_attention": args.fused_attention or None, "scheduler": args.scheduler,
+                         "fused_attention": args.fused_attention, "scheduler": args.scheduler,
                          "fused_update": args.fused_update}
         tiles = dict(args.tiles)
         if "gemm" in args.only:

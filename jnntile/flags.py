@@ -38,9 +38,9 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-workers", type=int, help="GPUs to use (default: all; 0: CPU only)")
     parser.add_argument("--matmul-precision", choices=runtime.MATMUL_PRECISIONS,
                         help="float32 products on the GPU: highest (FP32) or tf32 (default: tf32 on a GPU, as JAX)")
-    parser.add_argument("--fused-attention", action="store_true", default=None,
-                        help="bfloat16 attention (head_dim 64) on the GPU in fused kernels; not yet run on a GPU "
-                             "(default: cuBLAS products)")
+    parser.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
+                        help="bfloat16 attention (head_dim 64) on the GPU in fused kernels, or in cuBLAS products "
+                             "through float32 score blocks (default: fused)")
 
 
 def runtime_settings(args) -> dict:

@@ -114,14 +114,16 @@ FUSED_TILINGS = {
 }
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "cublas"])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("tiling", FUSED_TILINGS)
-def test_bfloat16_fused_steps(placement, restore_runtime, tiling, groups):
-    """With the runtime setting fused_attention, bfloat16 steps of head_dim 64 take codelets of their own: on a
-    GPU the fused kernels, on a CPU worker its usual bfloat16 steps (in one head's scratch). Against the same
-    mixed-precision reference as the cuBLAS steps (test_bfloat16)."""
+def test_bfloat16_steps_of_head_dim_64(placement, restore_runtime, tiling, groups, fused):
+    """With the runtime setting fused_attention (the default), bfloat16 steps of head_dim 64 take codelets of
+    their own: on a GPU the fused kernels, on a CPU worker its usual bfloat16 steps (in one head's scratch).
+    Without it, the GPU multiplies them with cuBLAS. Both against the same mixed-precision reference as the
+    other bfloat16 steps (test_bfloat16)."""
     jnntile.runtime.stop()
-    jnntile.runtime.configure(fused_attention=True)
+    jnntile.runtime.configure(fused_attention=fused)
     qkv, _ = make_data(seed=6, shape=FUSED_SHAPE, groups=groups)
 
     def mixed_reference(z):
@@ -131,9 +133,10 @@ def test_bfloat16_fused_steps(placement, restore_runtime, tiling, groups):
              dtype="bfloat16", tol=BFLOAT16_TOL)
     codelets = jnntile.runtime.stats()["codelets"]
     for step in ("attention_forward_step", "attention_backward_step"):
-        assert codelets[f"{step}_fused"]["tasks"] > 0 and step not in codelets, step
+        ran, other = (f"{step}_fused", step) if fused else (step, f"{step}_fused")
+        assert codelets[ran]["tasks"] > 0 and other not in codelets, step
         if placement == "cuda":
-            assert codelets[f"{step}_fused"]["cuda_tasks"] == codelets[f"{step}_fused"]["tasks"], step
+            assert codelets[ran]["cuda_tasks"] == codelets[ran]["tasks"], step
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
