@@ -147,6 +147,12 @@ template <Device D>
 void layernorm_backward_dx(FloatType type, int64_t rows, int64_t n, int64_t c, bool centered, const void* x,
                            const float* stats, const float* w, const void* dy, const double* sums, void* dx);
 
+// The dx of rows whose whole normalized axis is this tile (n = C): the partial sums into `partial` ((rows, 2),
+// scratch), then dx as layernorm_backward_dx. A GPU does both in one pass over rows of up to 1024 elements.
+template <Device D>
+void layernorm_backward_rows(FloatType type, int64_t rows, int64_t n, bool centered, const void* x,
+                             const float* stats, const float* w, const void* dy, double* partial, void* dx);
+
 // dw += sum over rows of dy * xhat, db += sum over rows of dy (either may be
 // null; = instead of += with `overwrite`: they hold nothing yet), each column
 // summed in double over the rows in order.

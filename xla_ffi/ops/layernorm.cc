@@ -136,9 +136,7 @@ void whole_rows_backward_dx_kernel(void** buffers, const TileArgs& a) {
   double* partial = tile_ptr<double>(buffers[5]);
   const void *x = tile_ptr<void>(buffers[0]), *dy = tile_ptr<void>(buffers[3]);
   const float *stats = tile_ptr<float>(buffers[1]), *w = tile_ptr<float>(buffers[2]);
-  layernorm_backward_partial<D>(a.type, a.rows, a.n, x, stats, w, dy, partial);
-  layernorm_backward_dx<D>(a.type, a.rows, a.n, a.c, a.centered, x, stats, w, dy, partial,
-                           tile_ptr<void>(buffers[4]));
+  layernorm_backward_rows<D>(a.type, a.rows, a.n, a.centered, x, stats, w, dy, partial, tile_ptr<void>(buffers[4]));
 }
 
 // The tiling shared by x, a (C,) parameter and the stats tensor.

@@ -116,6 +116,14 @@ void layernorm_backward_dx<Device::Cpu>(FloatType type, int64_t rows, int64_t n,
   });
 }
 
+template <>
+void layernorm_backward_rows<Device::Cpu>(FloatType type, int64_t rows, int64_t n, bool centered, const void* x,
+                                          const float* stats, const float* w, const void* dy, double* partial,
+                                          void* dx) {
+  layernorm_backward_partial<Device::Cpu>(type, rows, n, x, stats, w, dy, partial);
+  layernorm_backward_dx<Device::Cpu>(type, rows, n, n, centered, x, stats, w, dy, partial, dx);
+}
+
 // Rows outer, columns inner: the tile is read once, in memory order; each
 // column still sums its rows in order, as the GPU's thread per column does.
 template <>
