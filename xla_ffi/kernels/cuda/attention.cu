@@ -1,5 +1,4 @@
 #include <cuda_bf16.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -188,300 +187,378 @@ void backward_step(const AttentionPair& p, const T* q, const T* k, const T* v, c
 // ---- Fused steps (bfloat16, head_dim 64; the runtime's fused_attention setting) ---------------------------
 //
 // The steps above multiply with cuBLAS through float32 score blocks in the task's scratch: per pair and batch
-// row, 5 launches in the forward and 8 in the backward, and every score written and read several times (on an
-// H200, GPT-2 124M 8 x 1024 in bfloat16: 46 ms of attention per step against JAX's whole step of 34 ms). The
-// fused steps keep a block's scores in shared memory and multiply on tensor cores (WMMA, bfloat16 operands,
-// float32 sums), FlashAttention-2's way, in one launch per step (three in the backward), with no atomics:
+// row, 5 launches in the forward and 8 in the backward, and every score written and read several times. The
+// fused steps keep a block's scores in registers and multiply on tensor cores (mma.sync m16n8k16, bfloat16
+// operands, float32 sums), FlashAttention-2's way, in one launch per step (two in the backward), with no
+// atomics:
 //
 //   forward   a block per 64 query rows of a (batch row, head): S = scale q k^T for 64 keys at a time, the
-//             online softmax on the rows (the row bodies' arithmetic: m, l, alpha), o = alpha o + P v.
-//   dk, dv    a block per 64 keys: for every query block that sees them, S^T and dP^T = v do^T, P = exp(S - lse),
-//             dS = P (dP - delta), dv += P^T do, dk += scale dS^T q.
+//             online softmax on the rows (m, l, alpha as the row bodies above), o = alpha o + P v.
+//   dk, dv    a block per 64 keys: for every query block that sees them, S^T = k q^T and dP^T = v do^T,
+//             P = exp(S - lse), dS = P (dP - delta), dv += P^T do, dk += scale dS^T q.
 //   dq        a block per 64 query rows: for every key block it sees, S, dP, dS again, dq += scale dS k.
 //
-// Each of a block's 4 warps owns 16 rows (queries, or keys for dk/dv); a warp's lanes take a row each in pairs
-// (lane / 2 is the row, lane % 2 its half of the 64 columns) for the elementwise steps. P and dS are rounded to
-// bfloat16 for the products, as the cuBLAS steps round them. The runtime's default (fused_attention); with it
-// off, the cuBLAS steps (tests/test_attention.py runs both on a GPU). On an H200, GPT-2 124M 8 x 1024: 6.4 ms
-// forward and 20 ms backward per step (each kernel's own time), against 10.7 and 25.9 ms of cuBLAS steps.
+// Each of a block's 4 warps owns 16 rows (queries, or keys for dk/dv). Operand blocks of 64 rows sit in shared
+// memory (ldmatrix reads them as mma's fragments); a warp's 16 x 64 results stay in registers in mma's
+// accumulator layout, where the softmax works on them, and a score block becomes the A operand of the next
+// product without leaving registers. P and dS are rounded to bfloat16 for the products, as the cuBLAS steps
+// round them. The first version kept scores in shared memory between WMMA products (opaque fragments):
+// 26.4 ms of GPT-2 124M's 8 x 1024 step on an H200 (about 30 TFLOP/s).
 namespace fused {
 
-namespace wmma = nvcuda::wmma;
 constexpr int kD = int(attention::kFusedHeadDim);  // head_dim the fused steps take
-constexpr int kRows = 64;              // query or key rows of a block
-constexpr int kWarps = 4;              // 16 rows each
-constexpr int kFrag = 16;              // WMMA tile edge
-constexpr int kLd = kD + 8;            // shared bfloat16 rows, padded (multiple of 8, 32-byte fragment starts)
-constexpr int kLdf = kRows + 4;        // shared float rows (multiple of 4), kRows >= kD columns
+constexpr int kRows = 64;                          // query or key rows of a block
+constexpr int kWarps = 4;                          // 16 rows each
+constexpr int kThreads = kWarps * cuda::kWarp;
+constexpr int kTiles = kRows / 8;                  // 8-column tiles of a warp's 16 x 64 result
+constexpr int kSteps = kRows / 16;                 // 16-deep steps of a product over 64
+constexpr int kLd = kD + 8;  // shared rows of 144 bytes: the 8 rows an ldmatrix reads start in distinct banks
 using bf16 = __nv_bfloat16;
-using FragA = wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, bf16, wmma::row_major>;
-using FragBRow = wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, bf16, wmma::row_major>;
-using FragBCol = wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, bf16, wmma::col_major>;
-using FragC = wmma::fragment<wmma::accumulator, kFrag, kFrag, kFrag, float>;
 
-// Shared memory of a block: four (64, 64) bfloat16 operand blocks, then per warp two (16, 64) float32 stages
-// and a (16, 64) bfloat16 block (P or dS).
-struct Shared {
-  bf16 a[kRows * kLd], b[kRows * kLd], c[kRows * kLd], d[kRows * kLd];
-  float stage[kWarps][2][kFrag * kLdf];
-  bf16 p[kWarps][kFrag * kLd];
-};
-constexpr size_t kSharedBytes = sizeof(Shared);
+// A warp's 16 x 64 float32 block in mma's accumulator layout: tile n, register i holds row g + 8 (i / 2) and
+// column 8 n + 2 t + i % 2, with g = lane / 4 and t = lane % 4.
+using Block = float[kTiles][4];
+// The same block rounded to bfloat16 as A operands of a product over its 64 columns, 16 per step.
+using Operands = uint32_t[kSteps][4];
 
-__device__ inline bf16 to_bf16(float x) { return __ushort_as_bfloat16(from_float<bfloat16>(x).bits); }
+__device__ inline int lane_group() { return cuda::lane() / 4; }  // g: the first of a lane's two rows
+__device__ inline int lane_pair() { return cuda::lane() % 4; }   // t: 2 t is its first column of a tile
+__device__ inline int block_row(int i) { return lane_group() + 8 * (i / 2); }
+__device__ inline int block_column(int n, int i) { return 8 * n + 2 * lane_pair() + i % 2; }
 
-// Rows [row0, row0 + 64) of a tile's head (rows `ld` elements apart, `rows` of them) into a shared block,
-// zeros past the last row. Eight bfloat16 (16 bytes) per load where the head's rows start 16 bytes apart,
-// as a tile's do (heads and rows start at multiples of 64 elements): one load for eight, and no division
-// per element. The shared rows (kLd * 2 = 144 bytes) start 16 bytes apart too.
+// The max and the sum of a row over the 4 lanes that hold it.
+__device__ inline float row_max(float x) {
+  x = fmaxf(x, cuda::shuffle_xor(x, 1));
+  return fmaxf(x, cuda::shuffle_xor(x, 2));
+}
+__device__ inline float row_sum(float x) {
+  x += cuda::shuffle_xor(x, 1);
+  return x + cuda::shuffle_xor(x, 2);
+}
+
+__device__ inline uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// Four 8 x 8 matrices; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ inline void ldmatrix(uint32_t (&r)[4], const bf16* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row))
+               : "memory");
+}
+__device__ inline void ldmatrix_transposed(uint32_t (&r)[4], const bf16* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row))
+               : "memory");
+}
+
+// c (16 x 8) += a (16 x 16) b (16 x 8)
+__device__ inline void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A operand: rows [row0, row0 + 16) and columns [col0, col0 + 16) of a shared block (matrices: rows 0-7 and
+// 8-15 of columns 0-7, then of columns 8-15).
+__device__ inline void load_a(uint32_t (&a)[4], const bf16* block, int row0, int col0) {
+  const int l = cuda::lane();
+  ldmatrix(a, block + (row0 + l % 8 + (l / 8) % 2 * 8) * kLd + col0 + l / 16 * 8);
+}
+
+// B operands of two 8-column tiles, columns [n0, n0 + 16) of x y^T at depth [k0, k0 + 16), from y's shared
+// rows (a column of the product is a row of y): b[0], b[1] for the first tile, b[2], b[3] for the second.
+__device__ inline void load_b_of_rows(uint32_t (&b)[4], const bf16* y, int n0, int k0) {
+  const int l = cuda::lane();
+  ldmatrix(b, y + (n0 + l % 8 + l / 16 * 8) * kLd + k0 + (l / 8) % 2 * 8);
+}
+
+// The same for x y, from y's shared rows [k0, k0 + 16) (a column of the product is a column of y).
+__device__ inline void load_b_of_columns(uint32_t (&b)[4], const bf16* y, int k0, int n0) {
+  const int l = cuda::lane();
+  ldmatrix_transposed(b, y + (k0 + l % 8 + (l / 8) % 2 * 8) * kLd + n0 + l / 16 * 8);
+}
+
+// acc = x y^T: rows [row0, row0 + 16) of block x times the 64 rows of block y, over the 64 columns of both.
+__device__ void rows_times_rows_t(const bf16* x, int row0, const bf16* y, Block& acc) {
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+#pragma unroll
+  for (int k0 = 0; k0 < kD; k0 += 16) {
+    uint32_t a[4];
+    load_a(a, x, row0, k0);
+#pragma unroll
+    for (int n0 = 0; n0 < kRows; n0 += 16) {
+      uint32_t b[4];
+      load_b_of_rows(b, y, n0, k0);
+      mma(acc[n0 / 8], a, b[0], b[1]);
+      mma(acc[n0 / 8 + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc += p y: a warp's 16 x 64 scores (as operands) times the 64 rows of block y.
+__device__ void scores_times_rows(const Operands& p, const bf16* y, Block& acc) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll
+    for (int n0 = 0; n0 < kD; n0 += 16) {
+      uint32_t b[4];
+      load_b_of_columns(b, y, 16 * kk, n0);
+      mma(acc[n0 / 8], p[kk], b[0], b[1]);
+      mma(acc[n0 / 8 + 1], p[kk], b[2], b[3]);
+    }
+}
+
+// Two floats as two bfloat16 (rounded to nearest even), the first in the low half.
+__device__ inline uint32_t pack(float lo, float hi) {
+  const __nv_bfloat162 two = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&two);
+}
+
+// A operand step kk is tiles 2 kk and 2 kk + 1: the accumulator layout of one product is the operand layout of
+// the next.
+__device__ void to_operands(const Block& s, Operands& p) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    p[kk][0] = pack(s[2 * kk][0], s[2 * kk][1]);
+    p[kk][1] = pack(s[2 * kk][2], s[2 * kk][3]);
+    p[kk][2] = pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    p[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
+// Rows [row0, row0 + 64) of a tile's head (rows `ld` elements apart, `rows` of them) into a shared block, zeros
+// past the last row. Eight bfloat16 (16 bytes) per load where the head's rows start 16 bytes apart, as a
+// tile's do (heads and rows start at multiples of 64 elements), each thread's loads all in flight before it
+// stores them.
 __device__ void load_rows(const bfloat16* head, int64_t ld, int64_t row0, int64_t rows, bf16* block) {
-  constexpr int kVector = 8, kVectors = kD / kVector;  // per row
+  constexpr int kVector = 8, kVectors = kD / kVector, kPerThread = kRows * kVectors / kThreads;
   if (ld % kVector == 0 && reinterpret_cast<uintptr_t>(head) % 16 == 0) {
-    for (int i = threadIdx.x; i < kRows * kVectors; i += blockDim.x) {
-      const int r = i / kVectors, c = (i % kVectors) * kVector;
-      const uint4 eight = row0 + r < rows ? *reinterpret_cast<const uint4*>(head + (row0 + r) * ld + c)
-                                          : make_uint4(0, 0, 0, 0);  // bfloat16 zeros
-      *reinterpret_cast<uint4*>(block + r * kLd + c) = eight;
+    uint4 eight[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = threadIdx.x + j * kThreads, r = i / kVectors, c = i % kVectors * kVector;
+      eight[j] = row0 + r < rows ? *reinterpret_cast<const uint4*>(head + (row0 + r) * ld + c)
+                                 : make_uint4(0, 0, 0, 0);  // bfloat16 zeros
+    }
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = threadIdx.x + j * kThreads, r = i / kVectors, c = i % kVectors * kVector;
+      *reinterpret_cast<uint4*>(block + r * kLd + c) = eight[j];
     }
     return;
   }
-  for (int i = threadIdx.x; i < kRows * kD; i += blockDim.x) {
+  for (int i = threadIdx.x; i < kRows * kD; i += kThreads) {
     const int r = i / kD, c = i % kD;
-    block[r * kLd + c] = row0 + r < rows ? __ushort_as_bfloat16(head[(row0 + r) * ld + c].bits) : to_bf16(0.0f);
+    block[r * kLd + c] = row0 + r < rows ? __ushort_as_bfloat16(head[(row0 + r) * ld + c].bits)
+                                         : __ushort_as_bfloat16(0);
   }
 }
 
-// acc (16 x 16 n-tiles, 4 of them: 16 x 64) = x (16 rows of a block) y^T (the 64 rows of a block): scores.
-__device__ void rows_times_rows_t(const bf16* x, const bf16* y, FragC* acc) {
-  for (int j = 0; j < kRows / kFrag; ++j) {
-    wmma::fill_fragment(acc[j], 0.0f);
-    for (int k = 0; k < kD / kFrag; ++k) {
-      FragA a;
-      FragBCol b;  // y^T read column-major: element (k, n) at y[n * kLd + k]
-      wmma::load_matrix_sync(a, x + k * kFrag, kLd);
-      wmma::load_matrix_sync(b, y + j * kFrag * kLd + k * kFrag, kLd);
-      wmma::mma_sync(acc[j], a, b, acc[j]);
-    }
-  }
-}
-
-// acc (16 x 64, kD / 16 tiles) += s (16 x 64 bfloat16, row-major, kLd) times y (the 64 rows of a block).
-__device__ void scores_times_rows(const bf16* s, const bf16* y, FragC* acc) {
-  for (int j = 0; j < kD / kFrag; ++j)
-    for (int k = 0; k < kRows / kFrag; ++k) {
-      FragA a;
-      FragBRow b;
-      wmma::load_matrix_sync(a, s + k * kFrag, kLd);
-      wmma::load_matrix_sync(b, y + k * kFrag * kLd + j * kFrag, kLd);
-      wmma::mma_sync(acc[j], a, b, acc[j]);
+// Adds scale times a warp's 16 x 64 block to rows [row0, row0 + 16) of a float32 tile's head, two floats at a
+// time.
+__device__ void add_block(const Block& acc, float scale, float* head, int64_t ld, int64_t row0, int64_t rows) {
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+      const int64_t row = row0 + block_row(i);
+      if (row >= rows) continue;
+      float2* out = reinterpret_cast<float2*>(head + row * ld + block_column(n, i));
+      float2 sum = *out;
+      sum.x += scale * acc[n][i];
+      sum.y += scale * acc[n][i + 1];
+      *out = sum;
     }
 }
 
-__device__ void store(const FragC* acc, int tiles, float* stage) {
-  for (int j = 0; j < tiles; ++j) wmma::store_matrix_sync(stage + j * kFrag, acc[j], kLdf, wmma::mem_row_major);
-}
-
-// The row (lane / 2) and first column (lane % 2 halves) a lane takes in a warp's 16 x 64 stage.
-__device__ inline int lane_row() { return cuda::lane() / 2; }
-__device__ inline int lane_col0() { return (cuda::lane() % 2) * (kRows / 2); }
-__device__ inline float pair_max(float x) { return fmaxf(x, cuda::shuffle_xor(x, 1)); }
-__device__ inline float pair_sum(float x) { return x + cuda::shuffle_xor(x, 1); }
 // The last of the 64 rows from row0 that exist.
 __device__ inline int64_t last_row(int64_t row0, int64_t rows) {
   return (row0 + kRows < rows ? row0 + kRows : rows) - 1;
 }
 
 // grid (query blocks, nh, nb)
-__global__ void __launch_bounds__(kWarps * cuda::kWarp)
+__global__ void __launch_bounds__(kThreads)
     forward_kernel(bool first, AttentionPair p, const bfloat16* q, const bfloat16* k, const bfloat16* v, float* o,
                    float* stats) {
-  extern __shared__ __align__(128) unsigned char raw[];
-  Shared& sh = *reinterpret_cast<Shared*>(raw);
-  const int warp = threadIdx.x / cuda::kWarp, lr = lane_row(), c0 = lane_col0();
+  __shared__ __align__(16) bf16 q_s[kRows * kLd], k_s[kRows * kLd], v_s[kRows * kLd];
+  const int warp = threadIdx.x / cuda::kWarp;
   const int64_t b = blockIdx.z, h = blockIdx.y, q_row0 = int64_t(blockIdx.x) * kRows, ld = p.nh * kD;
   const int64_t qoff = (b * p.nq * p.nh + h) * kD, koff = (b * p.nk * p.nh + h) * kD;  // head h of batch row b
-  const bfloat16 *qh = q + qoff, *kh = k + koff, *vh = v + koff;
-  const int64_t r = q_row0 + warp * kFrag + lr;  // the lane's query row
-  const bool live = r < p.nq;
-  const int64_t i = live ? row_index(p, b, r, h) : 0;
-  float m = first || !live ? -INFINITY : stats[2 * i], l = first || !live ? 0.0f : stats[2 * i + 1];
-  float* stage = sh.stage[warp][0];
-  FragC acc[kD / kFrag];
-  if (first) {
-    for (FragC& f : acc) wmma::fill_fragment(f, 0.0f);
-  } else {  // o's rows through the stage into the accumulators, a row at a time over the lanes (coalesced)
-    for (int rr = 0; rr < kFrag; ++rr) {
-      const int64_t row = q_row0 + warp * kFrag + rr;
-      const float* o_row = row < p.nq ? o + row_index(p, b, row, h) * kD : nullptr;
-      for (int c = cuda::lane(); c < kD; c += cuda::kWarp) stage[rr * kLdf + c] = o_row ? o_row[c] : 0.0f;
-    }
-    __syncwarp();
-    for (int j = 0; j < kD / kFrag; ++j)
-      wmma::load_matrix_sync(acc[j], stage + j * kFrag, kLdf, wmma::mem_row_major);
+  // The lane's two query rows (r = 0, 1: rows g and g + 8 of its warp's 16).
+  bool live[2];
+  int64_t index[2], visible[2];
+  float m[2], l[2];
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = q_row0 + warp * 16 + block_row(2 * r);
+    live[r] = row < p.nq;
+    index[r] = live[r] ? row_index(p, b, row, h) : 0;
+    visible[r] = live[r] ? visible_keys(p, row) : 0;
+    m[r] = first || !live[r] ? -INFINITY : stats[2 * index[r]];
+    l[r] = first || !live[r] ? 0.0f : stats[2 * index[r] + 1];
   }
-  load_rows(qh, ld, q_row0, p.nq, sh.a);
+  Block acc;
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      acc[n][i] = first || !live[i / 2] ? 0.0f : o[index[i / 2] * kD + block_column(n, i)];
+  load_rows(q + qoff, ld, q_row0, p.nq, q_s);
   const int64_t keys = visible_keys(p, last_row(q_row0, p.nq));  // what the block's last row sees
-  const int64_t n_row = live ? visible_keys(p, r) : 0;
   for (int64_t k0 = 0; k0 < keys; k0 += kRows) {
     __syncthreads();  // the last key block's products are done
-    load_rows(kh, ld, k0, p.nk, sh.b);
-    load_rows(vh, ld, k0, p.nk, sh.c);
+    load_rows(k + koff, ld, k0, p.nk, k_s);
+    load_rows(v + koff, ld, k0, p.nk, v_s);
     __syncthreads();
-    FragC s[kRows / kFrag];
-    rows_times_rows_t(sh.a + warp * kFrag * kLd, sh.b, s);
-    store(s, kRows / kFrag, stage);
-    __syncwarp();
-    float* row = stage + lr * kLdf;
-    float row_max = -INFINITY;
-    for (int c = c0; c < c0 + kRows / 2; ++c)
-      if (k0 + c < n_row) row_max = fmaxf(row_max, p.scale * row[c]);
-    const float m_new = fmaxf(m, pair_max(row_max));
-    const float alpha = m_new == -INFINITY ? 1.0f : expf(m - m_new);
-    float sum = 0.0f;
-    for (int c = c0; c < c0 + kRows / 2; ++c) {
-      const float prob = k0 + c < n_row ? expf(p.scale * row[c] - m_new) : 0.0f;
-      sh.p[warp][lr * kLd + c] = to_bf16(prob);
-      sum += prob;
+    Block s;
+    rows_times_rows_t(q_s, warp * 16, k_s, s);
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (k0 + block_column(n, i) < visible[i / 2]) tile_max[i / 2] = fmaxf(tile_max[i / 2], p.scale * s[n][i]);
+    float alpha[2], sum[2] = {0.0f, 0.0f};
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m[r], row_max(tile_max[r]));
+      alpha[r] = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);
+      m[r] = m_new;
     }
-    l = l * alpha + pair_sum(sum);
-    m = m_new;
-    __syncwarp();  // the scores are read: the stage takes o, rescaled by its row's alpha
-    store(acc, kD / kFrag, stage);
-    __syncwarp();
-    for (int c = c0; c < c0 + kRows / 2; ++c)
-      if (c < kD) row[c] *= alpha;
-    __syncwarp();
-    for (int j = 0; j < kD / kFrag; ++j)
-      wmma::load_matrix_sync(acc[j], stage + j * kFrag, kLdf, wmma::mem_row_major);
-    scores_times_rows(sh.p[warp], sh.c, acc);
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float prob = k0 + block_column(n, i) < visible[i / 2] ? expf(p.scale * s[n][i] - m[i / 2]) : 0.0f;
+        s[n][i] = prob;
+        sum[i / 2] += prob;
+        acc[n][i] *= alpha[i / 2];
+      }
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + row_sum(sum[r]);
+    Operands probs;
+    to_operands(s, probs);
+    scores_times_rows(probs, v_s, acc);
   }
-  __syncwarp();
-  store(acc, kD / kFrag, stage);
-  __syncwarp();
-  for (int rr = 0; rr < kFrag; ++rr) {  // a row at a time over the lanes
-    const int64_t row = q_row0 + warp * kFrag + rr;
-    if (row < p.nq)
-      for (int c = cuda::lane(); c < kD; c += cuda::kWarp) o[row_index(p, b, row, h) * kD + c] = stage[rr * kLdf + c];
-  }
-  if (live && c0 == 0) {
-    stats[2 * i] = m;
-    stats[2 * i + 1] = l;
-  }
-}
-
-// Adds a warp's 16 x 64 float32 result (scaled) to rows [row0, row0 + 16) of a float32 tile's head, a row at
-// a time over the lanes (consecutive lanes, consecutive floats: coalesced).
-__device__ void add_rows(const FragC* acc, float scale, float* stage, float* head, int64_t ld, int64_t row0,
-                         int64_t rows) {
-  store(acc, kD / kFrag, stage);
-  __syncwarp();
-  for (int rr = 0; rr < kFrag; ++rr)
-    if (row0 + rr < rows)
-      for (int c = cuda::lane(); c < kD; c += cuda::kWarp) head[(row0 + rr) * ld + c] += scale * stage[rr * kLdf + c];
-  __syncwarp();
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (live[i / 2]) o[index[i / 2] * kD + block_column(n, i)] = acc[n][i];
+  for (int r = 0; r < 2; ++r)
+    if (live[r] && lane_pair() == 0) {
+      stats[2 * index[r]] = m[r];
+      stats[2 * index[r] + 1] = l[r];
+    }
 }
 
 // grid (key blocks, nh, nb): dk and dv of 64 keys, over the query blocks that see them.
-__global__ void __launch_bounds__(kWarps * cuda::kWarp)
+__global__ void __launch_bounds__(kThreads)
     backward_kv_kernel(AttentionPair p, const bfloat16* q, const bfloat16* k, const bfloat16* v,
                        const bfloat16* d_o, const float* lse, const float* delta, float* dk, float* dv) {
-  extern __shared__ __align__(128) unsigned char raw[];
-  Shared& sh = *reinterpret_cast<Shared*>(raw);
+  __shared__ __align__(16) bf16 k_s[kRows * kLd], v_s[kRows * kLd], q_s[kRows * kLd], do_s[kRows * kLd];
   __shared__ float row_lse[kRows], row_delta[kRows];
-  const int warp = threadIdx.x / cuda::kWarp, lr = lane_row(), c0 = lane_col0();
+  const int warp = threadIdx.x / cuda::kWarp;
   const int64_t b = blockIdx.z, h = blockIdx.y, k_row0 = int64_t(blockIdx.x) * kRows, ld = p.nh * kD;
   const int64_t qoff = (b * p.nq * p.nh + h) * kD, koff = (b * p.nk * p.nh + h) * kD;
-  load_rows(k + koff, ld, k_row0, p.nk, sh.a);
-  load_rows(v + koff, ld, k_row0, p.nk, sh.b);
-  const int64_t key = k_row0 + warp * kFrag + lr;  // the lane's key
-  float *s_stage = sh.stage[warp][0], *dp_stage = sh.stage[warp][1];
-  FragC dk_acc[kD / kFrag], dv_acc[kD / kFrag];
-  for (int j = 0; j < kD / kFrag; ++j) {
-    wmma::fill_fragment(dk_acc[j], 0.0f);
-    wmma::fill_fragment(dv_acc[j], 0.0f);
-  }
+  load_rows(k + koff, ld, k_row0, p.nk, k_s);
+  load_rows(v + koff, ld, k_row0, p.nk, v_s);
+  const int64_t key[2] = {k_row0 + warp * 16 + block_row(0), k_row0 + warp * 16 + block_row(2)};  // the lane's
+  Block dk_acc, dv_acc;
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk_acc[n][i] = dv_acc[n][i] = 0.0f;
   for (int64_t q_row0 = 0; q_row0 < p.nq; q_row0 += kRows) {
     if (visible_keys(p, last_row(q_row0, p.nq)) <= k_row0) continue;  // the block's last query sees none of these keys
     __syncthreads();  // the last query block's products are done
-    load_rows(q + qoff, ld, q_row0, p.nq, sh.c);
-    load_rows(d_o + qoff, ld, q_row0, p.nq, sh.d);
-    for (int t = threadIdx.x; t < kRows; t += blockDim.x) {
+    load_rows(q + qoff, ld, q_row0, p.nq, q_s);
+    load_rows(d_o + qoff, ld, q_row0, p.nq, do_s);
+    for (int t = threadIdx.x; t < kRows; t += kThreads) {
       const bool live = q_row0 + t < p.nq;
       row_lse[t] = live ? lse[row_index(p, b, q_row0 + t, h)] : 0.0f;
       row_delta[t] = live ? delta[row_index(p, b, q_row0 + t, h)] : 0.0f;
     }
     __syncthreads();
-    FragC acc[kRows / kFrag];
-    rows_times_rows_t(sh.a + warp * kFrag * kLd, sh.c, acc);  // S^T: keys x queries
-    store(acc, kRows / kFrag, s_stage);
-    rows_times_rows_t(sh.b + warp * kFrag * kLd, sh.d, acc);  // dP^T = v do^T
-    store(acc, kRows / kFrag, dp_stage);
-    __syncwarp();
-    for (int c = c0; c < c0 + kRows / 2; ++c) {
-      const int64_t query = q_row0 + c;
-      const bool seen = query < p.nq && key < visible_keys(p, query);
-      const float prob = seen ? expf(p.scale * s_stage[lr * kLdf + c] - row_lse[c]) : 0.0f;
-      sh.p[warp][lr * kLd + c] = to_bf16(prob);
-      dp_stage[lr * kLdf + c] = softmax_grad(prob, dp_stage[lr * kLdf + c], row_delta[c]);
-    }
-    __syncwarp();
-    scores_times_rows(sh.p[warp], sh.d, dv_acc);  // dv += P^T do
-    __syncwarp();  // P^T is read: the block takes dS^T
-    for (int c = c0; c < c0 + kRows / 2; ++c) sh.p[warp][lr * kLd + c] = to_bf16(dp_stage[lr * kLdf + c]);
-    __syncwarp();
-    scores_times_rows(sh.p[warp], sh.c, dk_acc);  // dk += dS^T q (scaled when added)
+    Block s, ds;
+    rows_times_rows_t(k_s, warp * 16, q_s, s);    // S^T: keys x queries
+    rows_times_rows_t(v_s, warp * 16, do_s, ds);  // dP^T = v do^T
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int c = block_column(n, i);
+        const int64_t query = q_row0 + c;
+        const bool seen = query < p.nq && key[i / 2] < visible_keys(p, query);
+        const float prob = seen ? expf(p.scale * s[n][i] - row_lse[c]) : 0.0f;
+        s[n][i] = prob;
+        ds[n][i] = softmax_grad(prob, ds[n][i], row_delta[c]);
+      }
+    Operands operands;
+    to_operands(s, operands);
+    scores_times_rows(operands, do_s, dv_acc);  // dv += P^T do
+    to_operands(ds, operands);
+    scores_times_rows(operands, q_s, dk_acc);  // dk += dS^T q (scaled when added)
   }
-  add_rows(dv_acc, 1.0f, s_stage, dv + koff, ld, k_row0 + warp * kFrag, p.nk);
-  add_rows(dk_acc, p.scale, s_stage, dk + koff, ld, k_row0 + warp * kFrag, p.nk);
+  add_block(dv_acc, 1.0f, dv + koff, ld, k_row0 + warp * 16, p.nk);
+  add_block(dk_acc, p.scale, dk + koff, ld, k_row0 + warp * 16, p.nk);
 }
 
 // grid (query blocks, nh, nb): dq of 64 query rows, over the key blocks they see.
-__global__ void __launch_bounds__(kWarps * cuda::kWarp)
+__global__ void __launch_bounds__(kThreads)
     backward_q_kernel(AttentionPair p, const bfloat16* q, const bfloat16* k, const bfloat16* v,
                       const bfloat16* d_o, const float* lse, const float* delta, float* dq) {
-  extern __shared__ __align__(128) unsigned char raw[];
-  Shared& sh = *reinterpret_cast<Shared*>(raw);
-  const int warp = threadIdx.x / cuda::kWarp, lr = lane_row(), c0 = lane_col0();
+  __shared__ __align__(16) bf16 q_s[kRows * kLd], do_s[kRows * kLd], k_s[kRows * kLd], v_s[kRows * kLd];
+  const int warp = threadIdx.x / cuda::kWarp;
   const int64_t b = blockIdx.z, h = blockIdx.y, q_row0 = int64_t(blockIdx.x) * kRows, ld = p.nh * kD;
   const int64_t qoff = (b * p.nq * p.nh + h) * kD, koff = (b * p.nk * p.nh + h) * kD;
-  load_rows(q + qoff, ld, q_row0, p.nq, sh.a);
-  load_rows(d_o + qoff, ld, q_row0, p.nq, sh.b);
-  const int64_t r = q_row0 + warp * kFrag + lr;
-  const bool live = r < p.nq;
-  const float r_lse = live ? lse[row_index(p, b, r, h)] : 0.0f, r_delta = live ? delta[row_index(p, b, r, h)] : 0.0f;
-  const int64_t n_row = live ? visible_keys(p, r) : 0;
+  load_rows(q + qoff, ld, q_row0, p.nq, q_s);
+  load_rows(d_o + qoff, ld, q_row0, p.nq, do_s);
+  float r_lse[2], r_delta[2];
+  int64_t visible[2];
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = q_row0 + warp * 16 + block_row(2 * r);
+    const bool live = row < p.nq;
+    r_lse[r] = live ? lse[row_index(p, b, row, h)] : 0.0f;
+    r_delta[r] = live ? delta[row_index(p, b, row, h)] : 0.0f;
+    visible[r] = live ? visible_keys(p, row) : 0;
+  }
   const int64_t keys = visible_keys(p, last_row(q_row0, p.nq));
-  float *s_stage = sh.stage[warp][0], *dp_stage = sh.stage[warp][1];
-  FragC dq_acc[kD / kFrag];
-  for (FragC& f : dq_acc) wmma::fill_fragment(f, 0.0f);
+  Block dq_acc;
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq_acc[n][i] = 0.0f;
   for (int64_t k0 = 0; k0 < keys; k0 += kRows) {
     __syncthreads();
-    load_rows(k + koff, ld, k0, p.nk, sh.c);
-    load_rows(v + koff, ld, k0, p.nk, sh.d);
+    load_rows(k + koff, ld, k0, p.nk, k_s);
+    load_rows(v + koff, ld, k0, p.nk, v_s);
     __syncthreads();
-    FragC acc[kRows / kFrag];
-    rows_times_rows_t(sh.a + warp * kFrag * kLd, sh.c, acc);  // S
-    store(acc, kRows / kFrag, s_stage);
-    rows_times_rows_t(sh.b + warp * kFrag * kLd, sh.d, acc);  // dP = do v^T
-    store(acc, kRows / kFrag, dp_stage);
-    __syncwarp();
-    for (int c = c0; c < c0 + kRows / 2; ++c) {
-      const float prob = k0 + c < n_row ? expf(p.scale * s_stage[lr * kLdf + c] - r_lse) : 0.0f;
-      sh.p[warp][lr * kLd + c] = to_bf16(softmax_grad(prob, dp_stage[lr * kLdf + c], r_delta));
-    }
-    __syncwarp();
-    scores_times_rows(sh.p[warp], sh.c, dq_acc);  // dq += dS k (scaled when added)
+    Block s, dp;
+    rows_times_rows_t(q_s, warp * 16, k_s, s);    // S
+    rows_times_rows_t(do_s, warp * 16, v_s, dp);  // dP = do v^T
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float prob =
+            k0 + block_column(n, i) < visible[i / 2] ? expf(p.scale * s[n][i] - r_lse[i / 2]) : 0.0f;
+        s[n][i] = softmax_grad(prob, dp[n][i], r_delta[i / 2]);
+      }
+    Operands ds;
+    to_operands(s, ds);
+    scores_times_rows(ds, k_s, dq_acc);  // dq += dS k (scaled when added)
   }
-  add_rows(dq_acc, p.scale, s_stage, dq + qoff, ld, q_row0 + warp * kFrag, p.nq);
+  add_block(dq_acc, p.scale, dq + qoff, ld, q_row0 + warp * 16, p.nq);
 }
 
 bool takes(const AttentionPair& p) { return cuda::fused_attention() && p.d == kD; }
 
-// Launches `kernel` with the shared memory it needs (over the 48 KB default, so it is asked for).
 template <class Kernel, class... Args>
 void launch(Kernel kernel, dim3 grid, const char* what, Args... args) {
-  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes)), what);
-  kernel<<<grid, kWarps * cuda::kWarp, kSharedBytes, cuda::stream()>>>(args...);
+  kernel<<<grid, kThreads, 0, cuda::stream()>>>(args...);
   cuda::check_launch(what);
 }
 
