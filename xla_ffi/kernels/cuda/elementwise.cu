@@ -1,50 +1,23 @@
-#include "kernels/cuda/context.h"
+#include "kernels/cuda/groups.h"
 #include "kernels/elementwise.h"
 
 namespace jnntile {
 namespace {
 
-// Elements per thread. A thread loads all of its elements' operands before it computes and stores any (its
-// operands wait in registers, and apply() runs on those copies), so its loads are all in flight at once: with
-// one bfloat16 element per thread (4 KB per SM in flight) GPT-2 124M's GELU forward took 117 us per task of
-// 25M elements on an H200, 0.85 TB/s against the 4.3 TB/s a copy reaches.
-constexpr int kPerThread = 8;
+using cuda::for_each_element;
+using cuda::for_groups;
+using cuda::kPerThread;
+using cuda::load;
+using cuda::store;
 
-// The grid-stride loop over groups of kPerThread elements, a block's threads on adjacent elements (coalesced):
-// body(i0, stride) with the group's first element i0 and the distance between its elements.
-template <class Body>
-__device__ void for_groups(int64_t n, Body body) {
-  const int64_t group = int64_t(blockDim.x) * kPerThread;
-  for (int64_t i0 = blockIdx.x * group + threadIdx.x; i0 < n; i0 += int64_t(gridDim.x) * group)
-    body(i0, int64_t(blockDim.x));
-}
-
-// Copies element i0 + k * stride of `from` (where it exists) into to[k], for every k.
-template <class T>
-__device__ void load(int64_t n, int64_t i0, int64_t stride, const T* from, T (&to)[kPerThread]) {
-#pragma unroll
-  for (int k = 0; k < kPerThread; ++k)
-    if (i0 + k * stride < n) to[k] = from[i0 + k * stride];
-}
-
-// Runs apply(k, ...) on the loaded copies for every element that exists, then stores out[k].
-template <class T, class Apply>
-__device__ void apply_and_store(int64_t n, int64_t i0, int64_t stride, Apply apply, const T (&out)[kPerThread],
-                                T* to) {
-#pragma unroll
-  for (int k = 0; k < kPerThread; ++k)
-    if (i0 + k * stride < n) {
-      apply(k);
-      to[i0 + k * stride] = out[k];
-    }
-}
-
+// Each kernel runs apply() on register copies of a thread's elements (kernels/cuda/groups.h).
 template <class Kernel, class T>
 __global__ void forward_kernel(int64_t n, const T* x, T* y) {
   for_groups(n, [&](int64_t i0, int64_t stride) {
     T xs[kPerThread], ys[kPerThread];
     load(n, i0, stride, x, xs);
-    apply_and_store(n, i0, stride, [&](int k) { Kernel::apply(k, xs, ys); }, ys, y);
+    for_each_element(n, i0, stride, [&](int k, int64_t) { Kernel::apply(k, xs, ys); });
+    store(n, i0, stride, ys, y);
   });
 }
 
@@ -55,7 +28,8 @@ __global__ void backward_kernel(int64_t n, bool overwrite, const T* x, const T* 
     load(n, i0, stride, x, xs);
     load(n, i0, stride, dy, dys);
     if (!overwrite) load(n, i0, stride, static_cast<const T*>(dx), dxs);
-    apply_and_store(n, i0, stride, [&](int k) { Kernel::apply(k, overwrite, xs, dys, dxs); }, dxs, dx);
+    for_each_element(n, i0, stride, [&](int k, int64_t) { Kernel::apply(k, overwrite, xs, dys, dxs); });
+    store(n, i0, stride, dxs, dx);
   });
 }
 
@@ -65,7 +39,8 @@ __global__ void axpby_kernel(int64_t n, float a, const T* x, float b, const T* y
     T xs[kPerThread], ys[kPerThread], outs[kPerThread];
     load(n, i0, stride, x, xs);
     if (y) load(n, i0, stride, y, ys);
-    apply_and_store(n, i0, stride, [&](int k) { Axpby::apply(k, a, xs, b, y ? ys : nullptr, outs); }, outs, out);
+    for_each_element(n, i0, stride, [&](int k, int64_t) { Axpby::apply(k, a, xs, b, y ? ys : nullptr, outs); });
+    store(n, i0, stride, outs, out);
   });
 }
 
@@ -76,17 +51,16 @@ __global__ void accumulate_kernel(int64_t n, float a, bool overwrite, const S* x
     T outs[kPerThread];
     load(n, i0, stride, x, xs);
     if (!overwrite) load(n, i0, stride, static_cast<const T*>(out), outs);
-    apply_and_store(n, i0, stride, [&](int k) { Accumulate::apply(k, a, overwrite, xs, outs); }, outs, out);
+    for_each_element(n, i0, stride, [&](int k, int64_t) { Accumulate::apply(k, a, overwrite, xs, outs); });
+    store(n, i0, stride, outs, out);
   });
 }
-
-inline unsigned blocks_for_groups(int64_t n) { return cuda::blocks_for(n, cuda::kThreads * kPerThread); }
 
 template <class Kernel>
 struct LaunchForward {
   template <class T>
   static void run(int64_t n, const T* x, T* y) {
-    forward_kernel<Kernel><<<blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(n, x, y);
+    forward_kernel<Kernel><<<cuda::blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(n, x, y);
     cuda::check_launch("unary_forward");
   }
 };
@@ -95,7 +69,8 @@ template <class Kernel>
 struct LaunchBackward {
   template <class T>
   static void run(int64_t n, bool overwrite, const T* x, const T* dy, T* dx) {
-    backward_kernel<Kernel><<<blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(n, overwrite, x, dy, dx);
+    backward_kernel<Kernel><<<cuda::blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(n, overwrite, x, dy,
+                                                                                               dx);
     cuda::check_launch("unary_backward");
   }
 };
@@ -124,7 +99,7 @@ template <>
 void axpby<Device::Cuda>(FloatType type, int64_t n, float a, const void* x, float b, const void* y, void* out) {
   visit_float(type, [&](auto t) {
     using T = decltype(t);
-    axpby_kernel<<<blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(
+    axpby_kernel<<<cuda::blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(
         n, a, static_cast<const T*>(x), b, static_cast<const T*>(y), static_cast<T*>(out));
   });
   cuda::check_launch("axpby");
@@ -135,7 +110,7 @@ void accumulate<Device::Cuda>(FloatType x_type, FloatType out_type, int64_t n, f
                                void* out) {
   visit_float(x_type, [&](auto xt) {
     visit_float(out_type, [&](auto ot) {
-      accumulate_kernel<<<blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(
+      accumulate_kernel<<<cuda::blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(
           n, a, overwrite, static_cast<const decltype(xt)*>(x), static_cast<decltype(ot)*>(out));
     });
   });

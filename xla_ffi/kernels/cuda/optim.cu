@@ -1,33 +1,75 @@
-#include "kernels/cuda/context.h"
+#include "kernels/cuda/groups.h"
 #include "kernels/optim.h"
 
 namespace jnntile {
 namespace {
 
-// All three: one thread per element (grid-stride); every thread reads the norm (one cached load).
-// With a copy, each thread also stores its updated p rounded to bfloat16.
+using cuda::for_each_element;
+using cuda::for_groups;
+using cuda::kPerThread;
+using cuda::load;
+using cuda::store;
+
+// All three on register copies of a thread's elements (kernels/cuda/groups.h); every thread reads the norm (one
+// cached load). With a copy, each thread also stores its updated p rounded to bfloat16.
 __global__ void adamw_kernel(int64_t n, AdamwStep step, GradClip clip, float* p, const float* g, float* m, float* v,
                              bfloat16* copy) {
   const float factor = clip.factor();
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    if (factor == 1.0f) step.apply(p[i], g[i], m[i], v[i]);
-    else step.apply_scaled(p[i], g[i], m[i], v[i], factor);
-    if (copy != nullptr) copy[i] = from_float<bfloat16>(p[i]);
-  }
+  for_groups(n, [&](int64_t i0, int64_t stride) {
+    float ps[kPerThread], gs[kPerThread], ms[kPerThread], vs[kPerThread];
+    load(n, i0, stride, static_cast<const float*>(p), ps);
+    load(n, i0, stride, g, gs);
+    load(n, i0, stride, static_cast<const float*>(m), ms);
+    load(n, i0, stride, static_cast<const float*>(v), vs);
+    for_each_element(n, i0, stride, [&](int k, int64_t i) {
+      if (factor == 1.0f) step.apply(ps[k], gs[k], ms[k], vs[k]);
+      else step.apply_scaled(ps[k], gs[k], ms[k], vs[k], factor);
+      p[i] = ps[k];
+      m[i] = ms[k];
+      v[i] = vs[k];
+      if (copy != nullptr) copy[i] = from_float<bfloat16>(ps[k]);
+    });
+  });
 }
 
 __global__ void adamw_apart_kernel(int64_t n, AdamwStep step, const float* p, const float* g, const float* m,
                                    const float* v, float* p_out, float* m_out, float* v_out, bfloat16* copy) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    adamw_apart_at(i, step, p, g, m, v, p_out, m_out, v_out, copy);
+  for_groups(n, [&](int64_t i0, int64_t stride) {
+    float ps[kPerThread], gs[kPerThread], ms[kPerThread], vs[kPerThread], p_outs[kPerThread], m_outs[kPerThread],
+        v_outs[kPerThread];
+    bfloat16 copies[kPerThread];
+    load(n, i0, stride, p, ps);
+    load(n, i0, stride, g, gs);
+    load(n, i0, stride, m, ms);
+    load(n, i0, stride, v, vs);
+    for_each_element(n, i0, stride, [&](int k, int64_t) {
+      adamw_apart_at(k, step, ps, gs, ms, vs, p_outs, m_outs, v_outs, copy != nullptr ? copies : nullptr);
+    });
+    store(n, i0, stride, p_outs, p_out);
+    store(n, i0, stride, m_outs, m_out);
+    store(n, i0, stride, v_outs, v_out);
+    if (copy != nullptr) store(n, i0, stride, copies, copy);
+  });
 }
 
 __global__ void adamw_rescale_kernel(int64_t n, AdamwStep step, float scale, const float* p, const float* m,
                                      const float* v, float* p_out, float* m_out, float* v_out, bfloat16* copy) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    step.rescale(p[i], m[i], v[i], scale, p_out[i], m_out[i], v_out[i]);
-    if (copy != nullptr) copy[i] = from_float<bfloat16>(p_out[i]);
-  }
+  for_groups(n, [&](int64_t i0, int64_t stride) {
+    float ps[kPerThread], ms[kPerThread], vs[kPerThread], p_outs[kPerThread], m_outs[kPerThread],
+        v_outs[kPerThread];
+    load(n, i0, stride, p, ps);
+    load(n, i0, stride, m, ms);
+    load(n, i0, stride, v, vs);
+    load(n, i0, stride, static_cast<const float*>(m_out), m_outs);
+    load(n, i0, stride, static_cast<const float*>(v_out), v_outs);
+    for_each_element(n, i0, stride, [&](int k, int64_t i) {
+      step.rescale(ps[k], ms[k], vs[k], scale, p_outs[k], m_outs[k], v_outs[k]);  // reads m_out, v_out
+      p_out[i] = p_outs[k];
+      m_out[i] = m_outs[k];
+      v_out[i] = v_outs[k];
+      if (copy != nullptr) copy[i] = from_float<bfloat16>(p_outs[k]);
+    });
+  });
 }
 
 __global__ void sgd_apart_kernel(int64_t n, float lr, const float* p, const float* g, float* p_out, bfloat16* copy) {
@@ -67,23 +109,23 @@ __global__ void clip_kernel(int64_t n, float max_norm, const float* norm, float*
 template <>
 void adamw<Device::Cuda>(int64_t n, const AdamwStep& step, GradClip clip, float* p, const float* g, float* m,
                          float* v, bfloat16* copy) {
-  adamw_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(n, step, clip, p, g, m, v, copy);
+  adamw_kernel<<<cuda::blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(n, step, clip, p, g, m, v, copy);
   cuda::check_launch("adamw");
 }
 
 template <>
 void adamw_apart<Device::Cuda>(int64_t n, const AdamwStep& step, const float* p, const float* g, const float* m,
                                const float* v, float* p_out, float* m_out, float* v_out, bfloat16* copy) {
-  adamw_apart_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(n, step, p, g, m, v, p_out, m_out,
-                                                                                  v_out, copy);
+  adamw_apart_kernel<<<cuda::blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(
+      n, step, p, g, m, v, p_out, m_out, v_out, copy);
   cuda::check_launch("adamw_apart");
 }
 
 template <>
 void adamw_rescale<Device::Cuda>(int64_t n, const AdamwStep& step, float scale, const float* p, const float* m,
                                  const float* v, float* p_out, float* m_out, float* v_out, bfloat16* copy) {
-  adamw_rescale_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, cuda::stream()>>>(n, step, scale, p, m, v, p_out,
-                                                                                    m_out, v_out, copy);
+  adamw_rescale_kernel<<<cuda::blocks_for_groups(n), cuda::kThreads, 0, cuda::stream()>>>(
+      n, step, scale, p, m, v, p_out, m_out, v_out, copy);
   cuda::check_launch("adamw_rescale");
 }
 
