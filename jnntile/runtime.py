@@ -91,11 +91,9 @@ def gpu_memory_mb(config: "RuntimeConfig | None" = None) -> int:
 
 
 def gpu_tasks_in_flight() -> int:
-    """Tasks whose tiles one GPU holds at once: StarPU's CUDA pipeline (STARPU_CUDA_PIPELINE, 2; 0 runs one task
-    at a time) on each of its CUDA workers (STARPU_NWORKER_PER_CUDA, 1). runtime.cc's task_group_bytes_limit
-    counts the same way."""
-    pipeline = max(1, int(os.environ.get("STARPU_CUDA_PIPELINE", "2")))
-    return pipeline * max(1, int(os.environ.get("STARPU_NWORKER_PER_CUDA", "1")))
+    """Tasks whose tiles one GPU holds at once: StarPU's CUDA pipeline (runtime.cc's cuda_pipeline_depth, which
+    task_group_bytes_limit counts too) on each of its CUDA workers (STARPU_NWORKER_PER_CUDA, 1)."""
+    return _xla_ffi.cuda_pipeline_depth() * max(1, int(os.environ.get("STARPU_NWORKER_PER_CUDA", "1")))
 
 
 def gpu_memory_in_use_limit_mb() -> int:

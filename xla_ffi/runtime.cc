@@ -631,18 +631,20 @@ size_t swap_io_alignment() { return io_alignment; }
 // grouped to small_tile_numel() elements each could fill it before any of them had all its buffers: two AdamW
 // tasks of 45 and 49 buffers filled a 1 MB limit with disk swap one buffer short each, both waiting for the
 // other (StarPU 1.4's CPU workers, 1 run in 8 of tests/test_grad_accumulation.py; no task completed again).
-// The tasks that run at once: one per CPU worker, a pipeline of STARPU_CUDA_PIPELINE (2) per CUDA worker
-// (as jnntile.runtime.gpu_tasks_in_flight counts them for the planner).
+// The tasks that run at once: one per CPU worker, cuda_pipeline_depth() per CUDA worker.
 int64_t task_group_bytes_limit() {
   const RuntimeConfig& config = state().config;
-  const char* pipeline_env = std::getenv("STARPU_CUDA_PIPELINE");
-  const int64_t pipeline = std::max<int64_t>(1, pipeline_env ? std::atoll(pipeline_env) : 2);
-  const int64_t cuda_tasks = int64_t(starpu_cuda_worker_get_count()) * pipeline;
+  const int64_t cuda_tasks = int64_t(starpu_cuda_worker_get_count()) * cuda_pipeline_depth();
   const int64_t running = int64_t(starpu_cpu_worker_get_count()) + cuda_tasks;
   int64_t limit = (config.memory_limit_mb << 20) / (2 * std::max<int64_t>(1, running));
   if (config.gpu_memory_limit_mb > 0 && cuda_tasks > 0)
     limit = std::min(limit, (config.gpu_memory_limit_mb << 20) / (2 * cuda_tasks));
   return limit;
+}
+
+int64_t cuda_pipeline_depth() {
+  const char* pipeline_env = std::getenv("STARPU_CUDA_PIPELINE");
+  return std::max<int64_t>(1, pipeline_env ? std::atoll(pipeline_env) : 2);
 }
 
 int cuda_device_count() {

@@ -59,6 +59,9 @@ size_t swap_io_alignment();
 // The most bytes of buffers a task of small tiles may hold (tile_groups in task.h): the tasks running at once
 // must fit in each limited memory together, with as much again free.
 int64_t task_group_bytes_limit();
+// Tasks a CUDA worker keeps in its stream at once: StarPU's STARPU_CUDA_PIPELINE (2 by default; 0, one task
+// at a time, counts as 1). jnntile.runtime.gpu_tasks_in_flight reads it from here for the planner.
+int64_t cuda_pipeline_depth();
 // GPUs the CUDA runtime sees; 0 when StarPU has no CUDA or there is no driver.
 int cuda_device_count();
 int64_t cuda_device_memory_bytes();
