@@ -67,7 +67,8 @@ inline int64_t bf16_scratch_size(const AttentionPair& p, bool backward, int64_t 
   return (backward ? 2 : 1) * blocks + (blocks + 1) / 2;
 }
 // The head_dim of the fused bfloat16 steps on the GPU (kernels/cuda/attention.cu, with the runtime's
-// fused_attention): they keep their blocks in shared memory and need no scratch.
+// fused_attention): they keep their operand blocks in shared memory and their scores in registers, and need no
+// scratch.
 constexpr int64_t kFusedHeadDim = 64;
 
 // Offsets of head 0 of batch row b in a query-side and a key-side tile.
