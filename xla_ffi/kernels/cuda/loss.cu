@@ -68,8 +68,8 @@ __global__ void combine_kernel(int64_t count, const double* const* partials, flo
 constexpr int kLogitsPerThread = 8;
 
 // Grid y over the rows, grid x over the logits of a row: a block takes kLogitsPerThread * blockDim.x of
-// them, a warp's lanes adjacent logits (coalesced). The arithmetic of cross_entropy::strided_grad, in its
-// order: (dx + scale * exp(x - lse)) - scale at the target, dx read as 0 with `overwrite`.
+// them, a warp's lanes adjacent logits (coalesced). cross_entropy::grad_term, less scale at the target, dx read
+// as 0 with `overwrite`, as cross_entropy::strided_grad.
 template <class T>
 __global__ void backward_kernel(int64_t rows, int64_t nv, int64_t v0, bool overwrite, const T* __restrict__ logits,
                                 const int32_t* targets, const float* lse, int32_t ignore_index,
@@ -98,9 +98,8 @@ __global__ void backward_kernel(int64_t rows, int64_t nv, int64_t v0, bool overw
         dx[j] = from_float<T>(0.0f);
         continue;
       }
-      float value = old[k] + scale * exp_approx(xs[k] - row_lse);
-      if (j == t) value -= scale;
-      dx[j] = from_float<T>(value);
+      const float term = cross_entropy::grad_term(old[k], xs[k], row_lse, scale);
+      dx[j] = from_float<T>(j == t ? term - scale : term);
     }
   }
 }
