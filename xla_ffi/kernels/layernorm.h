@@ -79,17 +79,19 @@ JNNTILE_HD float y(float x, float mean, float rstd, float w, const float* b, int
 // Per row of the backward, with g = dy * w: the sums of g and of g * xhat.
 struct GradSums {
   double g = 0.0, gx = 0.0;
+  // One element's terms.
+  JNNTILE_HD void add_element(float x, float dy, float w, float mean, float rstd) {
+    const float gj = dy * w;
+    g += gj;
+    gx += double(gj) * xhat(x, mean, rstd);
+  }
 };
 
 template <class T>
 JNNTILE_HD GradSums strided_grad_sums(const T* x, const T* dy, const float* w, float mean, float rstd, int64_t begin,
                                       int64_t n, int64_t stride) {
   GradSums s;
-  for (int64_t j = begin; j < n; j += stride) {
-    float g = to_float(dy[j]) * w[j];
-    s.g += g;
-    s.gx += double(g) * xhat(to_float(x[j]), mean, rstd);
-  }
+  for (int64_t j = begin; j < n; j += stride) s.add_element(to_float(x[j]), to_float(dy[j]), w[j], mean, rstd);
   return s;
 }
 

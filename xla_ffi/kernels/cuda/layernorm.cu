@@ -104,11 +104,7 @@ __global__ void __launch_bounds__(kRowsThreads)
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) {
       const int j = cuda::lane() + k * kWarp;
-      if (j < n) {  // as layernorm::strided_grad_sums
-        const float g = dys[k] * w[j];
-        s.g += g;
-        s.gx += double(g) * layernorm::xhat(xs[k], mean, rstd);
-      }
+      if (j < n) s.add_element(xs[k], dys[k], w[j], mean, rstd);  // in layernorm::strided_grad_sums's order
     }
     s = cuda::warp_reduce(s, [](layernorm::GradSums a, layernorm::GradSums b) { return layernorm::add(a, b); });
     const float mean_g = centered ? float(s.g / double(n)) : 0.0f, mean_gx = float(s.gx / double(n));
