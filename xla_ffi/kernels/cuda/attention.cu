@@ -280,12 +280,16 @@ __device__ inline void load_b_of_columns(uint32_t (&b)[4], const bf16* y, int k0
   ldmatrix_transposed(b, y + (k0 + l % 8 + (l / 8) % 2 * 8) * kLd + n0 + l / 16 * 8);
 }
 
-// acc = x y^T: rows [row0, row0 + 16) of block x times the 64 rows of block y, over the 64 columns of both.
-__device__ void rows_times_rows_t(const bf16* x, int row0, const bf16* y, Block& acc) {
+__device__ inline void zero(Block& acc) {
 #pragma unroll
   for (int n = 0; n < kTiles; ++n)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+}
+
+// acc = x y^T: rows [row0, row0 + 16) of block x times the 64 rows of block y, over the 64 columns of both.
+__device__ void rows_times_rows_t(const bf16* x, int row0, const bf16* y, Block& acc) {
+  zero(acc);
 #pragma unroll
   for (int k0 = 0; k0 < kD; k0 += 16) {
     uint32_t a[4];
@@ -467,10 +471,8 @@ __global__ void __launch_bounds__(kThreads)
   load_rows(v + koff, ld, k_row0, p.nk, v_s);
   const int64_t key[2] = {k_row0 + warp * 16 + block_row(0), k_row0 + warp * 16 + block_row(2)};  // the lane's
   Block dk_acc, dv_acc;
-#pragma unroll
-  for (int n = 0; n < kTiles; ++n)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dk_acc[n][i] = dv_acc[n][i] = 0.0f;
+  zero(dk_acc);
+  zero(dv_acc);
   for (int64_t q_row0 = 0; q_row0 < p.nq; q_row0 += kRows) {
     if (visible_keys(p, last_row(q_row0, p.nq)) <= k_row0) continue;  // the block's last query sees none of these keys
     __syncthreads();  // the last query block's products are done
@@ -527,10 +529,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t keys = visible_keys(p, last_row(q_row0, p.nq));
   Block dq_acc;
-#pragma unroll
-  for (int n = 0; n < kTiles; ++n)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dq_acc[n][i] = 0.0f;
+  zero(dq_acc);
   for (int64_t k0 = 0; k0 < keys; k0 += kRows) {
     __syncthreads();
     load_rows(k + koff, ld, k0, p.nk, k_s);
