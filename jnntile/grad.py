@@ -246,7 +246,7 @@ def remat(fn: Callable) -> Callable:
         again, vjp = jax.vjp(fn, *args)
         # The recomputed output takes the gradient the output received; the output and its gradient are dead.
         token = _ffi.accumulate(tensor_mod.grad_handle(y.handle), [_ffi.grad_target(again)], [g.token, again.token],
-                                [1.0])
+                                [1.0], source_dies=True)
         token = _ffi.release(token, y)
         cotangents = vjp(again.with_token(token))
         step = _ffi.current_step()

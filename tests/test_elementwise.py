@@ -91,3 +91,22 @@ def test_mismatched_shapes_and_tiles():
 def test_int_tensor_is_refused():
     with pytest.raises(TypeError, match="float32"):
         ew.relu(jnntile.from_array(np.ones(3, np.int32)))
+
+
+@pytest.mark.parametrize("keep_activations", [False, True])
+def test_add_backward_hands_its_output_gradient_over(rng, keep_activations):
+    # The backward of x + x: the output's gradient is released after it, so its tiles become x's gradient (no
+    # copy task) and the second use adds them once more; with the activations kept, it copies them as before.
+    x = rng.standard_normal((8, 6)).astype(np.float32)
+    weights = rng.standard_normal((8, 6)).astype(np.float32)
+
+    def loss(t):
+        return jnp.sum(jnntile.to_array(ew.add(t, t)) * weights)
+
+    t = jnntile.from_array(x, (4, 3))
+    before = jnntile.runtime.stats()["codelets"].get("accumulate", {}).get("tasks", 0)
+    value, grad = jax.jit(jnntile.value_and_grad(loss, keep_activations=keep_activations))(t)
+    np.testing.assert_allclose(jnntile.grad_of(grad).numpy(), 2 * weights, rtol=1e-6)
+    np.testing.assert_allclose(float(value), float(np.sum(2 * x * weights)), rtol=1e-5)
+    accumulated = jnntile.runtime.stats()["codelets"]["accumulate"]["tasks"] - before
+    assert accumulated == 4 * (1 if not keep_activations else 2), "one accumulate task per tile and target"

@@ -272,8 +272,27 @@ def fresh_targets(*targets: _Handle | None) -> tuple[list[int], list[_Handle]]:
     return flags, [t for t, fresh in zip(targets, flags) if fresh]
 
 
-def accumulate(source: _Handle, targets: Sequence[_Handle | None], tokens: Sequence, alphas: Sequence[float]):
-    """targets[i] += alphas[i] * source (None skipped); a target still at zero is written instead."""
+def accumulate(source: _Handle, targets: Sequence[_Handle | None], tokens: Sequence, alphas: Sequence[float], *,
+               source_dies: bool = False):
+    """targets[i] += alphas[i] * source (None skipped); a target still at zero is written instead.
+
+    With `source_dies` (the caller releases source right after), the last target that holds nothing yet, with
+    alpha 1 and source's layout, takes source's tiles instead of a copy of them (`swap_tiles`: no task, and the
+    next backward call on it need not wait for one), and source the target's empty ones; the other targets
+    then add the values from it.
+    """
+    targets = list(targets)
+    fresh, _ = fresh_targets(*targets)
+    takers = [i for i, target in enumerate(targets) if fresh[i] and float(alphas[i]) == 1.0
+              and (target.dtype, target.shape, target.tile_shape) == (source.dtype, source.shape, source.tile_shape)]
+    if source_dies and releasing() and takers:
+        taker = targets[takers[-1]]
+        swapped = call("swap_tiles", [source, taker], tokens, writes=[taker])
+        LEDGER.zero_later(source)  # it holds the taker's tiles now, which hold nothing
+        targets[takers[-1]] = None
+        if all(target is None for target in targets):
+            return swapped
+        source, tokens = taker, [swapped]  # the values are the taker's now
     fresh, written = fresh_targets(*targets)
     return call("accumulate", [source, *targets], tokens, alphas=[float(a) for a in alphas], fresh=fresh,
                 writes=written)
@@ -458,6 +477,12 @@ def invalidate(handles: Sequence[_Handle | None], tokens: Sequence):
     return call("invalidate", targets, [join(*deps)], writes=targets)
 
 
+def releasing() -> bool:
+    """Whether `release` invalidates in the current step (one is active and keeps no activations)."""
+    step = current_step()
+    return step is not None and not step.keep_activations and RELEASE
+
+
 def release(token, *tensors: Tensor | _Handle | None):
     """Called by backward rules after their last use of `tensors` (outputs and scratch residuals).
 
@@ -467,8 +492,7 @@ def release(token, *tensors: Tensor | _Handle | None):
     token, so the invalidation is submitted promptly, before the next backward
     call, and StarPU never evicts the dead tiles to disk.
     """
-    step = current_step()
-    if step is None or step.keep_activations or not RELEASE:
+    if not releasing():
         return token
     handles = []
     for t in tensors:

@@ -102,7 +102,7 @@ def _linear_forward(inputs, coeffs, zero_grad):
 def _linear_backward(coeffs, residuals, g):
     inputs, out = residuals
     token = accumulate(tensor_mod.grad_handle(out.handle), [grad_target(t) for t in inputs],
-                       [out.token, g.token] + [t.token for t in inputs], coeffs)
+                       [out.token, g.token] + [t.token for t in inputs], coeffs, source_dies=True)
     token = release(token, out)
     return (tuple(t.with_token(token) for t in inputs),)
 

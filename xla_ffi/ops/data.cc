@@ -216,6 +216,12 @@ void wait_for_submit(const OpCall& call) {
 }
 JNNTILE_OP(wait_for, wait_for_submit);
 
+// ids [a, b]: exchanges the tiles of two tensors of one layout in the registry (tensor_swap_tiles): nothing
+// is submitted and no data moves. A backward hands a dying output's gradient to an input whose gradient holds
+// nothing yet this way, instead of copying it (ops/_ffi.py: accumulate).
+void swap_tiles_submit(const OpCall& call) { tensor_swap_tiles(call.ids.at(0), call.ids.at(1)); }
+JNNTILE_OP(swap_tiles, swap_tiles_submit);
+
 // Marks every tile of the given tensors as holding nothing: StarPU frees their
 // memory (in RAM and on disk) after the tasks already submitted on them, and
 // never writes them back (DESIGN invariant 7). The next access must be a write.
