@@ -12,14 +12,14 @@
 // Forward, for every (batch tile, head tile, query tile i): one task per key
 // tile j <= i (later key tiles are entirely in the future) updates out_i and
 // the running (max, sum) per row in a temporary handle with an online softmax,
-// the first write-only; a finish task normalises out_i and writes lse_i. A task
-// takes the query tiles of all G members of the group, so each key and value
+// the first write-only; the last (j = i) then normalises out_i and writes lse_i. A
+// task takes the query tiles of all G members of the group, so each key and value
 // tile is read once per group, not once per query head.
 //
-// Backward: delta_i = rowsum(dout_i * out_i) per query tile, then one task per
-// pair (i, j <= i) and group recomputes P = exp(S - lse) and accumulates into
-// the dq_i tiles of the group and the dk_j and dv_j tiles of grad(qkv), the
-// group members in order.
+// Backward: one task per pair (i, j <= i) and group recomputes P = exp(S - lse)
+// and accumulates into the dq_i tiles of the group and the dk_j and dv_j tiles of
+// grad(qkv), the group members in order; the first (j = 0) computes
+// delta_i = rowsum(dout_i * out_i), which they all read, before its product.
 //
 // The scores of a pair exist only in its task's STARPU_SCRATCH buffer, which
 // StarPU allocates on the node that runs the task (kernels/attention.h: th
@@ -152,12 +152,17 @@ int64_t step_scratch_floats(const AttentionPair& p, int64_t groups, FloatType q_
 
 struct StepArgs {
   bool first;
+  bool finish;                  // the query tile's last step: it also finishes the rows (see forward_step_kernel)
   int64_t groups;               // G query tiles per key/value tile
-  FloatType q_type, kv_type;    // of the q tiles and of the k and v tiles (a cache's are float32)
+  FloatType q_type, kv_type;    // of the q tiles and of the k and v tiles (a cache's are float32); out is q's
   AttentionPair pair;
 };
 
-// buffers: q_g (G), k_j, v_j, out_g (G), stats_g (G), scratch
+// buffers: q_g (G), k_j, v_j, out_g (G, float32: the tiles or their sums), stats_g (G), scratch, then in a
+// finishing step lse_g (G) and, where out is bfloat16, the out_g tiles (G).
+// A finishing step normalises out_g, writes lse_g and rounds a bfloat16 out_g from its float32 sums after its
+// product, in its own task: a finish task per query tile was 12 of GPT-2 124M's tasks per step and, on a GPU,
+// a link of its own in the forward's chain of dependent tasks.
 template <Device D>
 void forward_step_kernel(void** buffers, const StepArgs& a) {
   const int64_t G = a.groups;
@@ -168,49 +173,31 @@ void forward_step_kernel(void** buffers, const StepArgs& a) {
     for (int64_t g = 0; g < G; ++g)
       attention_forward_step_bf16<D>(a.first, a.pair, bf16(g), bf16(G), bf16(G + 1), at(G + 2 + g),
                                      at(2 * G + 2 + g), scratch);
-    return;
+  } else {
+    const int64_t q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
+    Widened<D> widen(scratch + attention::forward_scratch_size(a.pair));
+    float *k = widen(buffers[G], a.kv_type, kv), *v = widen(buffers[G + 1], a.kv_type, kv);
+    for (int64_t g = 0; g < G; ++g)
+      attention_forward_step<D>(a.first, a.pair, widen(buffers[g], a.q_type, q), k, v, at(G + 2 + g),
+                                at(2 * G + 2 + g), scratch);
   }
-  const int64_t q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
-  Widened<D> widen(scratch + attention::forward_scratch_size(a.pair));
-  float *k = widen(buffers[G], a.kv_type, kv), *v = widen(buffers[G + 1], a.kv_type, kv);
-  for (int64_t g = 0; g < G; ++g)
-    attention_forward_step<D>(a.first, a.pair, widen(buffers[g], a.q_type, q), k, v, at(G + 2 + g),
-                              at(2 * G + 2 + g), scratch);
+  if (!a.finish) return;
+  const int64_t rows = a.pair.nb * a.pair.nq * a.pair.nh;
+  for (int64_t g = 0; g < G; ++g) {
+    attention_forward_finish<D>(rows, a.pair.d, at(2 * G + 2 + g), at(G + 2 + g), at(3 * G + 3 + g));
+    if (a.q_type == FloatType::BF16)
+      convert<D>(rows * a.pair.d, FloatType::F32, at(G + 2 + g), FloatType::BF16,
+                 tile_ptr<void>(buffers[4 * G + 3 + g]));
+  }
 }
 
-struct RowsArgs {
-  int64_t rows, d;
-  FloatType type;  // delta: of out and dout
-};
-
-// buffers: stats_i, out_i (float32), lse_i, and the bfloat16 out_i it is rounded into when a.type is bfloat16
-template <Device D>
-void forward_finish_kernel(void** buffers, const RowsArgs& a) {
-  float* out = tile_ptr<float>(buffers[1]);
-  attention_forward_finish<D>(a.rows, a.d, tile_ptr<float>(buffers[0]), out, tile_ptr<float>(buffers[2]));
-  if (a.type == FloatType::BF16)
-    convert<D>(a.rows * a.d, FloatType::F32, out, FloatType::BF16, tile_ptr<void>(buffers[3]));
-}
-
-// Submits the finish of query tile `coord` of out: its float32 sums (out32's tile) normalised, its lse
-// written, and a bfloat16 out rounded from the sums in the same task (out32 then never writes it back: a
-// conversion task per tile was 24 of GPT-2 124M's tasks per step at 4 x 256).
-void submit_finish(const TiledTensor& out, Float32Tiles& out32, const Index& coord, starpu_data_handle_t stats,
-                   starpu_data_handle_t lse, int64_t rows, int64_t d) {
-  static starpu_codelet* cl = JNNTILE_CODELET(RowsArgs, forward_finish_kernel, "attention_forward_finish");
-  const FloatType type = float_type(out, "causal_attention");
-  std::vector<Buffer> buffers{{stats, STARPU_R}, {out32.tile(coord), STARPU_RW}, {lse, STARPU_W}};
-  if (type == FloatType::BF16) buffers.push_back({out.tile(coord), STARPU_W});
-  submit_task(cl, buffers, RowsArgs{rows, d, type}, double(rows * d));
-}
-
-// buffers: out_i, dout_i, delta_i, and scratch where out is bfloat16
-template <Device D>
-void backward_delta_kernel(void** buffers, const RowsArgs& a) {
-  Widened<D> widen(a.type == FloatType::BF16 ? tile_ptr<float>(buffers[3]) : nullptr);
-  float* out = widen(buffers[0], a.type, a.rows * a.d);
-  attention_backward_delta<D>(a.rows, a.d, out, widen(buffers[1], a.type, a.rows * a.d),
-                              tile_ptr<float>(buffers[2]));
+// The buffers a finishing step adds (forward_step_kernel): lse_g, and the bfloat16 out_g tiles its float32
+// sums are rounded into (out32 then never writes them back).
+void add_finish_buffers(std::vector<Buffer>& buffers, const TiledTensor& out,
+                        const std::vector<starpu_data_handle_t>& lse, const std::vector<Index>& out_coords) {
+  for (starpu_data_handle_t handle : lse) buffers.push_back({handle, STARPU_W});
+  if (out.dtype == DType::BF16)
+    for (const Index& coord : out_coords) buffers.push_back({out.tile(coord), STARPU_W});
 }
 
 // How a backward step treats the float32 sums of the gradient tiles it adds to (dq_g, or dk_j and dv_j) where
@@ -242,10 +229,16 @@ void end_sums(const SumsEnds& ends, int64_t n, const float* sums, void* tile) {
 
 struct BackwardArgs {
   int64_t groups;
-  FloatType type;  // of the q, k, v and dout tiles
+  FloatType type;  // of the q, k, v, out and dout tiles
+  bool delta;      // the query tile's first step: it computes delta_g first (see backward_step_kernel)
   SumsEnds dq, dkv;
   AttentionPair pair;
 };
+
+// Scratch floats the delta of a query tile needs: out and dout widened where they are bfloat16.
+int64_t delta_scratch_floats(const AttentionPair& p, FloatType type) {
+  return type == FloatType::BF16 ? 2 * query_tile_size(p) : 0;
+}
 
 // The step itself, on the float32 gradient tiles (buffers as in backward_step_kernel below).
 template <Device D>
@@ -270,16 +263,25 @@ void backward_steps(void** buffers, const BackwardArgs& a) {
 }
 
 // buffers: q_g (G), k_j, v_j, dout_g (G), lse_g (G), delta_g (G), dq_g (G), dk_j, dv_j (float32: the tiles or
-// their sums), scratch, then the bfloat16 dq_g (G) where a.dq.takes_tiles() and dk_j, dv_j where
-// a.dkv.takes_tiles().
+// their sums), scratch, then the bfloat16 dq_g (G) where a.dq.takes_tiles(), dk_j, dv_j where
+// a.dkv.takes_tiles(), and out_g (G) where a.delta.
+// The query tile's first step computes delta_g = rowsum(dout_g * out_g) before its product, in its scratch's
+// space (before the step's own use of it): a delta task per query tile was 12 of GPT-2 124M's tasks per step
+// and, on a GPU, a link of its own in the backward's chain of dependent tasks.
 template <Device D>
 void backward_step_kernel(void** buffers, const BackwardArgs& a) {
   const int64_t G = a.groups, q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
   int64_t next = 5 * G + 5;
   void** dq_tiles = a.dq.takes_tiles() ? buffers + std::exchange(next, next + G) : nullptr;
-  void** dkv_tiles = a.dkv.takes_tiles() ? buffers + next : nullptr;
+  void** dkv_tiles = a.dkv.takes_tiles() ? buffers + std::exchange(next, next + 2) : nullptr;
   auto tile = [](void** tiles, int64_t index) { return tiles == nullptr ? nullptr : tile_ptr<void>(tiles[index]); };
   auto sums = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
+  for (int64_t g = 0; a.delta && g < G; ++g) {
+    Widened<D> widen(tile_ptr<float>(buffers[5 * G + 4]));
+    const int64_t rows = a.pair.nb * a.pair.nq * a.pair.nh;
+    attention_backward_delta<D>(rows, a.pair.d, widen(buffers[next + g], a.type, q),
+                                widen(buffers[G + 2 + g], a.type, q), sums(3 * G + 2 + g));
+  }
   for (int64_t g = 0; g < G; ++g) start_sums<D>(a.dq, q, tile(dq_tiles, g), sums(4 * G + 2 + g));
   for (int64_t x = 0; x < 2; ++x) start_sums<D>(a.dkv, kv, tile(dkv_tiles, x), sums(5 * G + 2 + x));
   backward_steps<D>(buffers, a);
@@ -370,8 +372,13 @@ void attention_submit(const OpCall& call) {
         AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
         int64_t rows = diag.nb * diag.nq * diag.nh;
         // stats_g: (tb, tt, th, 2) running max and sum of group member g's query tile
-        std::vector<starpu_data_handle_t> stats(G);
+        std::vector<starpu_data_handle_t> stats(G), lse_tiles(G);
+        std::vector<Index> out_coords(G);
         for (auto& handle : stats) handle = temporary_vector(rows * 2, sizeof(float));
+        for (int64_t g = 0; g < G; ++g) {
+          lse_tiles[g] = l.lse_tile(lse, ib, i, g, ih);
+          out_coords[g] = l.out_coord(ib, i, g, ih);
+        }
         for (int64_t j = 0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
@@ -383,14 +390,12 @@ void attention_submit(const OpCall& call) {
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
           starpu_data_handle_t scratch = temporary_vector(step_scratch_floats(p, G, type, type, false), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
-          submit_task(fused_step(p, type, type) ? fused_cl : step_cl, buffers, StepArgs{j == 0, G, type, type, p},
-                      4.0 * G * pair_flops(p));
+          if (j == i) add_finish_buffers(buffers, out, lse_tiles, out_coords);
+          submit_task(fused_step(p, type, type) ? fused_cl : step_cl, buffers,
+                      StepArgs{j == 0, j == i, G, type, type, p}, 4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
-        for (int64_t g = 0; g < G; ++g) {
-          submit_finish(out, out32, l.out_coord(ib, i, g, ih), stats[g], l.lse_tile(lse, ib, i, g, ih), rows, l.d);
-          starpu_data_unregister_submit(stats[g]);
-        }
+        for (starpu_data_handle_t handle : stats) starpu_data_unregister_submit(handle);
       }
   out32.finish();
 }
@@ -422,7 +427,6 @@ void attention_backward_submit(const OpCall& call) {
     if (type != FloatType::BF16) return SumsEnds{};
     return SumsEnds{first ? (fresh ? SumsStart::Zeros : SumsStart::Widened) : SumsStart::Continue, last};
   };
-  static starpu_codelet* delta_cl = JNNTILE_CODELET(RowsArgs, backward_delta_kernel, "attention_backward_delta");
   static starpu_codelet* step_cl = JNNTILE_CODELET(BackwardArgs, backward_step_kernel, "attention_backward_step");
   static starpu_codelet* fused_cl =
       JNNTILE_CODELET(BackwardArgs, fused_backward_step_kernel, "attention_backward_step_fused");
@@ -431,20 +435,9 @@ void attention_backward_submit(const OpCall& call) {
       for (int64_t i = 0; i < l.gt; ++i) {
         AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
         int64_t rows = diag.nb * diag.nq * diag.nh;
-        // delta_g: (tb, tt, th) rowsum(dout * out) of group member g's query tile
+        // delta_g: (tb, tt, th) rowsum(dout * out) of group member g's query tile, written by its first step
         std::vector<starpu_data_handle_t> delta(G);
-        for (int64_t g = 0; g < G; ++g) {
-          delta[g] = temporary_vector(rows, sizeof(float));
-          std::vector<Buffer> buffers{{out.tile(l.out_coord(ib, i, g, ih)), STARPU_R},
-                                      {dout.tile(l.out_coord(ib, i, g, ih)), STARPU_R}, {delta[g], STARPU_W}};
-          starpu_data_handle_t scratch = nullptr;
-          if (type == FloatType::BF16) {
-            scratch = temporary_vector(2 * rows * l.d, sizeof(float));
-            buffers.push_back({scratch, STARPU_SCRATCH});
-          }
-          submit_task(delta_cl, buffers, RowsArgs{rows, l.d, type}, 2.0 * rows * l.d);
-          if (scratch != nullptr) starpu_data_unregister_submit(scratch);
-        }
+        for (auto& handle : delta) handle = temporary_vector(rows, sizeof(float));
         for (int64_t j = 0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           std::vector<Buffer> buffers;
@@ -453,19 +446,23 @@ void attention_backward_submit(const OpCall& call) {
           buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({dout.tile(l.out_coord(ib, i, g, ih)), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({l.lse_tile(lse, ib, i, g, ih), STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({delta[g], STARPU_R});
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({delta[g], j == 0 ? STARPU_W : STARPU_R});
           const SumsEnds dq = ends(j == 0, j == i), dkv = ends(i == j, i == l.gt - 1);
           for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv32.tile({ib, i, g, ih, 0}), dq.sums_mode()});
           buffers.push_back({dqkv32.tile({ib, j, G, ih, 0}), dkv.sums_mode()});
           buffers.push_back({dqkv32.tile({ib, j, G + 1, ih, 0}), dkv.sums_mode()});
-          starpu_data_handle_t scratch = temporary_vector(step_scratch_floats(p, G, type, type, true), sizeof(float));
+          const int64_t scratch_floats = std::max(step_scratch_floats(p, G, type, type, true),
+                                                  j == 0 ? delta_scratch_floats(p, type) : 0);
+          starpu_data_handle_t scratch = temporary_vector(scratch_floats, sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
           if (dq.takes_tiles())
             for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv.tile({ib, i, g, ih, 0}), dq.tiles_mode()});
           if (dkv.takes_tiles())
             for (int64_t x = G; x < G + 2; ++x) buffers.push_back({dqkv.tile({ib, j, x, ih, 0}), dkv.tiles_mode()});
-          submit_task(fused_step(p, type, type) ? fused_cl : step_cl, buffers, BackwardArgs{G, type, dq, dkv, p},
-                      10.0 * G * pair_flops(p));
+          if (j == 0)
+            for (int64_t g = 0; g < G; ++g) buffers.push_back({out.tile(l.out_coord(ib, i, g, ih)), STARPU_R});
+          submit_task(fused_step(p, type, type) ? fused_cl : step_cl, buffers,
+                      BackwardArgs{G, type, j == 0, dq, dkv, p}, 10.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
         for (starpu_data_handle_t handle : delta) starpu_data_unregister_submit(handle);
@@ -595,9 +592,13 @@ void cached_attention_submit(const OpCall& call) {
         const Index q_ext = qkv.tile_extent({ib, i, 0, ih, 0});
         const int64_t q0 = l.pos + i * l.tq, last = q0 + q_ext[1] - 1;
         const int64_t rows = q_ext[0] * q_ext[1] * q_ext[3];
-        // stats_g: (tb, tt, th, 2) running max and sum of group member g's queries
-        std::vector<starpu_data_handle_t> stats(G);
+        // stats_g: (tb, tt, th, 2) running max and sum of group member g's queries; lse_g: the finishing step
+        // writes it, nobody reads it
+        std::vector<starpu_data_handle_t> stats(G), lse(G);
+        std::vector<Index> out_coords(G);
         for (auto& handle : stats) handle = temporary_vector(rows * 2, sizeof(float));
+        for (auto& handle : lse) handle = temporary_vector(rows, sizeof(float));
+        for (int64_t g = 0; g < G; ++g) out_coords[g] = out_coord(ib, i, g, ih);
         for (int64_t j = 0; j * l.tc <= last; ++j) {
           const Index k_ext = cache.tile_extent({ib, j, 0, ih, 0});
           const AttentionPair p{q_ext[0], q_ext[3], q_ext[1], k_ext[1], l.d, q0, j * l.tc, l.scale};
@@ -611,16 +612,14 @@ void cached_attention_submit(const OpCall& call) {
           starpu_data_handle_t scratch =
               temporary_vector(step_scratch_floats(p, G, type, FloatType::F32, false), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
-          submit_task(step_cl, buffers, StepArgs{j == 0, G, type, FloatType::F32, p}, 4.0 * G * pair_flops(p));
+          const bool finish = (j + 1) * l.tc > last;
+          if (finish) add_finish_buffers(buffers, out, lse, out_coords);
+          submit_task(step_cl, buffers, StepArgs{j == 0, finish, G, type, FloatType::F32, p},
+                      4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
-        for (int64_t g = 0; g < G; ++g) {
-          // lse: the finish writes it, nobody reads it
-          starpu_data_handle_t lse = temporary_vector(rows, sizeof(float));
-          submit_finish(out, out32, out_coord(ib, i, g, ih), stats[g], lse, rows, l.d);
-          starpu_data_unregister_submit(stats[g]);
-          starpu_data_unregister_submit(lse);
-        }
+        for (starpu_data_handle_t handle : stats) starpu_data_unregister_submit(handle);
+        for (starpu_data_handle_t handle : lse) starpu_data_unregister_submit(handle);
       }
   out32.finish();
 }
