@@ -65,6 +65,41 @@ def test_bfloat16_across_the_packed_blocks(rng, k_tile, trans_a, trans_b):
              [a_tiles, b_tiles], jit=True, dtype="bfloat16", tol=BFLOAT16_TOL)
 
 
+@pytest.mark.parametrize("dtype, tasks", [("float32", 4), ("bfloat16", 2)])
+def test_k_tiles_in_several_tasks_where_one_would_not_fit(rng, dtype, tasks):
+    """A C tile's K tiles go to one task where their tiles fit the runtime's bytes per task together
+    (task_group_bytes_limit: an eighth of 32 MB with four CPU workers here), else to tasks of consecutive
+    ones: 256 x 4096 @ 4096 x 256 in K tiles of 1024 (2 MB each in float32, 1 MB in bfloat16) is 4 tasks in
+    float32, 2 in bfloat16, whose bfloat16 C is summed in a float32 tile between them; with a bias (added
+    by the last) and its gradient (summed in the first row of dW's tasks)."""
+    from conftest import restart_runtime
+
+    from jnntile.ops import bias as bias_ops
+
+    settings = jnntile.runtime.config()
+    restart_runtime(memory_limit_mb=32, workers=4)
+    jnntile.runtime.ensure_started()
+    try:
+        x = jnp.asarray(rng.standard_normal((256, 4096)), dtype)
+        w = jnp.asarray(rng.standard_normal((4096, 256)) * 0.05, dtype)
+        b = rng.standard_normal(256).astype(np.float32)
+        before = jnntile.runtime.stats()["codelets"].get("gemm", {}).get("tasks", 0)
+        product = gemm.matmul(jnntile.from_array(x, (256, 1024)), jnntile.from_array(w, (1024, 256)))
+        np.testing.assert_allclose(np.asarray(product.numpy(), np.float32),
+                                   np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32)
+                                              .astype(dtype), np.float32), rtol=2e-2, atol=2e-2)
+        assert jnntile.runtime.stats()["codelets"]["gemm"]["tasks"] - before == tasks
+
+        def reference(x, w, b):
+            return (jnp.matmul(x, w, preferred_element_type=jnp.float32) + b).astype(x.dtype)
+
+        check_op(lambda x, w, b: bias_ops.linear(x, w, b), reference,
+                 [np.asarray(x, np.float32), np.asarray(w, np.float32), b], [(256, 1024), (1024, 256), 256],
+                 jit=True, dtype=[dtype, dtype, "float32"], tol=BFLOAT16_TOL if dtype == "bfloat16" else 1e-5)
+    finally:
+        restart_runtime(memory_limit_mb=settings.memory_limit_mb, workers=settings.workers)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_leading_axes_fold_into_rows(rng, jit):
     # A linear layer: x (B, T, C) @ w (C, 3, H) -> (B, T, 3, H); several row and column axes.

@@ -25,11 +25,11 @@ def test_statistics_count_tasks_workers_and_memory():
     # A read returns when its tiles are there; the completion callback of the last task may still be running.
     jnntile.runtime.wait_all()
     after = jnntile.runtime.stats()
-    # 16 random tiles + 16 C tiles x 4 K tiles + 16 reads
-    assert after["tasks_completed"] - before["tasks_completed"] >= 16 + 64 + 16
+    # 16 random tiles + 16 C tiles (a task each, over its 4 K tiles) + 16 reads
+    assert after["tasks_completed"] - before["tasks_completed"] >= 16 + 16 + 16
     assert after["tasks_pending"] == 0
     gemm_tasks = after["codelets"]["gemm"]["tasks"] - before["codelets"].get("gemm", {}).get("tasks", 0)
-    assert gemm_tasks == 64 and after["codelets"]["gemm"]["seconds"] > 0
+    assert gemm_tasks == 16 and after["codelets"]["gemm"]["seconds"] > 0
     if jnntile.runtime.config().placement == "cpu":  # the suite's default (tests/test_gpu.py checks "cuda")
         assert after["codelets"]["gemm"]["cuda_tasks"] == 0
     cpu_workers = [w for w in after["workers"] if w["name"].startswith("CPU")]  # CUDA workers come on top

@@ -3,13 +3,16 @@
 // Axes are grouped: A is [batch][M..][K..] (or [batch][K..][M..] when
 // transposed), B is [batch][K..][N..] (or [batch][N..][K..]), C is
 // [batch][M..][N..]; `ndim` is the number of contraction axes K. Every C tile
-// gets one task per K tile; the first is write-only when beta == 0 (DESIGN
-// invariant 3), the rest accumulate. A bias (the trailing N.. axes of C, float32)
+// gets one task over all its K tiles, in order, where their tiles fit a task
+// (task_group_bytes_limit), else one per group of consecutive K tiles that do; the
+// first is write-only when beta == 0 (DESIGN invariant 3), the rest accumulate.
+// A bias (the trailing N.. axes of C, float32)
 // is added by each C tile's last task, to the tile it has just written: a
 // linear layer's y = x W + b in one task per tile instead of two, and no pass of
 // its own over y (nor over dy in the backward: dx of the bias was a copy of dy).
-// A bfloat16 C summed over several K tiles is summed in a float32 tile: its first
-// task widens C into it (when beta != 0) and its last rounds it into C, in the
+// A bfloat16 C summed over several K tiles is summed in float32: in the task's
+// scratch within one task; over several tasks, in a float32 tile that its first
+// task widens C into (when beta != 0) and its last rounds into C, in the
 // same tasks as their products (a conversion task each was 170 of GPT-2 124M's
 // 2,291 tasks per step in bfloat16 at 4 x 256, each also a submission and, on a
 // GPU, a launch of its own).
@@ -33,7 +36,9 @@ enum class BiasGradFrom : int8_t { None, A, B };
 struct GemmArgs {
   GemmTypes types;
   bool trans_a, trans_b;
-  int64_t batch, m, n, k;
+  int64_t batch, m, n;
+  int32_t k_tiles;             // consecutive K tiles the task sums, each a pair of buffers (at most kTilesPerTask)
+  int64_t k[kTilesPerTask];    // the contraction length of each
   float alpha, beta;
   bool bias;     // C += bias (n floats) after the product
   bool widen;    // C is the float32 sum of a bfloat16 tile, which is widened into it first
@@ -42,26 +47,43 @@ struct GemmArgs {
   bool bias_grad_overwrite;  // db holds nothing yet: db = the sums
 };
 
-// buffers: A, B, C, the bias tile when adding one, the bfloat16 tile when widening or rounding, the bias
-// gradient's tile when summing into it, and scratch when an operand is bfloat16
+// Whether a task sums several K tiles into a bfloat16 C in float32 in its scratch (the first c_numel floats),
+// rounding once at the end, as a single product does.
+bool sums_in_scratch(const GemmArgs& g) { return g.k_tiles > 1 && g.types.c == FloatType::BF16; }
+
+// buffers: A and B of each K tile (A_0, .., A_{k_tiles-1}, B_0, ..), C, the bias tile when adding one, the
+// bfloat16 tile when widening or rounding, the bias gradient's tile when summing into it, and scratch when an
+// operand is bfloat16
 template <Device D>
 void gemm_kernel(void** buffers, const GemmArgs& g) {
-  int next = 3;
+  const int n_k = g.k_tiles;
+  int next = 2 * n_k + 1;
   const float* bias = g.bias ? tile_ptr<float>(buffers[next++]) : nullptr;
   void* c_bf16 = g.widen || g.round ? tile_ptr<void>(buffers[next++]) : nullptr;
   float* db = g.bias_grad != BiasGradFrom::None ? tile_ptr<float>(buffers[next++]) : nullptr;
   float* scratch = g.types.all_f32() ? nullptr : tile_ptr<float>(buffers[next]);
-  void* c = tile_ptr<void>(buffers[2]);
-  // dy is A transposed (stored k x m) or B (stored k x n): k rows of dy, m or n bias elements.
-  if (g.bias_grad == BiasGradFrom::A)
-    bias_grad<D>(g.types.a, g.k, g.m, g.bias_grad_overwrite, tile_ptr<void>(buffers[0]), db);
-  if (g.bias_grad == BiasGradFrom::B)
-    bias_grad<D>(g.types.b, g.k, g.n, g.bias_grad_overwrite, tile_ptr<void>(buffers[1]), db);
+  void* c = tile_ptr<void>(buffers[2 * n_k]);
   const int64_t c_numel = g.batch * g.m * g.n;
+  GemmTypes types = g.types;
+  void* sum = c;  // where the products add up
+  if (sums_in_scratch(g)) {
+    sum = scratch;
+    scratch += c_numel;
+    types.c = FloatType::F32;
+    if (g.beta != 0.0f) convert<D>(c_numel, FloatType::BF16, c, FloatType::F32, sum);
+  }
   if (g.widen) convert<D>(c_numel, FloatType::BF16, c_bf16, FloatType::F32, c);
-  gemm<D>(g.types, g.trans_a, g.trans_b, g.batch, g.m, g.n, g.k, g.alpha, tile_ptr<void>(buffers[0]),
-          tile_ptr<void>(buffers[1]), g.beta, c, scratch);
-  if (bias != nullptr) add_bias<D>(g.types.c, g.batch * g.m, g.n, c, bias, c);
+  for (int t = 0; t < n_k; ++t) {
+    void *a = tile_ptr<void>(buffers[t]), *b = tile_ptr<void>(buffers[n_k + t]);
+    // dy is A transposed (stored k x m) or B (stored k x n): k rows of dy, m or n bias elements, in K order.
+    const bool overwrite = g.bias_grad_overwrite && t == 0;
+    if (g.bias_grad == BiasGradFrom::A) bias_grad<D>(g.types.a, g.k[t], g.m, overwrite, a, db);
+    if (g.bias_grad == BiasGradFrom::B) bias_grad<D>(g.types.b, g.k[t], g.n, overwrite, b, db);
+    gemm<D>(types, g.trans_a, g.trans_b, g.batch, g.m, g.n, g.k[t], g.alpha, a, b, t == 0 ? g.beta : 1.0f, sum,
+            scratch);
+  }
+  if (bias != nullptr) add_bias<D>(types.c, g.batch * g.m, g.n, sum, bias, sum);
+  if (sums_in_scratch(g)) convert<D>(c_numel, FloatType::F32, sum, FloatType::BF16, c);
   if (g.round) convert<D>(c_numel, FloatType::F32, c, FloatType::BF16, c_bf16);
 }
 
@@ -111,6 +133,22 @@ struct BiasGrad {
   bool fresh;
 };
 
+// Consecutive K tiles into tasks: as many as fit `bytes_limit` together (bytes[i]: K tile i's A and B tiles)
+// and kTilesPerTask, at least one each.
+std::vector<std::vector<size_t>> k_groups(const std::vector<int64_t>& bytes, int64_t bytes_limit) {
+  std::vector<std::vector<size_t>> groups;
+  int64_t group_bytes = 0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    if (groups.empty() || groups.back().size() == size_t(kTilesPerTask) || group_bytes + bytes[i] > bytes_limit) {
+      groups.emplace_back();
+      group_bytes = 0;
+    }
+    groups.back().push_back(i);
+    group_bytes += bytes[i];
+  }
+  return groups;
+}
+
 }  // namespace
 
 void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool trans_a, bool trans_b,
@@ -155,7 +193,8 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
   if (types.a != types.b)  // cuBLAS multiplies two float32 or two bfloat16 matrices, not one of each
     throw std::invalid_argument("gemm: A and B differ in dtype: " + A.describe() + " vs " + B.describe());
   Index k_grid = slice(A.grid, batch_ndim + (trans_a ? 0 : m_ndim), ndim);
-  int64_t k_tiles = product(k_grid);
+  const int64_t k_tiles = product(k_grid);
+  const int64_t bytes_limit = task_group_bytes_limit();
   for (int64_t linear = 0; linear < C.num_tiles(); ++linear) {
     Index c_coord = C.tile_coord(linear);
     Index c_ext = C.tile_extent(c_coord);
@@ -163,11 +202,34 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
           nc = slice(c_coord, batch_ndim + m_ndim, n_ndim);
     int64_t batch = product(slice(c_ext, 0, batch_ndim));
     int64_t m = product(slice(c_ext, batch_ndim, m_ndim)), n = product(slice(c_ext, batch_ndim + m_ndim, n_ndim));
-    // A bfloat16 C summed over several K tiles is summed in a float32 tile and rounded once at the end, as a
-    // single product would be (rounding after each K tile loses a bit per tile).
+    // The K tiles, in order, cut into tasks of consecutive tiles (KGroups): one task where they fit
+    // task_group_bytes_limit() together, so a C tile's products are one task and no chain of dependent tasks
+    // (3 per layer of GPT-2's fused q, k, v projection in its backward; on a GPU, each a launch and a wait).
+    struct KTile {
+      Index a_coord, b_coord;
+      int64_t k;
+    };
+    std::vector<KTile> ks;
+    std::vector<int64_t> ks_bytes;
+    Index kc(ndim, 0);
+    for (int64_t kt = 0; kt < k_tiles; ++kt) {
+      Index a_coord = trans_a ? concat({bat, kc, mc}) : concat({bat, mc, kc});
+      Index b_coord = trans_b ? concat({bat, nc, kc}) : concat({bat, kc, nc});
+      int64_t k = product(slice(A.tile_extent(a_coord), batch_ndim + (trans_a ? 0 : m_ndim), ndim));
+      ks.push_back({a_coord, b_coord, k});
+      ks_bytes.push_back(int64_t(dtype_size(A.dtype)) * batch * k * (m + n));
+      for (int ax = ndim - 1; ax >= 0; --ax) {  // next K tile
+        if (++kc[ax] < k_grid[ax]) break;
+        kc[ax] = 0;
+      }
+    }
+    const int64_t c_bytes = int64_t(dtype_size(C.dtype) + sizeof(float)) * batch * m * n;
+    const std::vector<std::vector<size_t>> groups = k_groups(ks_bytes, bytes_limit - c_bytes);
+    // A bfloat16 C summed over several tasks is summed in a float32 tile and rounded once at the end, as a
+    // single product would be (rounding after each K tile loses a bit per tile); within a task, in its scratch.
     starpu_data_handle_t c_tile = C.tiles[linear];
     GemmTypes tile_types = types;
-    const bool float32_sum = types.c == FloatType::BF16 && k_tiles > 1;
+    const bool float32_sum = types.c == FloatType::BF16 && groups.size() > 1;
     if (float32_sum) {
       c_tile = temporary_vector(batch * m * n, sizeof(float));
       tile_types.c = FloatType::F32;
@@ -178,41 +240,49 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
     const bool sums_bias =
         bias_grad != nullptr && std::all_of(other.begin(), other.end(), [](int64_t i) { return i == 0; });
     starpu_data_handle_t db_tile = sums_bias ? bias_grad->db->tile(grad_from_a ? mc : nc) : nullptr;
-    Index kc(ndim, 0);
-    for (int64_t kt = 0; kt < k_tiles; ++kt) {
-      Index a_coord = trans_a ? concat({bat, kc, mc}) : concat({bat, mc, kc});
-      Index b_coord = trans_b ? concat({bat, nc, kc}) : concat({bat, kc, nc});
-      Index a_ext = A.tile_extent(a_coord);
-      int64_t k = product(slice(a_ext, batch_ndim + (trans_a ? 0 : m_ndim), ndim));
-      const bool first = kt == 0, last = kt == k_tiles - 1, last_with_bias = bias != nullptr && last;
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const std::vector<size_t>& group = groups[gi];
+      const bool first = gi == 0, last = gi == groups.size() - 1, last_with_bias = bias != nullptr && last;
       const bool widen = float32_sum && first && beta != 0.0f, round = float32_sum && last;
       float tile_beta = first ? beta : 1.0f;
       starpu_data_access_mode c_mode = (first && (beta == 0.0f || widen)) ? STARPU_W : STARPU_RW;
-      std::vector<Buffer> buffers{{A.tile(a_coord), STARPU_R}, {B.tile(b_coord), STARPU_R}, {c_tile, c_mode}};
+      GemmArgs args{tile_types, trans_a, trans_b, batch, m, n, int32_t(group.size()), {}, alpha, tile_beta,
+                    last_with_bias, widen, round, BiasGradFrom::None, false};
+      std::vector<Buffer> buffers;
+      double flops = 0.0;
+      for (size_t t = 0; t < group.size(); ++t) {
+        const KTile& kt = ks[group[t]];
+        buffers.push_back({A.tile(kt.a_coord), STARPU_R});
+        args.k[t] = kt.k;
+        flops += 2.0 * batch * m * n * kt.k;
+      }
+      for (size_t t : group) buffers.push_back({B.tile(ks[t].b_coord), STARPU_R});
+      buffers.push_back({c_tile, c_mode});
       if (last_with_bias) buffers.push_back({bias->tile(nc), STARPU_R});
       if (widen) buffers.push_back({C.tiles[linear], STARPU_R});
       if (round) buffers.push_back({C.tiles[linear], STARPU_W});
       const bool db_overwrite = sums_bias && bias_grad->fresh && first;
       if (sums_bias) buffers.push_back({db_tile, db_overwrite ? STARPU_W : STARPU_RW});
+      args.bias_grad = sums_bias ? bias_grad->from : BiasGradFrom::None;
+      args.bias_grad_overwrite = db_overwrite;
       starpu_data_handle_t scratch = nullptr;
       if (!tile_types.all_f32()) {
         // Sized before StarPU picks the worker; cuBLAS writes a bfloat16 C itself, so on the GPU alone none
-        // (the float32 sum of GPT-2's 8192 x 16384 logits tile would be 512 MB of GPU memory per task). An
-        // emulated GPU runs the CPU kernel, which needs it.
+        // (the float32 sum of GPT-2's 8192 x 16384 logits tile would be 512 MB of GPU memory per task) but
+        // the float32 sum of several K tiles. An emulated GPU runs the CPU kernel, which needs it.
         const bool cublas = kernels_run_on_gpu() && !emulated_gpu();
-        const int64_t floats = cublas ? 0 : gemm_scratch_floats(tile_types, batch, m, n, k);
+        const bool summed = sums_in_scratch(args);
+        GemmTypes product_types = tile_types;
+        if (summed) product_types.c = FloatType::F32;
+        int64_t floats = summed ? batch * m * n : 0;
+        for (size_t t = 0; t < group.size() && !cublas; ++t)
+          floats = std::max(floats, (summed ? batch * m * n : 0) +
+                                        gemm_scratch_floats(product_types, batch, m, n, args.k[t]));
         scratch = temporary_vector(floats, sizeof(float));
         buffers.push_back({scratch, STARPU_SCRATCH});
       }
-      submit_task(cl, buffers,
-                  GemmArgs{tile_types, trans_a, trans_b, batch, m, n, k, alpha, tile_beta, last_with_bias, widen,
-                           round, sums_bias ? bias_grad->from : BiasGradFrom::None, db_overwrite},
-                  2.0 * batch * m * n * k);
+      submit_task(cl, buffers, args, flops);
       if (scratch != nullptr) starpu_data_unregister_submit(scratch);
-      for (int ax = ndim - 1; ax >= 0; --ax) {  // next K tile
-        if (++kc[ax] < k_grid[ax]) break;
-        kc[ax] = 0;
-      }
     }
     if (float32_sum) starpu_data_unregister_submit(c_tile);
   }
