@@ -1,6 +1,6 @@
 """GPU benchmark: what jnntile does with a GPU, as one JSON report (`make test-gpu` runs it).
 
-    .venv-cuda/bin/python bench/gpu.py [--out out/gpu/report.json] [--only gemm train limited capacity]
+    .venv-cuda/bin/python bench/gpu.py [--out out/gpu/report.json] [--only gemm train train_bf16 variants limited capacity]
         [--capacity-layers 16] [--capacity-full] [--swap-dir DIR] [--placement auto|any|cpu|cuda] [--workers N]
         [--[no-]fused-attention] [--scheduler dmdas|lws|eager|...] [--fused-update auto|on|off]
         [--tiles batch=8 vocab=50257 ...] [--smoke]
@@ -12,6 +12,11 @@ Sections, each measured in a process of its own so that it has the whole GPU:
             and busy time on the CPU workers beside the GPU, and the busiest kernels per step on each
   train_bf16  the same in bfloat16: jnntile with --dtype bfloat16 (float32 masters, bfloat16 activations and
             weight copies) vs plain JAX casting its float32 parameters to bfloat16 in the loss
+  variants  the bfloat16 step of train_bf16 with one runtime setting changed at a time (VARIANTS): the eager
+            scheduler, kernels one at a time (STARPU_CUDA_PIPELINE=0, so the kernel times are their own), a
+            deeper CUDA pipeline, the update fused into the backward, one CPU worker; and StarPU's own cost of a
+            task on the CUDA worker (bench/overhead.py) under dmdas and eager. Where the step's time goes
+            between kernels and StarPU, in one call.
   limited   the same jnntile run with the GPU memory limited to a quarter of parameters + gradients +
             AdamW state + activations: tokens/s and bytes moved per step between GPU and RAM
   capacity  GPT-2 with n_embd 2048 (16 heads), batch 1 x 1024, AdamW in float32, n_layer from
@@ -38,7 +43,17 @@ import time
 from pathlib import Path
 
 MB = 2**20
-SECTIONS = ("gemm", "train", "train_bf16", "limited", "capacity")
+SECTIONS = ("gemm", "train", "train_bf16", "variants", "limited", "capacity")
+# The "variants" section: name -> (jnntile runtime settings, environment) of a bfloat16 training run.
+VARIANTS = {
+    "default": ({}, {}),
+    "eager scheduler": ({"scheduler": "eager"}, {}),
+    "one kernel at a time": ({}, {"STARPU_CUDA_PIPELINE": "0"}),
+    "CUDA pipeline 4": ({}, {"STARPU_CUDA_PIPELINE": "4"}),
+    "update in the backward": ({"fused_update": "on"}, {}),
+    "1 CPU worker": ({"workers": 1}, {}),
+}
+OVERHEAD_SCHEDULERS = ("dmdas", "eager")
 # Measured on an H100 80GB HBM3 (plain GPT-2 with optax.adamw, jit, donated, n_embd 2048, batch 1 x 1024,
 # XLA_PYTHON_CLIENT_MEM_FRACTION=0.95): 96 layers ran, 112 ran out of memory.
 PLAIN_JAX_MAX_PARAMS_H100 = 4.94e9
@@ -49,6 +64,7 @@ def sizes(smoke: bool) -> dict:
         return {"gemm": {"sizes": [512], "tiles": [256], "repeats": 2},
                 "train": {"model": dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, n_positions=64),
                           "batch": 2, "seq": 64, "steps": 2, "calibration_steps": 2},
+                "overhead_count": 200,
                 # 2.7M parameters (42 MB of state) under a 16 MB limit: every level is used. Two CPU workers:
                 # 15 (a 16-core GPU machine) would run 15 optimizer tasks of 2 MB at once, over the limit.
                 "capacity": {"n_embd": 256, "n_head": 4, "vocab_size": 4096, "seq": 32, "batch": 2, "workers": 2,
@@ -57,6 +73,7 @@ def sizes(smoke: bool) -> dict:
     return {"gemm": {"sizes": [8192, 16384], "tiles": [2048, 4096], "repeats": 3},
             "train": {"model": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024),
                       "batch": 8, "seq": 1024, "steps": 10, "calibration_steps": 12},
+            "overhead_count": 3000,
             "capacity": {"n_embd": 2048, "n_head": 16, "vocab_size": 50257, "seq": 1024, "batch": 1}}
 
 
@@ -273,8 +290,16 @@ def measure_capacity(p: dict) -> dict:
             "vs_plain_jax_h100": n_params / PLAIN_JAX_MAX_PARAMS_H100}
 
 
+def measure_overhead(p: dict) -> dict:
+    """StarPU's microseconds per empty task (bench/overhead.py) per scheduler and kind of worker."""
+    from overhead import measure
+
+    return {"us_per_task": {scheduler: measure(scheduler, p["count"]) for scheduler in OVERHEAD_SCHEDULERS}}
+
+
 CHILDREN = {"gemm_jnntile": measure_gemm_jnntile, "gemm_xla": measure_gemm_xla,
             "train_jnntile": measure_jnntile_training, "train_xla": measure_xla_training,
+            "overhead": measure_overhead,
             "limited": lambda p: measure_jnntile_training(p, gpu_memory_fraction=0.25), "capacity": measure_capacity}
 
 
@@ -296,6 +321,18 @@ def run_child(name: str, params: dict, timeout_s: float, log, env: dict | None =
         return {"error": f"exit code {result.returncode}: " + " | ".join(tail)}
     out = json.loads(lines[-1][len("RESULT "):])
     out["wall_s"] = time.perf_counter() - started
+    return out
+
+
+def measure_variants(params: dict, timeout_s: float, log, xla_env: dict, overhead_count: int) -> dict:
+    """Plain JAX's bfloat16 step once, then jnntile's under each of VARIANTS, and StarPU's cost per task."""
+    out = {"xla": run_child("train_xla", params, timeout_s, log, env=xla_env), "runs": {}}
+    for name, (settings, env) in VARIANTS.items():
+        run = run_child("train_jnntile", {**params, **settings}, timeout_s, log, env=env)
+        if "tokens_per_s" in run and "tokens_per_s" in out["xla"]:
+            run["ratio"] = run["tokens_per_s"] / out["xla"]["tokens_per_s"]
+        out["runs"][name] = run
+    out["overhead"] = run_child("overhead", {"count": overhead_count}, timeout_s, log)
     return out
 
 
@@ -380,6 +417,10 @@ def main(argv=None) -> int:
             if "tokens_per_s" in jn and "tokens_per_s" in xla:
                 report[section]["ratio"] = jn["tokens_per_s"] / xla["tokens_per_s"]
             print_train(report[section])
+        if "variants" in args.only:
+            params = {**s["train"], "model": {**s["train"]["model"], **tiles, "dtype": "bfloat16"}, **runtime_flags}
+            report["variants"] = measure_variants(params, timeout_s, log, xla_env, s["overhead_count"])
+            print_variants(report["variants"])
         if "limited" in args.only:
             params = {**s["train"], "model": {**s["train"]["model"], **tiles}, **runtime_flags}
             report["limited"] = run_child("limited", params, timeout_s, log)
@@ -441,6 +482,34 @@ def print_train(result: dict) -> None:
     for k in jn["kernels_per_step"]:
         print(f"    {k['kernel']:>24}: {k['cuda_tasks']:5.0f} tasks {k['cuda_s'] * 1e3:7.1f} ms, "
               f"{k['cpu_tasks']:5.0f} tasks {k['cpu_s'] * 1e3:7.1f} ms")
+
+
+def print_variants(result: dict) -> None:
+    xla = result["xla"]
+    print(f"bfloat16 training, one setting changed at a time (plain JAX: "
+          f"{xla.get('tokens_per_s', 0):.0f} tokens/s{', ' + xla['error'] if 'error' in xla else ''})")
+    for name, run in result["runs"].items():
+        if "error" in run:
+            print(f"  {name:>24}: {run['error']}")
+            continue
+        cuda = run["workers"].get("CUDA", {})
+        print(f"  {name:>24}: {run['tokens_per_s']:8.0f} tokens/s, ratio {run.get('ratio', 0):.2f}, step "
+              f"{run['step_s'] * 1e3:6.1f} ms, CUDA workers busy {cuda.get('busy_s', 0) / run['steps'] * 1e3:6.1f} "
+              f"ms over {cuda.get('tasks', 0) / run['steps']:.0f} tasks per step")
+    alone = result["runs"].get("one kernel at a time", {})
+    if "kernels_per_step" in alone:
+        print("  each kernel's own time per step (one kernel at a time):")
+        for k in alone["kernels_per_step"]:
+            print(f"    {k['kernel']:>30}: {k['cuda_tasks']:5.0f} tasks {k['cuda_s'] * 1e3:7.2f} ms on CUDA workers, "
+                  f"{k['cpu_tasks']:5.0f} tasks {k['cpu_s'] * 1e3:7.2f} ms on CPU workers")
+    overhead = result["overhead"]
+    if "error" in overhead:
+        print(f"  StarPU's cost per empty task: {overhead['error']}")
+        return
+    for scheduler, rows in overhead["us_per_task"].items():
+        for workers, row in rows.items():
+            print(f"  StarPU per empty task, {scheduler} on {workers} workers: "
+                  + ", ".join(f"{kind.replace('_', ' ')} {us:.1f} us" for kind, us in row.items()))
 
 
 def print_limited(result: dict) -> None:

@@ -21,6 +21,21 @@ SCHEDULERS = ["eager", "lws", "ws", "prio", "dmda", "dmdas"]
 KINDS = ("round_trip", "chain", "independent")
 
 
+def measure(scheduler: str, count: int) -> dict[str, dict[str, float]]:
+    """Microseconds per empty task of each kind (KINDS) under `scheduler`, on CPU workers and, where the runtime
+    has one, on a CUDA worker: {"CPU": {kind: us}, "CUDA": {...}}."""
+    jnntile.runtime.start(scheduler=scheduler)
+    rows = {}
+    for on_cuda in [False] + ([True] if jnntile.runtime.cuda_worker_count() > 0 else []):
+        row = rows["CUDA" if on_cuda else "CPU"] = {}
+        for name in KINDS:
+            kind = getattr(_xla_ffi.EmptyTasks, name)
+            _xla_ffi.measure_empty_tasks(min(500, count), kind, on_cuda)  # warm-up, calibration
+            row[name] = _xla_ffi.measure_empty_tasks(count, kind, on_cuda) * 1e6
+    jnntile.runtime.stop()
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=20000, help="tasks per measurement")
@@ -30,18 +45,10 @@ def main():
     print(f"{'scheduler':>10} {'workers':>8} " + " ".join(f"{kind.replace('_', ' '):>12}" for kind in KINDS)
           + "   (us per empty task)")
     for scheduler in args.schedulers:
-        jnntile.runtime.start(scheduler=scheduler)
-        on = [False] + ([True] if jnntile.runtime.cuda_worker_count() > 0 else [])
-        for on_cuda in on:
-            row = []
-            for kind in KINDS:
-                kind = getattr(_xla_ffi.EmptyTasks, kind)
-                _xla_ffi.measure_empty_tasks(min(500, args.count), kind, on_cuda)  # warm-up, calibration
-                row.append(_xla_ffi.measure_empty_tasks(args.count, kind, on_cuda) * 1e6)
+        for workers, row in measure(scheduler, args.count).items():
             mark = "  (default)" if scheduler == default else ""
-            print(f"{scheduler:>10} {'CUDA' if on_cuda else 'CPU':>8} " + " ".join(f"{us:12.2f}" for us in row)
-                  + mark, flush=True)
-        jnntile.runtime.stop()
+            print(f"{scheduler:>10} {workers:>8} " + " ".join(f"{row[kind]:12.2f}" for kind in KINDS) + mark,
+                  flush=True)
 
 
 if __name__ == "__main__":

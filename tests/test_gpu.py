@@ -162,6 +162,11 @@ def test_gpu_benchmark_runs_every_section_in_smoke_mode(tmp_path):
     kernels = report["train"]["jnntile"]["kernels_per_step"]
     assert "gemm" in {k["kernel"] for k in kernels} and all(k["cpu_tasks"] + k["cuda_tasks"] > 0 for k in kernels)
     assert report["train_bf16"]["ratio"] > 0 and report["train_bf16"]["jnntile"]["config"]["dtype"] == "bfloat16"
+    variants = report["variants"]
+    assert "default" in variants["runs"] and all(r["ratio"] > 0 for r in variants["runs"].values())
+    overhead = variants["overhead"]["us_per_task"]
+    assert {"dmdas", "eager"} <= set(overhead)
+    assert all(row["chain"] > 0 for rows in overhead.values() for row in rows.values())
     assert report["limited"]["tokens_per_s"] > 0
     capacity = report["capacity"]
     assert capacity["verdict"].startswith("needs") and capacity["bytes_per_step"]["RAM->DISK"] > 0
