@@ -182,6 +182,29 @@ def test_the_bias_gradient_is_summed_in_the_weight_gradient_tasks(tiling):
     np.testing.assert_array_equal(db[(0, 1, 2)], db[(0, 2)])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("tiling", LINEAR_TILINGS)
+def test_linear_with_a_residual(tiling, with_bias, dtype):
+    """r + x @ W (+ b), the residual added by the product's tasks (its first task on each tile starts from r's
+    tile): values, and the gradients of x, W, b and r (r's is the output's, copied)."""
+    x_shape, x_tile, w_shape, w_tile = LINEAR_TILINGS[tiling]
+    out_shape, out_tile = x_shape[:-1] + w_shape[1:], x_tile[:-1] + w_tile[1:]
+    arrays = [normal(x_shape, 0), normal(w_shape, 1), normal(out_shape, 4)] + ([normal(w_shape[1:], 2)]
+                                                                              if with_bias else [])
+
+    def op(x, w, r, b=None):
+        return linear(x, w, b, residual=r)
+
+    def reference(x, w, r, b=0.0):
+        product = jnp.tensordot(x.astype(jnp.float32), w.astype(jnp.float32), axes=1)
+        return (r.astype(jnp.float32) + product + b).astype(x.dtype)
+
+    dtypes = [dtype] * 3 + ["float32"] * with_bias
+    check_op(op, reference, arrays, [x_tile, w_tile, out_tile] + [w_tile[1:]] * with_bias, jit=True, dtype=dtypes,
+             tol=BFLOAT16_TOL if dtype == "bfloat16" else 1e-5)
+
+
 def test_bad_inputs():
     x = jnntile.zeros((4, 6), tile_shape=(2, 3))
     with pytest.raises(ValueError, match=r"b of shape \(5,\) must equal the trailing axes of x \(4, 6\)"):
@@ -199,3 +222,6 @@ def test_bad_inputs():
         linear(x, w, jnntile.zeros((4,)))
     with pytest.raises(ValueError, match="contraction axes"):
         linear(x, jnntile.zeros((6, 5), tile_shape=(2, 5)))
+    with pytest.raises(ValueError, match=r"linear: the residual .* must have the result's shape \(4, 5\), tiles "
+                                         r"\(2, 5\) and dtype float32"):
+        linear(x, w, residual=jnntile.zeros((4, 5), tile_shape=(4, 5)))

@@ -124,10 +124,12 @@ class Linear(nnx.Module):
         self.bias = _param(lambda: jnntile.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
                            tuple(out_tiles)) if use_bias else None
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x @ W + b, plus `residual` (a residual connection, of the output's layout) where given: added by the
+        product's own tasks."""
         return bias_ops.linear(x, compute_copy(self.weight.get_value(), self.dtype),
                                None if self.bias is None else self.bias.get_value(), ndim=self.in_ndim,
-                               trans_b=self.weight_out_first)
+                               trans_b=self.weight_out_first, residual=residual)
 
 
 class LoRA(nnx.Module):
@@ -175,8 +177,8 @@ class LoRA(nnx.Module):
         low = gemm.matmul(x, compute_copy(self.lora_a.get_value(), dtype), ndim=self.base.in_ndim, trans_b=out_first)
         return gemm.matmul(low, compute_copy(self.lora_b.get_value(), dtype), trans_b=out_first, alpha=self.scale)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return elementwise_ops.add(self.base(x), self.delta(x))
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        return elementwise_ops.add(self.base(x, residual), self.delta(x))
 
     def merged_weight(self) -> Tensor:
         """The base weight plus (alpha / rank) of the update, as one new float32 tensor tiled as the base's:
@@ -272,6 +274,14 @@ class Dropout(nnx.Module):
         if self.rate == 0.0 or seed is None:
             return x
         return dropout_ops.dropout(x, self.rate, seed * 7919 + self.site)
+
+    def residual(self, x: Tensor, branch: Callable[[Tensor | None], Tensor], seed) -> Tensor:
+        """x + dropout(branch): `branch(residual)` returns the branch's output plus `residual` where that is
+        given, added by its last product's tasks (`Linear(..., residual)`); with dropout on, the branch gets
+        None and the sum comes after the mask."""
+        if self.rate == 0.0 or seed is None:
+            return branch(x)
+        return elementwise_ops.add(x, self(branch(None), seed))
 
 
 def value_and_grad(loss_fn: Callable, has_aux: bool = False, *, keep_activations: bool = False, accumulate=None,

@@ -10,6 +10,8 @@
 // is added by each C tile's last task, to the tile it has just written: a
 // linear layer's y = x W + b in one task per tile instead of two, and no pass of
 // its own over y (nor over dy in the backward: dx of the bias was a copy of dy).
+// Likewise a residual connection, y = r + x W (+ b): each C tile's first task
+// starts from a copy of r's tile instead of zero, and no addition task follows.
 // A bfloat16 C summed over several K tiles is summed in float32: in the task's
 // scratch within one task; over several tasks, in a float32 tile that its first
 // task widens C into (when beta != 0) and its last rounds into C, in the
@@ -41,6 +43,8 @@ struct GemmArgs {
   int64_t k[kTilesPerTask];    // the contraction length of each
   float alpha, beta;
   bool bias;     // C += bias (n floats) after the product
+  bool residual;  // the products add onto a copy of a residual tile of C's shape (and beta is 1)
+  FloatType residual_type;
   bool widen;    // C is the float32 sum of a bfloat16 tile, which is widened into it first
   bool round;    // C is the float32 sum of a bfloat16 tile, into which it is rounded last
   BiasGradFrom bias_grad;  // db += the column sums of operand A or B (dy of a linear layer), or nothing
@@ -52,8 +56,8 @@ struct GemmArgs {
 bool sums_in_scratch(const GemmArgs& g) { return g.k_tiles > 1 && g.types.c == FloatType::BF16; }
 
 // buffers: A and B of each K tile (A_0, .., A_{k_tiles-1}, B_0, ..), C, the bias tile when adding one, the
-// bfloat16 tile when widening or rounding, the bias gradient's tile when summing into it, and scratch when an
-// operand is bfloat16
+// bfloat16 tile when widening or rounding, the bias gradient's tile when summing into it, the residual tile
+// when adding onto one, and scratch when an operand is bfloat16
 template <Device D>
 void gemm_kernel(void** buffers, const GemmArgs& g) {
   const int n_k = g.k_tiles;
@@ -61,6 +65,7 @@ void gemm_kernel(void** buffers, const GemmArgs& g) {
   const float* bias = g.bias ? tile_ptr<float>(buffers[next++]) : nullptr;
   void* c_bf16 = g.widen || g.round ? tile_ptr<void>(buffers[next++]) : nullptr;
   float* db = g.bias_grad != BiasGradFrom::None ? tile_ptr<float>(buffers[next++]) : nullptr;
+  const void* residual = g.residual ? tile_ptr<void>(buffers[next++]) : nullptr;
   float* scratch = g.types.all_f32() ? nullptr : tile_ptr<float>(buffers[next]);
   void* c = tile_ptr<void>(buffers[2 * n_k]);
   const int64_t c_numel = g.batch * g.m * g.n;
@@ -70,8 +75,12 @@ void gemm_kernel(void** buffers, const GemmArgs& g) {
     sum = scratch;
     scratch += c_numel;
     types.c = FloatType::F32;
-    if (g.beta != 0.0f) convert<D>(c_numel, FloatType::BF16, c, FloatType::F32, sum);
   }
+  // What the products add onto (beta != 0): the residual, else C as it is.
+  if (residual != nullptr)
+    convert<D>(c_numel, g.residual_type, residual, types.c, sum);
+  else if (sums_in_scratch(g) && g.beta != 0.0f)
+    convert<D>(c_numel, FloatType::BF16, c, FloatType::F32, sum);
   if (g.widen) convert<D>(c_numel, FloatType::BF16, c_bf16, FloatType::F32, c);
   for (int t = 0; t < n_k; ++t) {
     void *a = tile_ptr<void>(buffers[t]), *b = tile_ptr<void>(buffers[n_k + t]);
@@ -151,9 +160,11 @@ std::vector<std::vector<size_t>> k_groups(const std::vector<int64_t>& bytes, int
 
 }  // namespace
 
+// C = alpha op(A) op(B) + beta C (+ bias), or with `residual` (a tensor of C's layout) C = residual + alpha
+// op(A) op(B) (+ bias): a residual connection added by the product's own tasks (beta is then ignored).
 void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool trans_a, bool trans_b,
                 float alpha, float beta, int ndim, int batch_ndim, const TiledTensor* bias = nullptr,
-                const BiasGrad* bias_grad = nullptr) {
+                const BiasGrad* bias_grad = nullptr, const TiledTensor* residual = nullptr) {
   int m_ndim = A.ndim() - batch_ndim - ndim;
   int n_ndim = B.ndim() - batch_ndim - ndim;
   if (m_ndim < 0 || n_ndim < 0 || C.ndim() != batch_ndim + m_ndim + n_ndim)
@@ -180,6 +191,10 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       throw std::invalid_argument("gemm: the " + what + " must be float32 (a float32 master's): " + b.describe());
   };
   if (bias != nullptr) require_bias(*bias, false, "bias");
+  if (residual != nullptr && (residual->dtype != C.dtype || residual->shape != C.shape ||
+                              residual->tile_shape != C.tile_shape))
+    throw std::invalid_argument("gemm: the residual must have the product's dtype, shape and tiles: " +
+                                residual->describe() + " vs " + C.describe());
   const bool grad_from_a = bias_grad != nullptr && bias_grad->from == BiasGradFrom::A;
   if (bias_grad != nullptr) {
     if (batch_ndim != 0 || (grad_from_a ? !trans_a : trans_b))
@@ -243,11 +258,12 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
     for (size_t gi = 0; gi < groups.size(); ++gi) {
       const std::vector<size_t>& group = groups[gi];
       const bool first = gi == 0, last = gi == groups.size() - 1, last_with_bias = bias != nullptr && last;
-      const bool widen = float32_sum && first && beta != 0.0f, round = float32_sum && last;
-      float tile_beta = first ? beta : 1.0f;
-      starpu_data_access_mode c_mode = (first && (beta == 0.0f || widen)) ? STARPU_W : STARPU_RW;
+      const bool from_residual = residual != nullptr && first;
+      const bool widen = float32_sum && first && beta != 0.0f && !from_residual, round = float32_sum && last;
+      float tile_beta = first && !from_residual ? beta : 1.0f;
+      starpu_data_access_mode c_mode = (first && (beta == 0.0f || widen || from_residual)) ? STARPU_W : STARPU_RW;
       GemmArgs args{tile_types, trans_a, trans_b, batch, m, n, int32_t(group.size()), {}, alpha, tile_beta,
-                    last_with_bias, widen, round, BiasGradFrom::None, false};
+                    last_with_bias, from_residual, float_type(C, "gemm"), widen, round, BiasGradFrom::None, false};
       std::vector<Buffer> buffers;
       double flops = 0.0;
       for (size_t t = 0; t < group.size(); ++t) {
@@ -265,6 +281,7 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       if (sums_bias) buffers.push_back({db_tile, db_overwrite ? STARPU_W : STARPU_RW});
       args.bias_grad = sums_bias ? bias_grad->from : BiasGradFrom::None;
       args.bias_grad_overwrite = db_overwrite;
+      if (from_residual) buffers.push_back({residual->tiles[linear], STARPU_R});
       starpu_data_handle_t scratch = nullptr;
       if (!tile_types.all_f32()) {
         // Sized before StarPU picks the worker; cuBLAS writes a bfloat16 C itself, so on the GPU alone none
@@ -290,12 +307,13 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
 
 namespace {
 
-// ids [A, B, C] or [A, B, C, bias]
+// ids [A, B, C], then optionally the bias (or -1), then optionally the residual
 void gemm_submit(const OpCall& call) {
+  auto optional = [&](size_t i) { return call.ids.size() > i && call.ids[i] >= 0 ? &call.tensor(i) : nullptr; };
   gemm_tiles(call.tensor(0), call.tensor(1), call.tensor(2), attr<int64_t>(call.attrs, "trans_a") != 0,
-       attr<int64_t>(call.attrs, "trans_b") != 0, float(attr<double>(call.attrs, "alpha")),
-       float(attr<double>(call.attrs, "beta")), int(attr<int64_t>(call.attrs, "ndim")),
-       int(attr<int64_t>(call.attrs, "batch_ndim")), call.ids.size() > 3 ? &call.tensor(3) : nullptr);
+             attr<int64_t>(call.attrs, "trans_b") != 0, float(attr<double>(call.attrs, "alpha")),
+             float(attr<double>(call.attrs, "beta")), int(attr<int64_t>(call.attrs, "ndim")),
+             int(attr<int64_t>(call.attrs, "batch_ndim")), optional(3), nullptr, optional(4));
 }
 JNNTILE_OP(gemm, gemm_submit);
 

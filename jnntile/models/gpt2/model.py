@@ -41,11 +41,12 @@ class CausalSelfAttention(nnx.Module):
         self.c_proj = nn.Linear((H, D), (C,), in_tiles=(tiles.heads, D), out_tiles=(tiles.embd,), seed=seed,
                                 name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer), dtype=config.dtype)
 
-    def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
-        """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it."""
+    def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, residual: Tensor | None = None):
+        """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it;
+        `residual` is added to the output (by the projection's tasks)."""
         qkv = self.c_attn(x)                            # (B, T, 3, H, D)
         y = attention_ops.causal_attention(qkv) if cache is None else cache.attend(layer, qkv)  # (B, T, H, D)
-        return self.c_proj(y)                           # (B, T, C)
+        return self.c_proj(y, residual)                 # (B, T, C)
 
 
 class MLP(nnx.Module):
@@ -56,8 +57,8 @@ class MLP(nnx.Module):
         self.c_proj = nn.Linear((4 * C,), (C,), in_tiles=(tiles.hidden,), out_tiles=(tiles.embd,), seed=seed,
                                 name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer), dtype=config.dtype)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.c_proj(ew.gelu_tanh(self.c_fc(x)))  # (B, T, 4C) -> (B, T, C)
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        return self.c_proj(ew.gelu_tanh(self.c_fc(x)), residual)  # (B, T, 4C) -> (B, T, C)
 
 
 class Block(nnx.Module):
@@ -72,8 +73,9 @@ class Block(nnx.Module):
         self.mlp_dropout = nn.Dropout(config.dropout, site=2 * index + 2)
 
     def __call__(self, x: Tensor, dropout_seed, cache: KVCache | None = None, layer: int = 0) -> Tensor:
-        x = ew.add(x, self.attn_dropout(self.attn(self.ln_1(x), cache, layer), dropout_seed))
-        return ew.add(x, self.mlp_dropout(self.mlp(self.ln_2(x)), dropout_seed))
+        # Each residual addition is the branch's last projection's (without dropout): no task of its own.
+        x = self.attn_dropout.residual(x, lambda r: self.attn(self.ln_1(x), cache, layer, r), dropout_seed)
+        return self.mlp_dropout.residual(x, lambda r: self.mlp(self.ln_2(x), r), dropout_seed)
 
 
 class GPT2(LanguageModel):

@@ -24,7 +24,6 @@ from flax import nnx
 from jnntile import nn, tensorfile
 from jnntile.decoding import KVCache
 from jnntile.ops import attention as attention_ops
-from jnntile.ops import elementwise as ew
 from jnntile.ops import gated
 from jnntile.ops import rotary as rotary_ops
 from jnntile.tensor import Tensor
@@ -52,13 +51,14 @@ class Attention(nnx.Module):
         self.o_proj = _linear(heads, (C,), head_tiles, (tiles.embd,), seed=seed, name=prefix + "o_proj",
                               dtype=config.dtype, bias=config.o_bias)
 
-    def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
-        """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it."""
+    def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, residual: Tensor | None = None):
+        """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it;
+        `residual` is added to the output (by the projection's tasks)."""
         qkv = self.qkv_proj(x)                                  # (B, T, G + 2, KV, D)
         pos = jnp.int32(0) if cache is None else cache.pos
         qkv = rotary_ops.rotary(qkv, self.inv_freq, pos, rotated_parts=self.groups + 1)
         y = attention_ops.causal_attention(qkv) if cache is None else cache.attend(layer, qkv)  # (B, T, G, KV, D)
-        return self.o_proj(y)                                   # (B, T, C)
+        return self.o_proj(y, residual)                         # (B, T, C)
 
 
 class MLP(nnx.Module):
@@ -69,8 +69,9 @@ class MLP(nnx.Module):
         self.down_proj = _linear((I,), (C,), (tiles.hidden,), (tiles.embd,), seed=seed, name=prefix + "down_proj",
                                  dtype=config.dtype)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.down_proj(gated.swiglu(self.gate_up_proj(x)))  # (B, T, 2, I) -> (B, T, I) -> (B, T, C)
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        # (B, T, 2, I) -> (B, T, I) -> (B, T, C)
+        return self.down_proj(gated.swiglu(self.gate_up_proj(x)), residual)
 
 
 class DecoderLayer(nnx.Module):
@@ -83,8 +84,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, tiles, seed, prefix + "mlp.")
 
     def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
-        x = ew.add(x, self.self_attn(self.input_layernorm(x), cache, layer))
-        return ew.add(x, self.mlp(self.post_attention_layernorm(x)))
+        # Each residual addition is the branch's last projection's: no task of its own.
+        x = self.self_attn(self.input_layernorm(x), cache, layer, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class Llama(LanguageModel):
