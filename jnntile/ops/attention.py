@@ -88,18 +88,19 @@ def _backward(residuals, g):
 
 
 def _footprint(name, inputs, outputs, scratch):
-    """A backward step: per member of a group of G query heads q, dout, dq, lse and delta tiles; k, v, dk and
-    dv; the probabilities and their gradient (tile_seq x tile_seq per head of a batch row, kernels/attention.h),
-    reused by the members; in bfloat16 also, in its scratch, the float32 copies of the tiles it reads (q and
-    dout per member, k and v) or the bfloat16 copies of the probabilities and their gradient, whichever is
-    larger (ops/attention.cc: step_scratch_floats)."""
+    """A query tile's first backward step: per member of a group of G query heads q, dout, dq, lse and delta
+    tiles and the out tile its row sums read; k, v, dk and dv; the probabilities and their gradient (tile_seq x
+    tile_seq per head of a batch row, kernels/attention.h), reused by the members; in bfloat16 also, in its
+    scratch, the float32 copies of the tiles it reads (q and dout per member, k and v) or the bfloat16 copies of
+    the probabilities and their gradient, whichever is larger (ops/attention.cc: step_scratch_floats; the
+    float32 copies of out and dout for the row sums fit in it)."""
     (qkv,), (out,), (lse,) = inputs, outputs, scratch
     groups = qkv.shape[2] - 2
     tt, th = qkv.tile_shape[1], qkv.tile_shape[3]
     extra = 0
     if qkv.dtype == "bfloat16":
         extra = max((2 * groups + 2) * math.prod(out.tile_shape) * 4, th * tt * tt * 2)
-    return ((3 * groups + 4) * tile_bytes(out) + 2 * groups * tile_bytes(lse) + 2 * th * tt * tt * 4 + extra,
+    return ((4 * groups + 4) * tile_bytes(out) + 2 * groups * tile_bytes(lse) + 2 * th * tt * tt * 4 + extra,
             "attention backward step")
 
 
