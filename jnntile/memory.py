@@ -942,7 +942,7 @@ def limits_from_args(args) -> tuple[int, int, int, bool]:
         gpu = 0  # CPU workers only (--cuda-workers 0): the GPU's memory holds nothing
     elif gpu is None:
         gpu = runtime.gpu_memory_mb(config)
-    return limit, swap, gpu, bool(gpu) and runtime.resolved_placement(config) == "any"
+    return limit, swap, gpu, bool(gpu) and runtime.cpu_kernels_beside_gpu(config)
 
 
 def main(argv=None) -> int:

@@ -313,6 +313,12 @@ def resolved_placement(config: RuntimeConfig) -> str:
     return "cuda" if gpu_memory_mb(config) > 0 and config.gpu_memory_limit_mb == 0 else "any"
 
 
+def cpu_kernels_beside_gpu(config: RuntimeConfig) -> bool:
+    """Whether CPU workers also run the kernels that have a CUDA version (placement "any"), so that the step's
+    tasks hold RAM beside the GPU's (the planner counts them: `MemoryPlan.verdict`)."""
+    return resolved_placement(config) == "any"
+
+
 def _native(config: RuntimeConfig, gpu_limit_mb: int):
     """The whole configuration as the native runtime takes it (every field set: the defaults live here only),
     with what Python resolves: the GPU memory limit, TF32, and no swap size without a swap directory."""

@@ -455,7 +455,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
         verdict = plan.check(runtime_config.memory_limit_mb,
                              runtime_config.swap_size_mb if runtime_config.swap_dir else 0, gpu_mb,
-                             cpu_kernels=jnntile.runtime.resolved_placement(runtime_config) == "any")
+                             cpu_kernels=jnntile.runtime.cpu_kernels_beside_gpu(runtime_config))
         resume_from = checkpoint.latest(out) if args.resume else None
         if args.resume and resume_from is None:
             raise ValueError(f"--resume: no checkpoint in {out}")

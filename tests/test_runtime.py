@@ -246,6 +246,7 @@ def test_auto_placement_is_resolved_from_the_users_gpu_limit(gpu_mb, user_limit_
     config = dataclasses.replace(jnntile.runtime.config(), placement="auto", gpu_memory_limit_mb=user_limit_mb)
     assert jnntile.runtime.resolved_placement(config) == expected
     assert jnntile.runtime._native(config, gpu_limit_mb=gpu_mb).placement.name == expected
+    assert jnntile.runtime.cpu_kernels_beside_gpu(config) == (expected == "any")
     for explicit in ("any", "cpu", "cuda"):
         assert jnntile.runtime.resolved_placement(dataclasses.replace(config, placement=explicit)) == explicit
 
