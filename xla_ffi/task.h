@@ -157,12 +157,14 @@ struct TaskTiles {
   }
 };
 
-// Cuts tiles 0..numel.size()-1 (their sizes in elements) into tasks, in order: a tile of small_tile_numel()
-// elements or more alone, smaller ones together, up to kTilesPerTask of them, small_tile_numel() elements and
-// task_group_bytes_limit() bytes (bytes[i]: what the task holds for tile i, all its buffers).
+// Cuts tiles 0..numel.size()-1 (their sizes in elements) into tasks, in order: a tile of small_numel_limit
+// elements or more alone, smaller ones together, up to kTilesPerTask of them, small_numel_limit elements and
+// bytes_limit bytes (bytes[i]: what the task holds for tile i, all its buffers). By default the limits of
+// small tiles (small_tile_numel) and of the bytes a task may hold (task_group_bytes_limit).
 inline std::vector<std::vector<size_t>> tile_groups(const std::vector<int64_t>& numel,
-                                                    const std::vector<int64_t>& bytes) {
-  const int64_t bytes_limit = task_group_bytes_limit(), small_numel_limit = small_tile_numel();
+                                                    const std::vector<int64_t>& bytes,
+                                                    int64_t small_numel_limit = small_tile_numel(),
+                                                    int64_t bytes_limit = task_group_bytes_limit()) {
   std::vector<std::vector<size_t>> groups;
   std::vector<size_t> small;
   int64_t small_numel = 0, small_bytes = 0;

@@ -23,6 +23,7 @@
 // each dy tile, in the order of the separate pass it replaces (the same bits), without that pass's tasks
 // and its second read of dy (168 of GPT-2 124M's tasks per step at 4 x 256).
 #include <algorithm>
+#include <limits>
 
 #include "kernels/bias.h"
 #include "kernels/data.h"
@@ -142,22 +143,6 @@ struct BiasGrad {
   bool fresh;
 };
 
-// Consecutive K tiles into tasks: as many as fit `bytes_limit` together (bytes[i]: K tile i's A and B tiles)
-// and kTilesPerTask, at least one each.
-std::vector<std::vector<size_t>> k_groups(const std::vector<int64_t>& bytes, int64_t bytes_limit) {
-  std::vector<std::vector<size_t>> groups;
-  int64_t group_bytes = 0;
-  for (size_t i = 0; i < bytes.size(); ++i) {
-    if (groups.empty() || groups.back().size() == size_t(kTilesPerTask) || group_bytes + bytes[i] > bytes_limit) {
-      groups.emplace_back();
-      group_bytes = 0;
-    }
-    groups.back().push_back(i);
-    group_bytes += bytes[i];
-  }
-  return groups;
-}
-
 }  // namespace
 
 // C = alpha op(A) op(B) + beta C (+ bias), or with `residual` (a tensor of C's layout) C = residual + alpha
@@ -217,29 +202,32 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
           nc = slice(c_coord, batch_ndim + m_ndim, n_ndim);
     int64_t batch = product(slice(c_ext, 0, batch_ndim));
     int64_t m = product(slice(c_ext, batch_ndim, m_ndim)), n = product(slice(c_ext, batch_ndim + m_ndim, n_ndim));
-    // The K tiles, in order, cut into tasks of consecutive tiles (KGroups): one task where they fit
-    // task_group_bytes_limit() together, so a C tile's products are one task and no chain of dependent tasks
-    // (3 per layer of GPT-2's fused q, k, v projection in its backward; on a GPU, each a launch and a wait).
+    // The K tiles, in order, cut into tasks of consecutive tiles as small tiles are (tile_groups, with no bound on
+    // elements): one task where they fit task_group_bytes_limit() together beside the C tile, so a C tile's
+    // products are one task and no chain of dependent tasks (3 per layer of GPT-2's fused q, k, v projection in
+    // its backward; on a GPU, each a launch and a wait).
     struct KTile {
       Index a_coord, b_coord;
       int64_t k;
     };
     std::vector<KTile> ks;
-    std::vector<int64_t> ks_bytes;
+    std::vector<int64_t> ks_numel, ks_bytes;
     Index kc(ndim, 0);
     for (int64_t kt = 0; kt < k_tiles; ++kt) {
       Index a_coord = trans_a ? concat({bat, kc, mc}) : concat({bat, mc, kc});
       Index b_coord = trans_b ? concat({bat, nc, kc}) : concat({bat, kc, nc});
       int64_t k = product(slice(A.tile_extent(a_coord), batch_ndim + (trans_a ? 0 : m_ndim), ndim));
       ks.push_back({a_coord, b_coord, k});
-      ks_bytes.push_back(int64_t(dtype_size(A.dtype)) * batch * k * (m + n));
+      ks_numel.push_back(batch * k * (m + n));
+      ks_bytes.push_back(int64_t(dtype_size(A.dtype)) * ks_numel.back());
       for (int ax = ndim - 1; ax >= 0; --ax) {  // next K tile
         if (++kc[ax] < k_grid[ax]) break;
         kc[ax] = 0;
       }
     }
     const int64_t c_bytes = int64_t(dtype_size(C.dtype) + sizeof(float)) * batch * m * n;
-    const std::vector<std::vector<size_t>> groups = k_groups(ks_bytes, bytes_limit - c_bytes);
+    const std::vector<std::vector<size_t>> groups =
+        tile_groups(ks_numel, ks_bytes, std::numeric_limits<int64_t>::max(), bytes_limit - c_bytes);
     // A bfloat16 C summed over several tasks is summed in a float32 tile and rounded once at the end, as a
     // single product would be (rounding after each K tile loses a bit per tile); within a task, in its scratch.
     starpu_data_handle_t c_tile = C.tiles[linear];
@@ -263,7 +251,7 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       float tile_beta = first && !from_residual ? beta : 1.0f;
       starpu_data_access_mode c_mode = (first && (beta == 0.0f || widen || from_residual)) ? STARPU_W : STARPU_RW;
       GemmArgs args{tile_types, trans_a, trans_b, batch, m, n, int32_t(group.size()), {}, alpha, tile_beta,
-                    last_with_bias, from_residual, float_type(C, "gemm"), widen, round, BiasGradFrom::None, false};
+                    last_with_bias, from_residual, types.c, widen, round, BiasGradFrom::None, false};
       std::vector<Buffer> buffers;
       double flops = 0.0;
       for (size_t t = 0; t < group.size(); ++t) {
@@ -291,10 +279,9 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
         const bool summed = sums_in_scratch(args);
         GemmTypes product_types = tile_types;
         if (summed) product_types.c = FloatType::F32;
-        int64_t floats = summed ? batch * m * n : 0;
-        for (size_t t = 0; t < group.size() && !cublas; ++t)
-          floats = std::max(floats, (summed ? batch * m * n : 0) +
-                                        gemm_scratch_floats(product_types, batch, m, n, args.k[t]));
+        const int64_t k_max = *std::max_element(args.k, args.k + group.size());
+        const int64_t floats = (summed ? batch * m * n : 0) +
+                               (cublas ? 0 : gemm_scratch_floats(product_types, batch, m, n, k_max));
         scratch = temporary_vector(floats, sizeof(float));
         buffers.push_back({scratch, STARPU_SCRATCH});
       }
