@@ -113,7 +113,8 @@ class Widened {
 };
 
 // Elements of a pair's query-side tile (q, out, dout) and key-side tile (k, v).
-int64_t query_tile_size(const AttentionPair& p) { return p.nb * p.nq * p.nh * p.d; }
+int64_t query_rows(const AttentionPair& p) { return p.nb * p.nq * p.nh; }  // of lse, the stats and delta
+int64_t query_tile_size(const AttentionPair& p) { return query_rows(p) * p.d; }
 int64_t key_tile_size(const AttentionPair& p) { return p.nb * p.nk * p.nh * p.d; }
 
 // Scratch floats for widening a step's read tiles: G query-side tiles `per_query` times, key and value.
@@ -182,7 +183,7 @@ void forward_step_kernel(void** buffers, const StepArgs& a) {
                                 at(2 * G + 2 + g), scratch);
   }
   if (!a.finish) return;
-  const int64_t rows = a.pair.nb * a.pair.nq * a.pair.nh;
+  const int64_t rows = query_rows(a.pair);
   for (int64_t g = 0; g < G; ++g) {
     attention_forward_finish<D>(rows, a.pair.d, at(2 * G + 2 + g), at(G + 2 + g), at(3 * G + 3 + g));
     if (a.q_type == FloatType::BF16)
@@ -278,8 +279,7 @@ void backward_step_kernel(void** buffers, const BackwardArgs& a) {
   auto sums = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   for (int64_t g = 0; a.delta && g < G; ++g) {
     Widened<D> widen(tile_ptr<float>(buffers[5 * G + 4]));
-    const int64_t rows = a.pair.nb * a.pair.nq * a.pair.nh;
-    attention_backward_delta<D>(rows, a.pair.d, widen(buffers[next + g], a.type, q),
+    attention_backward_delta<D>(query_rows(a.pair), a.pair.d, widen(buffers[next + g], a.type, q),
                                 widen(buffers[G + 2 + g], a.type, q), sums(3 * G + 2 + g));
   }
   for (int64_t g = 0; g < G; ++g) start_sums<D>(a.dq, q, tile(dq_tiles, g), sums(4 * G + 2 + g));
@@ -369,8 +369,7 @@ void attention_submit(const OpCall& call) {
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
-        AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
-        int64_t rows = diag.nb * diag.nq * diag.nh;
+        const int64_t rows = query_rows(pair_of(qkv, l, ib, ih, i, i));
         // stats_g: (tb, tt, th, 2) running max and sum of group member g's query tile
         std::vector<starpu_data_handle_t> stats(G), lse_tiles(G);
         std::vector<Index> out_coords(G);
@@ -386,7 +385,7 @@ void attention_submit(const OpCall& call) {
           for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
           buffers.push_back({qkv.tile({ib, j, G, ih, 0}), STARPU_R});
           buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({out32.tile(l.out_coord(ib, i, g, ih)), mode});
+          for (const Index& coord : out_coords) buffers.push_back({out32.tile(coord), mode});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
           starpu_data_handle_t scratch = temporary_vector(step_scratch_floats(p, G, type, type, false), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
@@ -433,8 +432,7 @@ void attention_backward_submit(const OpCall& call) {
   for (int64_t ib = 0; ib < l.gb; ++ib)
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
-        AttentionPair diag = pair_of(qkv, l, ib, ih, i, i);
-        int64_t rows = diag.nb * diag.nq * diag.nh;
+        const int64_t rows = query_rows(pair_of(qkv, l, ib, ih, i, i));
         // delta_g: (tb, tt, th) rowsum(dout * out) of group member g's query tile, written by its first step
         std::vector<starpu_data_handle_t> delta(G);
         for (auto& handle : delta) handle = temporary_vector(rows, sizeof(float));
@@ -607,7 +605,7 @@ void cached_attention_submit(const OpCall& call) {
           for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
           buffers.push_back({cache.tile({ib, j, 0, ih, 0}), STARPU_R});
           buffers.push_back({cache.tile({ib, j, 1, ih, 0}), STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({out32.tile(out_coord(ib, i, g, ih)), mode});
+          for (const Index& coord : out_coords) buffers.push_back({out32.tile(coord), mode});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({stats[g], mode});
           starpu_data_handle_t scratch =
               temporary_vector(step_scratch_floats(p, G, type, FloatType::F32, false), sizeof(float));
