@@ -282,7 +282,7 @@ def accumulate(source: _Handle, targets: Sequence[_Handle | None], tokens: Seque
     then add the values from it.
     """
     targets = list(targets)
-    fresh, _ = fresh_targets(*targets)
+    fresh, written = fresh_targets(*targets)
     takers = [i for i, target in enumerate(targets) if fresh[i] and float(alphas[i]) == 1.0
               and (target.dtype, target.shape, target.tile_shape) == (source.dtype, source.shape, source.tile_shape)]
     if source_dies and releasing() and takers:
@@ -293,7 +293,7 @@ def accumulate(source: _Handle, targets: Sequence[_Handle | None], tokens: Seque
         if all(target is None for target in targets):
             return swapped
         source, tokens = taker, [swapped]  # the values are the taker's now
-    fresh, written = fresh_targets(*targets)
+        fresh, written = fresh_targets(*targets)
     return call("accumulate", [source, *targets], tokens, alphas=[float(a) for a in alphas], fresh=fresh,
                 writes=written)
 
