@@ -65,6 +65,27 @@ def test_training_under_a_gpu_limit_gives_the_bits_of_cpu_workers(restore_runtim
     assert all(n["peak_used_bytes"] <= 4 * 2**20 for n in stats["nodes"] if n["kind"] == "CUDA")
 
 
+@pytest.mark.parametrize("peer_copies", [False, True], ids=["through-ram", "peer-copies"])
+def test_two_gpus_train_with_the_bits_of_cpu_workers(peer_copies, monkeypatch, restore_runtime):
+    """Two emulated GPUs of 4 MB each (EMULATED_GPU_COUNT): both CUDA workers run the step's tasks, tiles go
+    from one GPU to the other (directly with peer copies, else through RAM) and out to RAM, and the run gives
+    the bits of CPU workers alone. Before tools/starpu-patches/prefetch-count-before-the-copy.patch, stopping
+    the runtime after this run failed a StarPU assertion and aborted the process, through RAM in every run."""
+    reference = _cpu_run(3)
+    monkeypatch.setenv("EMULATED_GPU_COUNT", "2")
+    monkeypatch.setenv("EMULATED_GPU_PEER", "1" if peer_copies else "0")
+    restart_runtime(placement="cuda", cuda_workers=-1, gpu_memory_limit_mb=4)
+    jnntile.runtime.ensure_started()
+    assert jnntile.runtime.cuda_worker_count() == 2
+    run = train_steps(CONFIG, steps=3, batch_size=B, seq_len=T)
+    stats = jnntile.runtime.stats()
+    jnntile.runtime.stop()  # unregisters every tile: where the leaked prefetch count aborted
+    _assert_same_run(run, reference)
+    cuda_tasks = [w["tasks"] for w in stats["workers"] if w["name"].startswith("CUDA")]
+    assert len(cuda_tasks) == 2 and min(cuda_tasks) > 0, stats["workers"]
+    assert all(n["peak_used_bytes"] <= 4 * 2**20 for n in stats["nodes"] if n["kind"] == "CUDA")
+
+
 # Two steps under the limits of argv: swap dir ("" for none), output file, GPU MB (0: unlimited), RAM MB.
 LIMITED_RUN = """
 import sys

@@ -6,7 +6,9 @@
 // which read and write the "device" pointers directly. What it tests is StarPU's and jnntile's handling of a
 // GPU's memory and tasks, not the CUDA kernels (those need a GPU): `make test-emulated-gpu`.
 //
-// EMULATED_GPU_MB sets the device memory (default 1024). Calls outside this list reach the real CUDA runtime,
+// EMULATED_GPU_MB sets each device's memory (default 1024), EMULATED_GPU_COUNT the number of devices (default 1,
+// at most kMaxDevices), EMULATED_GPU_PEER=1 lets them copy to each other directly (StarPU's peer copies) rather
+// than through host memory. Calls outside this list reach the real CUDA runtime,
 // which finds no GPU and fails: a new call StarPU or jnntile makes shows up as that failure.
 //
 // EMULATED_GPU_ASYNC_US=N: the asynchronous copies and fills complete later than their call, as on a GPU. A copy
@@ -27,34 +29,45 @@
 // Found by jnntile (dlsym): the CUDA slot of its codelets then runs the CPU kernels.
 int jnntile_emulated_gpu = 1;
 
+enum { kMaxDevices = 8 };
+
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static size_t allocated;  // bytes of device memory in use
+static size_t allocated[kMaxDevices];  // bytes of each device's memory in use
+static __thread int current_device;    // cudaSetDevice's, per thread as in the CUDA runtime
 
 static size_t total_bytes(void) {
   const char* mb = getenv("EMULATED_GPU_MB");
   return (size_t)(mb != NULL && atoll(mb) > 0 ? atoll(mb) : 1024) << 20;
 }
 
+static int device_count(void) {
+  const char* count = getenv("EMULATED_GPU_COUNT");
+  const long n = count != NULL ? atol(count) : 1;
+  return n < 1 ? 1 : (n > kMaxDevices ? kMaxDevices : (int)n);
+}
+
 static void wait_for_every_stream(void);  // as cudaFree, cudaFreeHost and the synchronous copies do on a GPU
 
-// Each allocation is preceded by its size, so that cudaFree can count it back.
+// Each allocation is preceded by its size and device, so that cudaFree can count it back.
 enum { kHeader = 256 };  // cudaMalloc's alignment
 
 cudaError_t cudaMalloc(void** ptr, size_t size) {
+  const int device = current_device;
   pthread_mutex_lock(&lock);
-  const int fits = allocated + size <= total_bytes();
-  if (fits) allocated += size;
+  const int fits = allocated[device] + size <= total_bytes();
+  if (fits) allocated[device] += size;
   pthread_mutex_unlock(&lock);
   *ptr = NULL;
   if (!fits) return cudaErrorMemoryAllocation;
   char* block = aligned_alloc(kHeader, kHeader + ((size + kHeader - 1) / kHeader) * kHeader);
   if (block == NULL) {
     pthread_mutex_lock(&lock);
-    allocated -= size;
+    allocated[device] -= size;
     pthread_mutex_unlock(&lock);
     return cudaErrorMemoryAllocation;
   }
   memcpy(block, &size, sizeof size);
+  memcpy(block + sizeof size, &device, sizeof device);
   *ptr = block + kHeader;
   return cudaSuccess;
 }
@@ -64,9 +77,11 @@ cudaError_t cudaFree(void* ptr) {
   wait_for_every_stream();
   char* block = (char*)ptr - kHeader;
   size_t size;
+  int device;
   memcpy(&size, block, sizeof size);
+  memcpy(&device, block + sizeof size, sizeof device);
   pthread_mutex_lock(&lock);
-  allocated -= size;
+  allocated[device] -= size;
   pthread_mutex_unlock(&lock);
   free(block);
   return cudaSuccess;
@@ -75,18 +90,18 @@ cudaError_t cudaFree(void* ptr) {
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
   pthread_mutex_lock(&lock);
   *total = total_bytes();
-  *free_bytes = *total - allocated;
+  *free_bytes = *total - allocated[current_device];
   pthread_mutex_unlock(&lock);
   return cudaSuccess;
 }
 
 cudaError_t cudaGetDeviceCount(int* count) {
-  *count = 1;
+  *count = device_count();
   return cudaSuccess;
 }
 
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp* prop, int device) {
-  if (device != 0) return cudaErrorInvalidDevice;
+  if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
   memset(prop, 0, sizeof *prop);
   snprintf(prop->name, sizeof prop->name, "emulated GPU");
   prop->totalGlobalMem = total_bytes();
@@ -106,10 +121,18 @@ cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int dev
   return cudaSuccess;
 }
 
-cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaSetDevice(int device) {
+  if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
+  current_device = device;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* device) {
+  *device = current_device;
+  return cudaSuccess;
+}
 cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer) {
-  (void)device, (void)peer;
-  *can = 0;
+  const char* peer_copies = getenv("EMULATED_GPU_PEER");
+  *can = device != peer && peer_copies != NULL && atoi(peer_copies) == 1;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) { (void)peer, (void)flags; return cudaSuccess; }
