@@ -33,8 +33,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                         help="how tiles go to --swap-dir: unistd_o_direct bypasses the page cache, unistd goes "
                              f"through it (default: {defaults.swap_backend})")
     parser.add_argument("--gpu-memory-limit-mb", type=int,
-                        help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the GPU's free "
-                             "memory less 5%%)")
+                        help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the free memory "
+                             "of the GPU with the least of it, less 5%%)")
     parser.add_argument("--cuda-workers", type=int, help="GPUs to use (default: all; 0: CPU only)")
     parser.add_argument("--matmul-precision", choices=runtime.MATMUL_PRECISIONS,
                         help="float32 products on the GPU: highest (FP32) or tf32 (default: tf32 on a GPU, as JAX)")

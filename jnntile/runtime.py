@@ -83,7 +83,7 @@ GPU_MEMORY_RESERVE = 0.05
 
 def gpu_memory_mb(config: "RuntimeConfig | None" = None) -> int:
     """GPU memory tiles may use under `config` (the current one by default), per GPU: its limit, else
-    what is free on the GPU less a 5% reserve; 0 when no CUDA worker will run."""
+    what is free on the GPU with the least free less a 5% reserve; 0 when no CUDA worker will run."""
     config = config or _config
     if config.cuda_workers == 0 or gpu_count() == 0:
         return 0

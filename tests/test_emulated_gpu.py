@@ -86,6 +86,19 @@ def test_two_gpus_train_with_the_bits_of_cpu_workers(peer_copies, monkeypatch, r
     assert all(n["peak_used_bytes"] <= 4 * 2**20 for n in stats["nodes"] if n["kind"] == "CUDA")
 
 
+def test_without_a_limit_every_gpu_gets_what_the_fullest_one_has_free(monkeypatch, restore_runtime):
+    """One GPU memory limit serves every GPU, so its default is the memory free on the GPU with the least of it
+    (another process may hold part of one), less the reserve: a limit above a GPU's free memory would have
+    StarPU's allocations fail there."""
+    monkeypatch.setenv("EMULATED_GPU_COUNT", "2")
+    monkeypatch.setenv("EMULATED_GPU_MB", "64,32")
+    restart_runtime(placement="cuda", cuda_workers=-1, gpu_memory_limit_mb=0)
+    assert jnntile.runtime.gpu_memory_mb() == int(32 * (1 - jnntile.runtime.GPU_MEMORY_RESERVE))
+    jnntile.runtime.ensure_started()
+    assert jnntile.runtime.cuda_worker_count() == 2
+    assert f"GPU memory limit {jnntile.runtime.gpu_memory_mb()} MB" in jnntile.runtime.describe()
+
+
 # Two steps under the limits of argv: swap dir ("" for none), output file, GPU MB (0: unlimited), RAM MB.
 LIMITED_RUN = """
 import sys

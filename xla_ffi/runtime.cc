@@ -655,14 +655,6 @@ int cuda_device_count() {
 #endif
 }
 
-int64_t cuda_device_memory_bytes() {
-#if JNNTILE_CUDA
-  return cuda::device_memory_bytes();
-#else
-  return 0;
-#endif
-}
-
 int64_t cuda_device_free_bytes() {
 #if JNNTILE_CUDA
   return cuda::device_free_bytes();

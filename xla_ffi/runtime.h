@@ -64,7 +64,6 @@ int64_t task_group_bytes_limit();
 int64_t cuda_pipeline_depth();
 // GPUs the CUDA runtime sees; 0 when StarPU has no CUDA or there is no driver.
 int cuda_device_count();
-int64_t cuda_device_memory_bytes();
 int64_t cuda_device_free_bytes();
 
 // A set of tasks a caller waits for. Heap-allocated and shared with the task

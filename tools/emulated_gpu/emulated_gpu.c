@@ -6,8 +6,8 @@
 // which read and write the "device" pointers directly. What it tests is StarPU's and jnntile's handling of a
 // GPU's memory and tasks, not the CUDA kernels (those need a GPU): `make test-emulated-gpu`.
 //
-// EMULATED_GPU_MB sets each device's memory (default 1024), EMULATED_GPU_COUNT the number of devices (default 1,
-// at most kMaxDevices), EMULATED_GPU_PEER=1 lets them copy to each other directly (StarPU's peer copies) rather
+// EMULATED_GPU_MB sets each device's memory (default 1024; "1024,512": device 0's, then 1's, the last for the
+// rest), EMULATED_GPU_COUNT the number of devices (default 1, at most kMaxDevices), EMULATED_GPU_PEER=1 lets them copy to each other directly (StarPU's peer copies) rather
 // than through host memory. Calls outside this list reach the real CUDA runtime,
 // which finds no GPU and fails: a new call StarPU or jnntile makes shows up as that failure.
 //
@@ -35,9 +35,16 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static size_t allocated[kMaxDevices];  // bytes of each device's memory in use
 static __thread int current_device;    // cudaSetDevice's, per thread as in the CUDA runtime
 
-static size_t total_bytes(void) {
+static size_t total_bytes(int device) {
   const char* mb = getenv("EMULATED_GPU_MB");
-  return (size_t)(mb != NULL && atoll(mb) > 0 ? atoll(mb) : 1024) << 20;
+  long long megabytes = 1024;
+  for (int d = 0; mb != NULL && *mb != '\0' && d <= device; ++d) {
+    char* end;
+    const long long value = strtoll(mb, &end, 10);
+    if (value > 0) megabytes = value;
+    mb = *end == ',' ? end + 1 : end;
+  }
+  return (size_t)megabytes << 20;
 }
 
 static int device_count(void) {
@@ -54,7 +61,7 @@ enum { kHeader = 256 };  // cudaMalloc's alignment
 cudaError_t cudaMalloc(void** ptr, size_t size) {
   const int device = current_device;
   pthread_mutex_lock(&lock);
-  const int fits = allocated[device] + size <= total_bytes();
+  const int fits = allocated[device] + size <= total_bytes(device);
   if (fits) allocated[device] += size;
   pthread_mutex_unlock(&lock);
   *ptr = NULL;
@@ -89,7 +96,7 @@ cudaError_t cudaFree(void* ptr) {
 
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
   pthread_mutex_lock(&lock);
-  *total = total_bytes();
+  *total = total_bytes(current_device);
   *free_bytes = *total - allocated[current_device];
   pthread_mutex_unlock(&lock);
   return cudaSuccess;
@@ -104,7 +111,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp* prop, int device) {
   if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
   memset(prop, 0, sizeof *prop);
   snprintf(prop->name, sizeof prop->name, "emulated GPU");
-  prop->totalGlobalMem = total_bytes();
+  prop->totalGlobalMem = total_bytes(device);
   prop->major = 9;
   prop->minor = 0;
   prop->multiProcessorCount = 1;

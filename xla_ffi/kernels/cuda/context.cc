@@ -3,6 +3,7 @@
 #include <starpu.h>
 #include <starpu_cublas_v2.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -55,16 +56,17 @@ int device_count() {
   return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
 }
 
-int64_t device_memory_bytes() {
-  cudaDeviceProp properties;
-  return device_count() > 0 && cudaGetDeviceProperties(&properties, 0) == cudaSuccess
-             ? int64_t(properties.totalGlobalMem)
-             : 0;
-}
-
 int64_t device_free_bytes() {
-  size_t free = 0, total = 0;
-  return device_count() > 0 && cudaMemGetInfo(&free, &total) == cudaSuccess ? int64_t(free) : 0;
+  int current = 0;
+  if (cudaGetDevice(&current) != cudaSuccess) return 0;
+  int64_t least = -1;
+  for (int device = 0; device < device_count(); ++device) {
+    size_t free = 0, total = 0;
+    if (cudaSetDevice(device) == cudaSuccess && cudaMemGetInfo(&free, &total) == cudaSuccess)
+      least = least < 0 ? int64_t(free) : std::min(least, int64_t(free));
+  }
+  cudaSetDevice(current);
+  return least < 0 ? 0 : least;
 }
 
 }  // namespace jnntile::cuda

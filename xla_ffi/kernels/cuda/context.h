@@ -52,10 +52,10 @@ const T* const* device_pointers(const T* const* host, int64_t count, void* scrat
 void start_workers(bool tf32, bool fused_attention);
 bool fused_attention();
 void stop_workers();
-// GPUs the CUDA runtime sees (0 without a driver), and the memory of the first.
+// GPUs the CUDA runtime sees (0 without a driver).
 int device_count();
-int64_t device_memory_bytes();
-// Memory free now on the first GPU (another library in the process may hold some).
+// Memory free now on the GPU that has the least of it (another library or process may hold some): a GPU
+// memory limit is one for every GPU, so the default must fit the fullest.
 int64_t device_free_bytes();
 
 }  // namespace jnntile::cuda
