@@ -120,6 +120,8 @@ test-gpu: cuda
 EMULATED_GPU := $(CUDA_DIR)/libemulated_gpu.so
 EMULATED_GPU_TESTS ?= tests/test_emulated_gpu.py tests/test_gpu.py tests/test_optim.py tests/test_grad_accumulation.py \
   tests/test_runtime.py
+# Then on two emulated GPUs (EMULATED_GPU_COUNT): the training steps whose tests run on CUDA workers too.
+EMULATED_TWO_GPU_TESTS ?= tests/test_optim.py tests/test_grad_accumulation.py
 $(EMULATED_GPU): tools/emulated_gpu/emulated_gpu.c $(CUDA_DIR)/starpu.stamp
 	cc -O2 -Wall -Wextra -shared -fPIC -I$(CUDA_DIR)/toolkit/targets/x86_64-linux/include -o $@ $< -lpthread
 
@@ -129,6 +131,9 @@ emulated-gpu: cuda $(EMULATED_GPU)
 test-emulated-gpu: emulated-gpu
 	set -o pipefail; EMULATED_GPU_ASYNC_US=20 LD_PRELOAD=$(abspath $(EMULATED_GPU)) $(CUDA_PY) -m pytest -q -rs --capture=sys \
 	  $(EMULATED_GPU_TESTS) 2>&1 | tee $(CUDA_VENV)/test-emulated-gpu.log || $(call CRASH_SUMMARY,$(CUDA_VENV)/test-emulated-gpu.log)
+	set -o pipefail; EMULATED_GPU_COUNT=2 EMULATED_GPU_ASYNC_US=20 LD_PRELOAD=$(abspath $(EMULATED_GPU)) $(CUDA_PY) -m pytest -q \
+	  -rs --capture=sys $(EMULATED_TWO_GPU_TESTS) 2>&1 | tee $(CUDA_VENV)/test-emulated-2gpu.log \
+	  || $(call CRASH_SUMMARY,$(CUDA_VENV)/test-emulated-2gpu.log)
 
 clean:
 	rm -rf build $(VENV) $(CUDA_VENV) $(CUDA_DIR)
