@@ -549,7 +549,9 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
   // starpu_shutdown waits only for ready tasks before it stops the workers and frees every buffer. Wait for
   // them, outside the lock their callbacks may need and never longer than the watchdog, before the tiles are
   // unregistered and again after. (Rare aborts at stop with disk swap on StarPU 1.4 had these windows open:
-  // in starpu_shutdown, and in unregistering a tile with a task's prefetch still counted on it.)
+  // in starpu_shutdown, and in unregistering a tile with a task's prefetch still counted on it, whose cause,
+  // a count that arrived after its task had run, tools/starpu-patches/prefetch-count-before-the-copy.patch
+  // removes.)
   auto wait_for_starpu_tasks = [&] {
     if (s.failed) return;
     auto deadline = Clock::now() + std::chrono::duration<double>(s.config.watchdog_s);
