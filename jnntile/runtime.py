@@ -413,9 +413,9 @@ def describe() -> str:
              if _config.distributed else "")
     # Under GPU, RAM and disk limits StarPU prefetches nothing (runtime.cc: its prefetches stalled there).
     prefetch = ", no prefetching (GPU with disk swap)" if cuda and _config.swap_dir and not _xla_ffi.prefetch() else ""
+    gpu_limit = f", GPU memory limit {_started_gpu_limit_mb} MB{' per GPU' if cuda > 1 else ''}" if cuda else ""
     return (f"{gpus}{_config.workers} CPU workers, scheduler {resolved_scheduler(_config)}, memory limit "
-            f"{_config.memory_limit_mb} MB" + (f", GPU memory limit {_started_gpu_limit_mb} MB" if cuda else "") + swap
-            + prefetch + ranks)
+            f"{_config.memory_limit_mb} MB{gpu_limit}{swap}{prefetch}{ranks}")
 
 
 def blas_core() -> str:

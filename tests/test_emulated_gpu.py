@@ -96,7 +96,7 @@ def test_without_a_limit_every_gpu_gets_what_the_fullest_one_has_free(monkeypatc
     assert jnntile.runtime.gpu_memory_mb() == int(32 * (1 - jnntile.runtime.GPU_MEMORY_RESERVE))
     jnntile.runtime.ensure_started()
     assert jnntile.runtime.cuda_worker_count() == 2
-    assert f"GPU memory limit {jnntile.runtime.gpu_memory_mb()} MB" in jnntile.runtime.describe()
+    assert f"GPU memory limit {jnntile.runtime.gpu_memory_mb()} MB per GPU" in jnntile.runtime.describe()
 
 
 # Two steps under the limits of argv: swap dir ("" for none), output file, GPU MB (0: unlimited), RAM MB.
