@@ -83,11 +83,14 @@ GPU_MEMORY_RESERVE = 0.05
 
 def gpu_memory_mb(config: "RuntimeConfig | None" = None) -> int:
     """GPU memory tiles may use under `config` (the current one by default), per GPU: its limit, else
-    what is free on the GPU with the least free less a 5% reserve; 0 when no CUDA worker will run."""
+    what is free on the fullest GPU it will use less a 5% reserve; 0 when no CUDA worker will run."""
     config = config or _config
     if config.cuda_workers == 0 or gpu_count() == 0:
         return 0
-    return config.gpu_memory_limit_mb or int(_xla_ffi.cuda_device_free_bytes() * (1 - GPU_MEMORY_RESERVE) / 2**20)
+    if config.gpu_memory_limit_mb:
+        return config.gpu_memory_limit_mb
+    free_bytes = _xla_ffi.cuda_device_free_bytes(config.cuda_workers)  # on the GPUs StarPU will use (-1: all)
+    return int(free_bytes * (1 - GPU_MEMORY_RESERVE) / 2**20)
 
 
 def gpu_tasks_in_flight() -> int:

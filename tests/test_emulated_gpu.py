@@ -89,11 +89,14 @@ def test_two_gpus_train_with_the_bits_of_cpu_workers(peer_copies, monkeypatch, r
 def test_without_a_limit_every_gpu_gets_what_the_fullest_one_has_free(monkeypatch, restore_runtime):
     """One GPU memory limit serves every GPU, so its default is the memory free on the GPU with the least of it
     (another process may hold part of one), less the reserve: a limit above a GPU's free memory would have
-    StarPU's allocations fail there."""
+    StarPU's allocations fail there. Only the GPUs StarPU uses count (cuda_workers N: the first N)."""
     monkeypatch.setenv("EMULATED_GPU_COUNT", "2")
     monkeypatch.setenv("EMULATED_GPU_MB", "64,32")
+    reserve = 1 - jnntile.runtime.GPU_MEMORY_RESERVE
+    restart_runtime(placement="cuda", cuda_workers=1, gpu_memory_limit_mb=0)
+    assert jnntile.runtime.gpu_memory_mb() == int(64 * reserve)
     restart_runtime(placement="cuda", cuda_workers=-1, gpu_memory_limit_mb=0)
-    assert jnntile.runtime.gpu_memory_mb() == int(32 * (1 - jnntile.runtime.GPU_MEMORY_RESERVE))
+    assert jnntile.runtime.gpu_memory_mb() == int(32 * reserve)
     jnntile.runtime.ensure_started()
     assert jnntile.runtime.cuda_worker_count() == 2
     assert f"GPU memory limit {jnntile.runtime.gpu_memory_mb()} MB per GPU" in jnntile.runtime.describe()

@@ -66,7 +66,7 @@ NB_MODULE(_xla_ffi, m) {
   m.def("max_cpu_workers", &max_cpu_workers);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_pipeline_depth", &cuda_pipeline_depth);
-  m.def("cuda_device_free_bytes", &cuda_device_free_bytes);
+  m.def("cuda_device_free_bytes", &cuda_device_free_bytes, nb::arg("devices"));
   m.def("has_cuda", [] { return bool(JNNTILE_CUDA); });
   m.def("cuda_worker_count", [] { return runtime_running() ? int(starpu_cuda_worker_get_count()) : 0; });
   m.def("runtime_stop", [] {

@@ -657,9 +657,9 @@ int cuda_device_count() {
 #endif
 }
 
-int64_t cuda_device_free_bytes() {
+int64_t cuda_device_free_bytes(int devices) {
 #if JNNTILE_CUDA
-  return cuda::device_free_bytes();
+  return cuda::device_free_bytes(devices);
 #else
   return 0;
 #endif

@@ -64,7 +64,8 @@ int64_t task_group_bytes_limit();
 int64_t cuda_pipeline_depth();
 // GPUs the CUDA runtime sees; 0 when StarPU has no CUDA or there is no driver.
 int cuda_device_count();
-int64_t cuda_device_free_bytes();
+// Memory free on the fullest of the first `devices` GPUs (all where negative): cuda::device_free_bytes.
+int64_t cuda_device_free_bytes(int devices);
 
 // A set of tasks a caller waits for. Heap-allocated and shared with the task
 // callbacks; a waiter that gives up (watchdog) leaks it on purpose, because the

@@ -56,11 +56,12 @@ int device_count() {
   return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
 }
 
-int64_t device_free_bytes() {
+int64_t device_free_bytes(int devices) {
   int current = 0;
   if (cudaGetDevice(&current) != cudaSuccess) return 0;
+  const int count = devices < 0 ? device_count() : std::min(devices, device_count());
   int64_t least = -1;
-  for (int device = 0; device < device_count(); ++device) {
+  for (int device = 0; device < count; ++device) {
     size_t free = 0, total = 0;
     if (cudaSetDevice(device) == cudaSuccess && cudaMemGetInfo(&free, &total) == cudaSuccess)
       least = least < 0 ? int64_t(free) : std::min(least, int64_t(free));

@@ -54,8 +54,9 @@ bool fused_attention();
 void stop_workers();
 // GPUs the CUDA runtime sees (0 without a driver).
 int device_count();
-// Memory free now on the GPU that has the least of it (another library or process may hold some): a GPU
-// memory limit is one for every GPU, so the default must fit the fullest.
-int64_t device_free_bytes();
+// Memory free now on the one of the first `devices` GPUs (every GPU where `devices` is negative) that has the
+// least of it (another library or process may hold some): a GPU memory limit is one for every GPU StarPU uses,
+// so the default must fit the fullest.
+int64_t device_free_bytes(int devices);
 
 }  // namespace jnntile::cuda
