@@ -131,8 +131,8 @@ emulated-gpu: cuda $(EMULATED_GPU)
 test-emulated-gpu: emulated-gpu
 	set -o pipefail; EMULATED_GPU_ASYNC_US=20 LD_PRELOAD=$(abspath $(EMULATED_GPU)) $(CUDA_PY) -m pytest -q -rs --capture=sys \
 	  $(EMULATED_GPU_TESTS) 2>&1 | tee $(CUDA_VENV)/test-emulated-gpu.log || $(call CRASH_SUMMARY,$(CUDA_VENV)/test-emulated-gpu.log)
-	set -o pipefail; EMULATED_GPU_COUNT=2 EMULATED_GPU_ASYNC_US=20 LD_PRELOAD=$(abspath $(EMULATED_GPU)) $(CUDA_PY) -m pytest -q \
-	  -rs --capture=sys $(EMULATED_TWO_GPU_TESTS) 2>&1 | tee $(CUDA_VENV)/test-emulated-2gpu.log \
+	set -o pipefail; EMULATED_GPU_COUNT=2 EMULATED_GPU_ASYNC_US=20 LD_PRELOAD=$(abspath $(EMULATED_GPU)) \
+	  $(CUDA_PY) -m pytest -q -rs --capture=sys $(EMULATED_TWO_GPU_TESTS) 2>&1 | tee $(CUDA_VENV)/test-emulated-2gpu.log \
 	  || $(call CRASH_SUMMARY,$(CUDA_VENV)/test-emulated-2gpu.log)
 
 clean:

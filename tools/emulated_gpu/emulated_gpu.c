@@ -7,9 +7,10 @@
 // GPU's memory and tasks, not the CUDA kernels (those need a GPU): `make test-emulated-gpu`.
 //
 // EMULATED_GPU_MB sets each device's memory (default 1024; "1024,512": device 0's, then 1's, the last for the
-// rest), EMULATED_GPU_COUNT the number of devices (default 1, at most kMaxDevices), EMULATED_GPU_PEER=1 lets them copy to each other directly (StarPU's peer copies) rather
-// than through host memory. Calls outside this list reach the real CUDA runtime,
-// which finds no GPU and fails: a new call StarPU or jnntile makes shows up as that failure.
+// rest), EMULATED_GPU_COUNT the number of devices (default 1, at most kMaxDevices), and EMULATED_GPU_PEER=1 lets
+// them copy to each other directly (StarPU's peer copies) rather than through host memory. Calls outside this
+// list reach the real CUDA runtime, which finds no GPU and fails: a new call StarPU or jnntile makes shows up as
+// that failure.
 //
 // EMULATED_GPU_ASYNC_US=N: the asynchronous copies and fills complete later than their call, as on a GPU. A copy
 // thread runs them in the order they were queued, N microseconds after the one before, and a stream or event

@@ -27,8 +27,8 @@ __global__ void forward_kernel(int64_t n, const T* gate, const T* up, T* y) {
 // Two blocks per SM: the compiler took 168 registers for the 8 elements' interleaved sums (one block of 256
 // threads per SM, no more loads in flight than one element per thread had); within 128 it does not spill.
 template <class T>
-__global__ void __launch_bounds__(cuda::kThreads, 2) backward_kernel(int64_t n, bool overwrite, const T* gate, const T* up, const T* dy, T* dgate,
-                                T* dup) {
+__global__ void __launch_bounds__(cuda::kThreads, 2)
+    backward_kernel(int64_t n, bool overwrite, const T* gate, const T* up, const T* dy, T* dgate, T* dup) {
   for_groups(n, [&](int64_t i0, int64_t stride) {
     T gates[kPerThread], ups[kPerThread], dys[kPerThread], dgates[kPerThread], dups[kPerThread];
     load(n, i0, stride, gate, gates);
