@@ -478,10 +478,15 @@ def print_train(result: dict) -> None:
         per_step_ms = share['busy_s'] / jn['steps'] * 1e3
         print(f"  {kind} workers: {share['tasks'] / jn['steps']:.0f} tasks and {per_step_ms:.1f} ms busy per step"
               f" ({share['task_share']:.0%} of tasks, {share['busy_share']:.0%} of busy time)")
-    print("  busiest kernels per step (CUDA workers, CPU workers):")
+    print("  busiest kernels per step:")
     for k in jn["kernels_per_step"]:
-        print(f"    {k['kernel']:>24}: {k['cuda_tasks']:5.0f} tasks {k['cuda_s'] * 1e3:7.1f} ms, "
-              f"{k['cpu_tasks']:5.0f} tasks {k['cpu_s'] * 1e3:7.1f} ms")
+        print(_kernel_line(k))
+
+
+def _kernel_line(k: dict) -> str:
+    """One kernel's tasks and busy time per step on each kind of worker (an entry of kernels_per_step)."""
+    return (f"    {k['kernel']:>30}: {k['cuda_tasks']:5.0f} tasks {k['cuda_s'] * 1e3:7.2f} ms on CUDA workers, "
+            f"{k['cpu_tasks']:5.0f} tasks {k['cpu_s'] * 1e3:7.2f} ms on CPU workers")
 
 
 def print_variants(result: dict) -> None:
@@ -500,8 +505,7 @@ def print_variants(result: dict) -> None:
     if "kernels_per_step" in alone:
         print("  each kernel's own time per step (one kernel at a time):")
         for k in alone["kernels_per_step"]:
-            print(f"    {k['kernel']:>30}: {k['cuda_tasks']:5.0f} tasks {k['cuda_s'] * 1e3:7.2f} ms on CUDA workers, "
-                  f"{k['cpu_tasks']:5.0f} tasks {k['cpu_s'] * 1e3:7.2f} ms on CPU workers")
+            print(_kernel_line(k))
     overhead = result["overhead"]
     if "error" in overhead:
         print(f"  StarPU's cost per empty task: {overhead['error']}")

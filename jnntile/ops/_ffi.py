@@ -272,6 +272,18 @@ def fresh_targets(*targets: _Handle | None) -> tuple[list[int], list[_Handle]]:
     return flags, [t for t, fresh in zip(targets, flags) if fresh]
 
 
+def _taker(source: _Handle, targets: Sequence[_Handle | None], alphas: Sequence[float],
+           fresh: Sequence[int]) -> int | None:
+    """The index of the last target that can take source's tiles (accumulate's `source_dies`): it holds nothing
+    yet, its alpha is 1 and its layout is source's; None when there is none."""
+    for i in reversed(range(len(targets))):
+        target = targets[i]
+        if fresh[i] and float(alphas[i]) == 1.0 and \
+                (target.dtype, target.shape, target.tile_shape) == (source.dtype, source.shape, source.tile_shape):
+            return i
+    return None
+
+
 def accumulate(source: _Handle, targets: Sequence[_Handle | None], tokens: Sequence, alphas: Sequence[float], *,
                source_dies: bool = False):
     """targets[i] += alphas[i] * source (None skipped); a target still at zero is written instead.
@@ -281,15 +293,13 @@ def accumulate(source: _Handle, targets: Sequence[_Handle | None], tokens: Seque
     next backward call on it need not wait for one), and source the target's empty ones; the other targets
     then add the values from it.
     """
-    targets = list(targets)
     fresh, written = fresh_targets(*targets)
-    takers = [i for i, target in enumerate(targets) if fresh[i] and float(alphas[i]) == 1.0
-              and (target.dtype, target.shape, target.tile_shape) == (source.dtype, source.shape, source.tile_shape)]
-    if source_dies and releasing() and takers:
-        taker = targets[takers[-1]]
+    index = _taker(source, targets, alphas, fresh) if source_dies and releasing() else None
+    if index is not None:
+        targets = list(targets)
+        taker, targets[index] = targets[index], None
         swapped = call("swap_tiles", [source, taker], tokens, writes=[taker])
         LEDGER.zero_later(source)  # it holds the taker's tiles now, which hold nothing
-        targets[takers[-1]] = None
         if all(target is None for target in targets):
             return swapped
         source, tokens = taker, [swapped]  # the values are the taker's now

@@ -63,10 +63,9 @@ def _linear_forward(x, w, b, residual, params, zero_grad):
     trans_a, trans_b, alpha, ndim, batch_ndim = params
     shape, tile_shape = gemm.layout(x, w, trans_a, trans_b, ndim, batch_ndim)
     out = tensor_mod.new_handle(shape, x.dtype, tile_shape)
-    optional = [t for t in (b, residual) if t is not None]
     token = call("gemm", [x.handle, w.handle, out, None if b is None else b.handle,
                           None if residual is None else residual.handle],
-                 [x.token, w.token] + [t.token for t in optional], zero_grads=[out] if zero_grad else [],
+                 [t.token for t in (x, w, b, residual) if t is not None], zero_grads=[out] if zero_grad else [],
                  trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=0.0, ndim=ndim, batch_ndim=batch_ndim)
     return Tensor(token, out), (x, w, b, residual, Tensor(token, out))
 

@@ -435,14 +435,16 @@ void attention_backward_submit(const OpCall& call) {
         const int64_t rows = query_rows(pair_of(qkv, l, ib, ih, i, i));
         // delta_g: (tb, tt, th) rowsum(dout * out) of group member g's query tile, written by its first step
         std::vector<starpu_data_handle_t> delta(G);
+        std::vector<Index> out_coords(G);
         for (auto& handle : delta) handle = temporary_vector(rows, sizeof(float));
+        for (int64_t g = 0; g < G; ++g) out_coords[g] = l.out_coord(ib, i, g, ih);
         for (int64_t j = 0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           std::vector<Buffer> buffers;
           for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
           buffers.push_back({qkv.tile({ib, j, G, ih, 0}), STARPU_R});
           buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({dout.tile(l.out_coord(ib, i, g, ih)), STARPU_R});
+          for (const Index& coord : out_coords) buffers.push_back({dout.tile(coord), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({l.lse_tile(lse, ib, i, g, ih), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({delta[g], j == 0 ? STARPU_W : STARPU_R});
           const SumsEnds dq = ends(j == 0, j == i), dkv = ends(i == j, i == l.gt - 1);
@@ -458,7 +460,7 @@ void attention_backward_submit(const OpCall& call) {
           if (dkv.takes_tiles())
             for (int64_t x = G; x < G + 2; ++x) buffers.push_back({dqkv.tile({ib, j, x, ih, 0}), dkv.tiles_mode()});
           if (j == 0)
-            for (int64_t g = 0; g < G; ++g) buffers.push_back({out.tile(l.out_coord(ib, i, g, ih)), STARPU_R});
+            for (const Index& coord : out_coords) buffers.push_back({out.tile(coord), STARPU_R});
           submit_task(fused_step(p, type, type) ? fused_cl : step_cl, buffers,
                       BackwardArgs{G, type, j == 0, dq, dkv, p}, 10.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);

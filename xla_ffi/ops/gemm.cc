@@ -250,8 +250,10 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       const bool widen = float32_sum && first && beta != 0.0f && !from_residual, round = float32_sum && last;
       float tile_beta = first && !from_residual ? beta : 1.0f;
       starpu_data_access_mode c_mode = (first && (beta == 0.0f || widen || from_residual)) ? STARPU_W : STARPU_RW;
+      const bool db_overwrite = sums_bias && bias_grad->fresh && first;
       GemmArgs args{tile_types, trans_a, trans_b, batch, m, n, int32_t(group.size()), {}, alpha, tile_beta,
-                    last_with_bias, from_residual, types.c, widen, round, BiasGradFrom::None, false};
+                    last_with_bias, from_residual, types.c, widen, round,
+                    sums_bias ? bias_grad->from : BiasGradFrom::None, db_overwrite};
       std::vector<Buffer> buffers;
       double flops = 0.0;
       for (size_t t = 0; t < group.size(); ++t) {
@@ -265,10 +267,7 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       if (last_with_bias) buffers.push_back({bias->tile(nc), STARPU_R});
       if (widen) buffers.push_back({C.tiles[linear], STARPU_R});
       if (round) buffers.push_back({C.tiles[linear], STARPU_W});
-      const bool db_overwrite = sums_bias && bias_grad->fresh && first;
       if (sums_bias) buffers.push_back({db_tile, db_overwrite ? STARPU_W : STARPU_RW});
-      args.bias_grad = sums_bias ? bias_grad->from : BiasGradFrom::None;
-      args.bias_grad_overwrite = db_overwrite;
       if (from_residual) buffers.push_back({residual->tiles[linear], STARPU_R});
       starpu_data_handle_t scratch = nullptr;
       if (!tile_types.all_f32()) {
