@@ -146,7 +146,7 @@ def test_ram_without_swap_takes_back_what_it_read_from_the_gpu(restore_runtime, 
 
 def test_a_gpu_limit_beside_too_little_ram_without_swap_is_refused_before_training(dataset, tmp_path):
     """Under a GPU memory limit, CPU workers run kernels too and their results stay in RAM, which nothing takes
-    back without swap: a RAM limit below the step's peak stopped with the watchdog's error (README,
+    back without swap: a RAM limit below the step's peak stopped with the watchdog's error (docs/troubleshooting.md,
     Troubleshooting), so the plan refuses it at once and names the RAM that suffices, which then runs."""
     import re
 
