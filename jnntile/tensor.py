@@ -25,9 +25,11 @@ import numpy as np
 
 from jnntile import _xla_ffi, runtime
 
-DTYPES = {"float32": 0, "int32": 1, "int64": 2, "bfloat16": 3}
-# Dtypes with a gradient companion (of the same dtype): bfloat16 activations have bfloat16 gradients.
-FLOAT_DTYPES = ("float32", "bfloat16")
+# The native registry's dtypes (xla_ffi/tensor.h), name -> enum member.
+DTYPES = _xla_ffi.DType.__members__
+# The dtypes the kernels compute on (kernels/device.h FloatType), each with a gradient companion of the same
+# dtype: bfloat16 activations have bfloat16 gradients.
+FLOAT_DTYPES = tuple(_xla_ffi.FloatType.__members__)
 
 # While a recording is active (`recording()`, used by the memory planner), handles get negative ids that
 # name no native tensor and ops submit nothing: the op layer records what a step would create instead.

@@ -98,3 +98,18 @@ def test_bad_inputs():
         rotary(x, INV_FREQ, 1.5)
     with pytest.raises(TypeError, match="float32"):
         rotary(jnntile.from_array(np.zeros(SHAPE, np.int32)), INV_FREQ)
+
+
+def test_widest_head_dim_is_the_native_limit():
+    """D up to the kernels' limit (kRotaryMaxHalf frequencies, read from the native module) turns; past it, an
+    error names the limit."""
+    D = jnntile._xla_ffi.rotary_max_head_dim
+    inv_freq = 1.0 / 10000.0 ** (np.arange(D // 2) / (D // 2))
+    x_np = np.random.default_rng(0).standard_normal((1, 3, 2, 1, D)).astype(np.float32)
+    y = rotary(jnntile.from_array(x_np, (1, 3, 1, 1, D)), inv_freq, pos=5)
+    positions = jnp.broadcast_to(5 + jnp.arange(3), (1, 3))
+    expected = ref.rotary(x_np[:, :, :1].reshape(1, 3, 1, D), positions, jnp.asarray(inv_freq, jnp.float32))
+    np.testing.assert_allclose(y.numpy()[:, :, 0], np.asarray(expected), rtol=1e-5, atol=1e-5)
+    wider = jnntile.zeros((1, 3, 2, 1, D + 2), tile_shape=(1, 3, 1, 1, D + 2))
+    with pytest.raises(ValueError, match=f"D={D + 2} must be even and at most {D}"):
+        rotary(wider, np.ones((D + 2) // 2), pos=5)

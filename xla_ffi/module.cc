@@ -8,7 +8,10 @@
 #include <nanobind/stl/vector.h>
 
 #include "distributed.h"
+#include "kernels/device.h"
+#include "kernels/elementwise.h"
 #include "kernels/gemm.h"
+#include "kernels/rotary.h"
 #include "ops/data.h"
 #include "runtime.h"
 #include "task.h"
@@ -34,6 +37,23 @@ NB_MODULE(_xla_ffi, m) {
     for (auto& [name, handler] : ffi_targets()) out[name.c_str()] = nb::capsule(handler);
     return out;
   });
+
+  // The native enums and limits Python needs, declared once here: jnntile.tensor's dtypes, the unary functions
+  // of jnntile.ops.elementwise, the head dimensions jnntile.ops.rotary accepts.
+  nb::enum_<DType>(m, "DType")
+      .value("float32", DType::F32)
+      .value("int32", DType::I32)
+      .value("int64", DType::I64)
+      .value("bfloat16", DType::BF16);
+  nb::enum_<FloatType>(m, "FloatType").value("float32", FloatType::F32).value("bfloat16", FloatType::BF16);
+  nb::enum_<Unary>(m, "Unary")
+      .value("gelu_tanh", Unary::GeluTanh)
+      .value("relu", Unary::Relu)
+      .value("tanh", Unary::Tanh)
+      .value("exp", Unary::Exp)
+      .value("silu", Unary::Silu)
+      .value("sigmoid", Unary::Sigmoid);
+  m.attr("rotary_max_head_dim") = 2 * kRotaryMaxHalf;
 
   nb::enum_<Placement>(m, "Placement")
       .value("any", Placement::Any)
@@ -159,13 +179,11 @@ NB_MODULE(_xla_ffi, m) {
     return measure_empty_tasks(count, kind, on_cuda);
   });
 
-  m.def("tensor_create", [](const Index& shape, const Index& tile_shape, int dtype) {
-    return tensor_create(shape, tile_shape, DType(dtype));
-  });
+  m.def("tensor_create", &tensor_create);
   m.def("tensor_free", &tensor_free);
   m.def("tensor_exists", &tensor_exists);
   m.def("tensor_grad", &tensor_grad);
-  m.def("tensor_compute_copy", [](int64_t id, int dtype) { return tensor_compute_copy(id, DType(dtype)); });
+  m.def("tensor_compute_copy", &tensor_compute_copy);
   // Whole tensors, or the block of tiles tiles_from <= i < tiles_to (per axis)
   // when those are given: the array is then that block alone (see TileBox).
   m.def(

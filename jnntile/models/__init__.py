@@ -18,7 +18,7 @@ from jnntile import jsonfile, runtime
 from jnntile.decoding import KVCache
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import loss as loss_ops
-from jnntile.tensor import Tensor
+from jnntile.tensor import FLOAT_DTYPES, Tensor
 
 # The logical axes a model cuts into tiles, each with a tile_<axis> field on its config (None: automatic).
 # tile_heads counts heads per tile; tile_hidden is the MLP's hidden axis.
@@ -29,7 +29,7 @@ TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
 # block keep only its input and recompute its forward in the backward (jnntile.remat); "auto" lets the
 # memory planner choose before the model is built (jnntile.memory.choose_remat).
 REMAT_CHOICES = ("none", "block", "auto")
-COMPUTE_DTYPES = ("float32", "bfloat16")  # of activations and weight copies; parameters are float32
+COMPUTE_DTYPES = FLOAT_DTYPES  # of activations and weight copies; parameters are float32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Elementwise ops on tensors of identical shape, tiling and dtype (float32 or bfloat16, computed in float32).
 
-Unary functions are declared once in `UNARY` (name -> native code and the jnp
-reference used by tests); `gelu_tanh`, `relu`, ... are generated from it.
+Unary functions are declared once, natively (`Unary` in xla_ffi/kernels/elementwise.h,
+bound as `jnntile._xla_ffi.Unary`); `gelu_tanh`, `relu`, ... are generated from
+it, and `UNARY` gives each its jnp reference, which tests compare against.
 Linear ops (add, axpby, scale, copy) share one backward: accumulate the output
 gradient, scaled, into each input gradient.
 """
@@ -11,18 +12,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jnntile import _xla_ffi
 from jnntile import tensor as tensor_mod
 from jnntile.ops._ffi import accumulate, call, differentiable, fresh_targets, grad_target, release, tile_bytes
 from jnntile.tensor import Tensor
 
-# name: (code in xla_ffi/kernels/cpu/elementwise.h, jnp reference)
+# name (a member of _xla_ffi.Unary): jnp reference
 UNARY = {
-    "gelu_tanh": (0, lambda x: jax.nn.gelu(x, approximate=True)),
-    "relu": (1, jax.nn.relu),
-    "tanh": (2, jnp.tanh),
-    "exp": (3, jnp.exp),
-    "silu": (4, jax.nn.silu),
-    "sigmoid": (5, jax.nn.sigmoid),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+    "exp": jnp.exp,
+    "silu": jax.nn.silu,
+    "sigmoid": jax.nn.sigmoid,
 }
 
 
@@ -71,7 +73,9 @@ _unary = differentiable(_unary_forward, _unary_backward, nondiff_argnums=(1,), n
                         footprint=_unary_footprint)
 
 
-def _make_unary(name: str, code: int):
+def _make_unary(name: str):
+    code = _xla_ffi.Unary[name].value
+
     def op(x: Tensor) -> Tensor:
         _require_float(x)
         return _unary(x, code)
@@ -81,12 +85,12 @@ def _make_unary(name: str, code: int):
     return op
 
 
-gelu_tanh = _make_unary("gelu_tanh", UNARY["gelu_tanh"][0])
-relu = _make_unary("relu", UNARY["relu"][0])
-tanh = _make_unary("tanh", UNARY["tanh"][0])
-exp = _make_unary("exp", UNARY["exp"][0])
-silu = _make_unary("silu", UNARY["silu"][0])
-sigmoid = _make_unary("sigmoid", UNARY["sigmoid"][0])
+gelu_tanh = _make_unary("gelu_tanh")
+relu = _make_unary("relu")
+tanh = _make_unary("tanh")
+exp = _make_unary("exp")
+silu = _make_unary("silu")
+sigmoid = _make_unary("sigmoid")
 
 
 # ---- linear family: out = a * x (+ b * y) -------------------------------------------

@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jnntile import _xla_ffi
 from jnntile import tensor as tensor_mod
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release
 from jnntile.tensor import Tensor
 
-MAX_HEAD_DIM = 512  # kernels/rotary.h: kRotaryMaxHalf frequencies travel with each task
+MAX_HEAD_DIM = _xla_ffi.rotary_max_head_dim  # kernels/rotary.h: the frequencies travel with each task
 
 
 def _forward(x, pos, inv_freq, rotated_parts, zero_grad):

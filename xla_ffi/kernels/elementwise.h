@@ -1,6 +1,6 @@
 // Elementwise kernels: unary functions (value and derivative), axpby, accumulate.
-// Unary functions are declared once here; the Python list in
-// jnntile/ops/elementwise.py uses the same codes.
+// Unary functions are declared once here; module.cc binds their enum as
+// jnntile._xla_ffi.Unary, which jnntile/ops/elementwise.py reads.
 #pragma once
 #include "kernels/device.h"
 #include "kernels/math.h"

@@ -13,7 +13,8 @@
 
 namespace jnntile {
 
-// Head dimensions up to this many values: the frequencies travel in the task's arguments.
+// Head dimensions up to twice this: the frequencies travel in the task's arguments. Python reads the limit
+// as jnntile._xla_ffi.rotary_max_head_dim (module.cc).
 constexpr int64_t kRotaryMaxHalf = 256;
 
 struct RotaryTile {
