@@ -6,7 +6,8 @@ JSON files::
     train.bin       token ids, raw little-endian uint16, no header
     val.bin         the same for the validation split
     tokenizer.json  byte-level BPE tokenizer (Hugging Face ``tokenizers``)
-    meta.json       vocab_size, token counts, source description, val fraction
+    meta.json       vocab_size, token counts, source description, val fraction,
+                    the tokenizer's fingerprint (``tokenizer_fingerprint``)
 
 The token stream is every document's tokens followed by ``<|endoftext|>``, in
 file order. The validation split is the last ``val_fraction`` of that stream
@@ -33,9 +34,11 @@ Command line::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
+import sys
 import sysconfig
 import tempfile
 import time
@@ -204,6 +207,21 @@ def _train_tokenizer(documents: list[str], vocab_size: int, progress: bool) -> B
     return tokenizer
 
 
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """A SHA-256 of what gives token ids their meaning: the vocabulary (added tokens included) and the merges.
+
+    Taken in a canonical form (the vocabulary sorted by id, each merge a pair), so that one tokenizer read
+    from any path, or written by another version of `tokenizers` (merges as "a b" or as ["a", "b"]), gives
+    one fingerprint.
+    """
+    merges = json.loads(tokenizer.to_str())["model"].get("merges") or []
+    canonical = {
+        "vocab": sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: (item[1], item[0])),
+        "merges": [merge.split(" ", 1) if isinstance(merge, str) else list(merge) for merge in merges],
+    }
+    return hashlib.sha256(json.dumps(canonical, ensure_ascii=False).encode()).hexdigest()
+
+
 def token_dtype(vocab_size: int):
     """uint16 where the vocabulary fits (nanoGPT's files), else uint32."""
     return np.uint16 if vocab_size <= MAX_VOCAB_SIZE else np.uint32
@@ -291,6 +309,7 @@ def _prepare_documents(
         "max_bytes": max_bytes,
         "val_fraction": val_fraction,
         "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "end_of_text_id": end_of_text,
         "dtype": tokens.dtype.name,
     }
@@ -531,6 +550,14 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def tokenizer_fingerprint(self) -> str | None:
+        """`tokenizer_fingerprint` of the tokenizer that made the file: meta.json's, else computed from the
+        tokenizer.json beside it (a dataset prepared before meta.json recorded it); None without either."""
+        recorded = self.meta.get("tokenizer_sha256")
+        if isinstance(recorded, str):
+            return recorded
+        return None if self.tokenizer is None else tokenizer_fingerprint(self.tokenizer)
 
     def validation(self) -> TokenDataset | None:
         """The `val.bin` beside this file, if there is one (and this is not it)."""

@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, help="override the preset's dropout rate")
     flags.add_execution_flags(p)
     p.add_argument("--data", help="a nanoGPT-style uint16 .bin token file (default: the built-in corpus)")
+    p.add_argument("--allow-tokenizer-mismatch", action="store_true", help="train an --init-from-hf model on data "
+                   "made by another tokenizer than the model's own (refused by default: its ids mean other tokens)")
     flags.add_batch_flags(p, batch_size=DEFAULTS["batch_size"])
     p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="total steps, also when resuming")
@@ -96,23 +98,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- set-up ------------------------------------------------------------------------
 
 def _check_args(args) -> None:
-    def flag(name):
-        return f"--{name.replace('_', '-')}={getattr(args, name)}"
-
-    for name in ("lr", "weight_decay", "grad_clip", "dropout"):
-        value = getattr(args, name)
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"{flag(name)} must be a finite number")
-    for name in ("batch_size", "grad_accum_steps", "seq_len", "steps", "eval_batches", "sample_tokens"):
-        if getattr(args, name) <= 0:
-            hint = {"eval_batches": " (--eval-interval 0 turns evaluation off)",
-                    "sample_tokens": " (--samples 0 turns samples off)"}.get(name, "")
-            raise ValueError(f"{flag(name)} must be positive{hint}")
-    for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "grad_clip", "weight_decay", "samples"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"{flag(name)} must not be negative")
-    if args.lr <= 0:
-        raise ValueError(f"{flag('lr')} must be positive")
+    flags.check_step_flags(args)  # what `python -m jnntile.memory` refuses too
+    flags.check_values(args, finite=("lr", "weight_decay"), positive=("steps", "eval_batches", "sample_tokens", "lr"),
+                       non_negative=("warmup_steps", "eval_interval", "checkpoint_interval", "weight_decay", "samples"),
+                       hints={"eval_batches": " (--eval-interval 0 turns evaluation off)",
+                              "sample_tokens": " (--samples 0 turns samples off)"})
     adapters = args.lora_rank is not None or args.init_lora
     if (args.export_lora or args.merge_lora) and not adapters:
         raise ValueError(f"{'--export-lora' if args.export_lora else '--merge-lora'} needs LoRA adapters: give "
@@ -162,7 +152,42 @@ def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | Non
     if len(train) < need:
         raise ValueError(f"data file {path} holds {len(train)} tokens, fewer than one batch needs ({need}); "
                          "use more data or a smaller --batch-size/--grad-accum-steps/--seq-len")
-    return train, train.validation()
+    validation = train.validation()
+    # Evaluation draws windows of seq_len + 1 tokens at random offsets: found at the first evaluation,
+    # a short file would end the run before any checkpoint.
+    if args.eval_interval and validation is not None and len(validation) < args.seq_len + 1:
+        raise ValueError(
+            f"validation file {validation.path} holds {len(validation)} tokens, fewer than one evaluation batch "
+            f"needs (--seq-len {args.seq_len} + 1 = {args.seq_len + 1}): prepare the data from more text or with a "
+            "larger --val-fraction (`python -m jnntile.data FILES --val-fraction 0.1 --out DIR`), give a smaller "
+            "--seq-len, or turn evaluation off with --eval-interval 0")
+    _check_tokenizer(args, train)
+    return train, validation
+
+
+def _check_tokenizer(args, train: data_mod.TokenDataset) -> None:
+    """Refuses data made by another tokenizer than the --init-from-hf model's own: its ids would mean other
+    tokens to the model, which would train and sample garbage without an error. Tokenizers are compared by
+    content (data.tokenizer_fingerprint), not by path."""
+    model_dir = args.init_from_hf
+    if not model_dir or args.allow_tokenizer_mismatch or not (Path(model_dir) / data_mod.TOKENIZER_FILE).is_file():
+        return  # nothing to compare with: GPT-2 checkpoints may hold vocab.json and merges.txt alone
+    data_fingerprint = train.tokenizer_fingerprint()
+    model_tokenizer, _ = data_mod.load_pretrained_tokenizer(model_dir)
+    if data_fingerprint is None or data_fingerprint == data_mod.tokenizer_fingerprint(model_tokenizer):
+        return  # a bare token file says nothing of its tokenizer
+    ours = f"{Path(model_dir) / data_mod.TOKENIZER_FILE} ({model_tokenizer.get_vocab_size()} tokens)"
+    prepare = f"`python -m jnntile.data FILES --tokenizer {model_dir} --out DIR`"
+    theirs = f"{train.path.parent / data_mod.TOKENIZER_FILE} ({train.vocab_size} tokens)"
+    if args.data is None:
+        raise ValueError(f"--init-from-hf {model_dir} has its own tokenizer, {ours}, but without --data the run "
+                         f"trains on the built-in corpus, tokenized by a BPE of its own, {theirs}: prepare data with "
+                         f"that model's tokenizer, {prepare}, and pass --data DIR (or --allow-tokenizer-mismatch to "
+                         "train on it anyway)")
+    raise ValueError(f"--data {args.data} was tokenized by {theirs}, which differs from the tokenizer of "
+                     f"--init-from-hf {model_dir}, {ours}: the model would read its token ids as other tokens; "
+                     f"prepare the data again with that model's tokenizer, {prepare}, or give "
+                     "--allow-tokenizer-mismatch if the two tokenizers agree on every id")
 
 
 def _config(args, data_vocab: int):
@@ -173,10 +198,7 @@ def _config(args, data_vocab: int):
             raise ValueError(f"the data uses {data_vocab} token ids but {args.init_from_hf} has a vocabulary of "
                              f"{config.vocab_size}")
         return dataclasses.replace(config, **tiles)
-    overrides = families.size_overrides(args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    if args.dropout is not None:
-        overrides["dropout"] = args.dropout
-    config = families.preset(args.model, vocab_size=data_vocab, **overrides, **tiles)
+    config = flags.preset_config(args, vocab_size=data_vocab, **tiles)
     if args.seq_len > config.max_positions:
         config = dataclasses.replace(config, **families.size_overrides(args.model, max_positions=args.seq_len))
     return config
@@ -440,8 +462,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         finetune = flags.finetune_settings(args)
 
         runtime_settings = flags.runtime_settings(args)
-        runtime_config = dataclasses.replace(jnntile.runtime.config(), **runtime_settings)
-        runtime_config.validate()
+        runtime_config = flags.runtime_config(args)
         gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
         update = flags.update_mode(args)
         config, remat_note = memory.choose_remat(config, batch_size, args.seq_len, runtime_config.memory_limit_mb,

@@ -362,3 +362,20 @@ def test_a_vocabulary_beyond_uint16_gets_uint32_token_files(tmp_path):
 def test_a_directory_without_tokenizer_json_is_refused(text_file, tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json there"):
         data.prepare_dataset(text_file, tmp_path / "out", progress=False, tokenizer=tmp_path)
+
+
+def test_tokenizer_fingerprint_is_recorded_and_independent_of_the_merges_format(prepared, text_file, tmp_path):
+    fingerprint = json.loads((prepared / "meta.json").read_text())["tokenizer_sha256"]
+    assert fingerprint == data.tokenizer_fingerprint(data.Tokenizer.from_file(str(prepared / "tokenizer.json")))
+    # An older dataset: no fingerprint in meta.json, merges written as "a b" by an older `tokenizers`.
+    copy = _copy_dataset(prepared, tmp_path)
+    meta = json.loads((copy / "meta.json").read_text())
+    del meta["tokenizer_sha256"]
+    (copy / "meta.json").write_text(json.dumps(meta))
+    saved = json.loads((copy / "tokenizer.json").read_text())
+    saved["model"]["merges"] = [" ".join(merge) for merge in saved["model"]["merges"]]
+    (copy / "tokenizer.json").write_text(json.dumps(saved))
+    assert data.TokenDataset(copy).tokenizer_fingerprint() == fingerprint
+    other = data.prepare_dataset(text_file, tmp_path / "other", vocab_size=VOCAB_SIZE - 10,
+                                 val_fraction=0.2, progress=False)
+    assert data.TokenDataset(other).tokenizer_fingerprint() != fingerprint

@@ -182,6 +182,66 @@ def test_text_file_as_data_says_to_tokenize_it(dataset, tmp_path, capsys):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+HF_LLAMA = Path(__file__).parent / "data" / "hf_tiny_llama"
+
+
+def _words_prepared(tmp_path, **kwargs) -> Path:
+    tmp_path.mkdir(exist_ok=True)
+    text = tmp_path / "words.txt"
+    rng = np.random.default_rng(0)
+    text.write_text("\n".join(" ".join(rng.choice(["tiles", "move", "between", "RAM", "and", "disk"], 20))
+                              for _ in range(100)))
+    return data_mod.prepare_dataset(text, tmp_path / "prepared", progress=False, **kwargs)
+
+
+def _load(dataset, *extra):
+    return train_mod._load_data(train_mod.parse_args([*(["--data", str(dataset)] if dataset else []), *SMALL,
+                                                      *extra]))
+
+
+def test_data_of_another_tokenizer_than_the_hf_model_s_is_refused_naming_both(dataset, tmp_path):
+    mine = re.escape(str(HF_LLAMA / "tokenizer.json"))
+    prepare = re.escape(f"python -m jnntile.data FILES --tokenizer {HF_LLAMA} --out DIR")
+    qwen2 = _words_prepared(tmp_path / "qwen2", tokenizer=HF_LLAMA.parent / "hf_tiny_qwen2")  # another model's
+    for data in (dataset, qwen2 / "train.bin"):
+        theirs = re.escape(str(Path(data).parent / "tokenizer.json"))
+        with pytest.raises(ValueError, match=rf"--data {re.escape(str(data))} was tokenized by {theirs} .*differs "
+                                             rf"from .*{mine} .*{prepare}.*--allow-tokenizer-mismatch"):
+            _load(data, "--init-from-hf", str(HF_LLAMA))
+        _load(data, "--init-from-hf", str(HF_LLAMA), "--allow-tokenizer-mismatch")
+    # The model's own tokenizer, by content: read from another path, and from a folder whose meta.json
+    # predates the fingerprint.
+    llama = _words_prepared(tmp_path / "llama", tokenizer=HF_LLAMA)
+    _load(llama, "--init-from-hf", str(HF_LLAMA))
+    meta = json.loads((llama / "meta.json").read_text())
+    del meta["tokenizer_sha256"]
+    (llama / "meta.json").write_text(json.dumps(meta))
+    _load(llama, "--init-from-hf", str(HF_LLAMA))
+    with pytest.raises(ValueError, match="differs"):
+        _load(qwen2, "--init-from-hf", str(HF_LLAMA))
+
+
+def test_built_in_corpus_on_an_hf_model_with_its_own_tokenizer_is_refused(dataset, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(data_mod, "ensure_default_dataset", lambda progress: Path(dataset).parent)
+    assert train_mod.main([*SMALL, "--out", str(tmp_path), "--init-from-hf", str(HF_LLAMA), "--steps", "1"]) == 2
+    error = capsys.readouterr().err
+    assert f"--init-from-hf {HF_LLAMA} has its own tokenizer" in error and "built-in corpus" in error
+    assert f"`python -m jnntile.data FILES --tokenizer {HF_LLAMA} --out DIR`, and pass --data DIR" in error
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_validation_file_too_small_for_one_evaluation_is_refused_before_training(tmp_path, capsys):
+    prepared = _words_prepared(tmp_path, vocab_size=300, val_fraction=0.0001)
+    assert train_mod.main(["--data", str(prepared), "--out", str(tmp_path / "out"), *SMALL, "--steps", "1"]) == 2
+    error = capsys.readouterr().err
+    val_tokens = json.loads((prepared / "meta.json").read_text())["val_tokens"]
+    assert f"validation file {prepared / 'val.bin'} holds {val_tokens} tokens" in error and "16 + 1 = 17" in error
+    for fix in ("more text", "larger --val-fraction", "smaller --seq-len", "--eval-interval 0"):
+        assert fix in error
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    assert _run(prepared, tmp_path / "no-eval", "--steps", "1", "--eval-interval", "0", "--samples", "0")["step"] == 1
+
+
 def test_unknown_preset_is_refused(capsys):
     with pytest.raises(SystemExit):
         train_mod.parse_args(["--model", "gpt5"])
