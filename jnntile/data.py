@@ -42,9 +42,8 @@ import sys
 import sysconfig
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
@@ -172,22 +171,51 @@ def _check_max_bytes(max_bytes: int | None) -> None:
         raise ValueError(f"max_bytes={max_bytes} must be positive (or None to read everything)")
 
 
-@contextmanager
-def _atomic_output(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`, renamed onto `path` only if the block succeeds.
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a directory; give a new directory (or a dataset's, to "
+                         "replace it)")
 
-    An interrupted run thus leaves at most a hidden `.name.*.tmp` file, never a
-    truncated file under the real name.
+
+def _write_dataset(out_dir: Path, writers: dict[str, Callable[[Path], None]]) -> None:
+    """Writes each file of `writers` (name: function writing it to a path) under a temporary name in `out_dir`,
+    then renames them all, meta.json last.
+
+    A write that fails (a full or read-only disk) leaves no file behind, only the dataset that was there,
+    and the folders this call created are removed again; an interrupted run leaves at most hidden
+    `.name.*.tmp` files. Failures are ValueErrors naming --out.
     """
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    temporary = Path(temporary)
+    created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
+    temporaries = []
     try:
-        yield temporary
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, write in writers.items():
+            handle, temporary = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
+            os.close(handle)
+            temporaries.append(Path(temporary))
+            write(temporaries[-1])
+    except BaseException as error:
+        for temporary in temporaries:
+            temporary.unlink(missing_ok=True)
+        for folder in created:  # innermost first; each one is empty again (or was never made)
+            if folder.is_dir():
+                folder.rmdir()
+        if isinstance(error, OSError):
+            raise ValueError(f"--out {out_dir}: cannot write the dataset there ({error.strerror or error}; no file "
+                             "was left): free space there, or choose another --out") from error
         raise
+    # meta.json marks a complete dataset: a stale one goes first, so that a run stopped between these renames
+    # is not mistaken for complete.
+    (out_dir / META_FILE).unlink(missing_ok=True)
+    for name, temporary in zip(writers, temporaries):
+        os.replace(temporary, out_dir / name)
+
+
+def _save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
+    try:
+        tokenizer.save(str(path))
+    except Exception as error:  # the Rust side raises a bare Exception, for a full disk too
+        raise OSError(str(error)) from None
 
 
 def _train_tokenizer(documents: list[str], vocab_size: int, progress: bool) -> ByteLevelBPETokenizer:
@@ -277,11 +305,6 @@ def _prepare_documents(
     progress: bool,
     pretrained: tuple[Tokenizer, int | None] | None = None,
 ) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # meta.json marks a complete dataset: drop a stale one first so a run
-    # interrupted while replacing the other files is not mistaken for complete.
-    (out_dir / META_FILE).unlink(missing_ok=True)
-
     if pretrained is None:
         tokenizer = _train_tokenizer(documents, vocab_size, progress)
         end_of_text = tokenizer.token_to_id(END_OF_TEXT)
@@ -290,13 +313,6 @@ def _prepare_documents(
     tokens = _tokenize(tokenizer, documents, end_of_text, progress)
     val_tokens = min(max(1, int(len(tokens) * val_fraction)), len(tokens) - 1)
     train_tokens = len(tokens) - val_tokens
-
-    with _atomic_output(out_dir / TRAIN_FILE) as temporary:
-        tokens[:train_tokens].tofile(temporary)
-    with _atomic_output(out_dir / VAL_FILE) as temporary:
-        tokens[train_tokens:].tofile(temporary)
-    with _atomic_output(out_dir / TOKENIZER_FILE) as temporary:
-        tokenizer.save(str(temporary))
 
     meta = {
         # The trained size can fall short of the request on a small corpus.
@@ -313,9 +329,32 @@ def _prepare_documents(
         "end_of_text_id": end_of_text,
         "dtype": tokens.dtype.name,
     }
-    with _atomic_output(out_dir / META_FILE) as temporary:
-        temporary.write_text(json.dumps(meta, indent=2) + "\n")
+    _write_dataset(out_dir, {
+        TRAIN_FILE: tokens[:train_tokens].tofile,
+        VAL_FILE: tokens[train_tokens:].tofile,
+        TOKENIZER_FILE: lambda path: _save_tokenizer(tokenizer, path),
+        META_FILE: lambda path: path.write_text(json.dumps(meta, indent=2) + "\n"),
+    })
     return out_dir
+
+
+def _text_only(source: Path, files: list[Path], glob: str) -> list[Path]:
+    """`files` less those that are not text (an image, a token file: they would tokenize into garbage without
+    an error). A file given as INPUT is refused; a folder's are skipped with a note on stderr, and refused if
+    none is text."""
+    binary = [path for path in files if not _looks_like_text(path)]
+    if source.is_file() and binary:
+        raise ValueError(f"input file {source} is not text (it holds NUL or other control bytes); give a UTF-8 "
+                         "text file")
+    if binary and len(binary) == len(files):
+        raise ValueError(f"none of the {len(files)} files matching {glob!r} in {source} is text (each holds NUL or "
+                         f"other control bytes), e.g. {binary[0]}; pick text files with --glob")
+    if binary:
+        shown = ", ".join(str(path) for path in binary[:5]) + (", ..." if len(binary) > 5 else "")
+        print(f"note: skipped {len(binary)} of the {len(files)} files matching {glob!r} in {source}, which are "
+              f"not text (NUL or other control bytes): {shown}", file=sys.stderr)
+    skipped = set(binary)
+    return [path for path in files if path not in skipped]
 
 
 def prepare_dataset(
@@ -340,8 +379,9 @@ def prepare_dataset(
         _check_vocab_size(vocab_size)
     _check_val_fraction(val_fraction)
     _check_max_bytes(max_bytes)
+    _check_out_dir(Path(out_dir))
     source = Path(source)
-    files = find_text_files(source, glob)
+    files = _text_only(source, find_text_files(source, glob), glob)
     documents = read_documents(files, max_bytes)
     if not documents:
         what = f"file {source} is" if source.is_file() else f"all {len(files)} files matching {glob!r} in {source} are"
@@ -371,6 +411,7 @@ def prepare_stdlib_dataset(
     _check_vocab_size(vocab_size)
     _check_val_fraction(val_fraction)
     _check_max_bytes(max_bytes)
+    _check_out_dir(Path(out_dir))
     documents = read_documents(stdlib_source_files(), max_bytes)
     return _prepare_documents(
         documents,
@@ -444,9 +485,10 @@ _TEXT_SNIFF_BYTES = 1 << 16
 def _looks_like_text(path: Path) -> bool:
     """Whether the start of `path` is text: no NUL and hardly any other control bytes.
 
-    Read as uint16 token ids, text would train on garbage without any error. A
-    token file is full of such bytes: every id below 8192 (the most frequent
-    tokens of any BPE vocabulary) has a high byte of 0..31.
+    Read as uint16 token ids, text would train on garbage without any error, and
+    a binary file tokenized as text would too. A token file is full of such
+    bytes: every id below 8192 (the most frequent tokens of any BPE vocabulary)
+    has a high byte of 0..31.
     """
     with open(path, "rb") as f:
         head = f.read(_TEXT_SNIFF_BYTES)

@@ -379,3 +379,52 @@ def test_tokenizer_fingerprint_is_recorded_and_independent_of_the_merges_format(
     other = data.prepare_dataset(text_file, tmp_path / "other", vocab_size=VOCAB_SIZE - 10,
                                  val_fraction=0.2, progress=False)
     assert data.TokenDataset(other).tokenizer_fingerprint() != fingerprint
+
+
+# ---- where --out cannot be written, input that is not text ----------------------------------------
+
+
+def test_out_that_is_a_file_is_refused_and_kept(text_file, tmp_path):
+    blocker = tmp_path / "notes"
+    blocker.write_text("mine")
+    with pytest.raises(SystemExit, match=rf"^python -m jnntile.data: error: --out {blocker} is a file, not a directory"):
+        data.main([str(text_file), "--out", str(blocker), "--vocab-size", str(VOCAB_SIZE)])
+    assert blocker.read_text() == "mine"
+
+
+def test_out_on_a_full_or_read_only_disk_is_an_error_that_leaves_no_file(text_file, small_tmpfs):
+    import os
+    import subprocess
+
+    kept = data.prepare_dataset(text_file, small_tmpfs / "kept", vocab_size=VOCAB_SIZE, progress=False)
+    before = {path.name: path.read_bytes() for path in kept.iterdir()}
+    stats = os.statvfs(small_tmpfs)
+    (small_tmpfs / "filler").write_bytes(b"\0" * (stats.f_bavail * stats.f_frsize - 4096))
+    other = ["--vocab-size", str(VOCAB_SIZE - 10), "--val-fraction", "0.3"]
+    for out in (kept, small_tmpfs / "new" / "deeper"):
+        with pytest.raises(SystemExit, match=rf"error: --out {out}: cannot write the dataset there .*free space "
+                                             "there, or choose another --out"):
+            data.main([str(text_file), "--out", str(out), *other])
+    assert sorted(path.name for path in small_tmpfs.iterdir()) == ["filler", "kept"]
+    assert {path.name: path.read_bytes() for path in kept.iterdir()} == before  # no temporary, the old dataset
+    (small_tmpfs / "filler").unlink()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    with pytest.raises(SystemExit, match=rf"error: --out {small_tmpfs / 'new'}: cannot write the dataset there "
+                                         r"\(Read-only file system"):
+        data.main([str(text_file), "--out", str(small_tmpfs / "new"), *other])
+
+
+def test_input_that_is_not_text_is_refused_or_skipped_in_a_folder(text_file, tmp_path, capsys):
+    source = tmp_path / "docs"
+    source.mkdir()
+    (source / "a.txt").write_text(_sample_text(5, seed=1))
+    (source / "image.txt").write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(SystemExit, match=rf"error: input file {source / 'image.txt'} is not text"):
+        data.main([str(source / "image.txt"), "--out", str(tmp_path / "one")])
+    assert not (tmp_path / "one").exists()
+    out = data.prepare_dataset(source, tmp_path / "out", vocab_size=VOCAB_SIZE, progress=False)
+    assert json.loads((out / "meta.json").read_text())["documents"] == 1
+    assert f"note: skipped 1 of the 2 files matching '*.txt' in {source}, which are not text" in capsys.readouterr().err
+    (source / "a.txt").unlink()
+    with pytest.raises(ValueError, match=rf"none of the 1 files matching '\*.txt' in {source} is text .*--glob"):
+        data.prepare_dataset(source, tmp_path / "none", progress=False)
