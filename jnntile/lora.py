@@ -32,11 +32,12 @@ _PEFT_PREFIX = "base_model.model."
 @dataclasses.dataclass(frozen=True)
 class LoRASettings:
     """rank, alpha (the update is scaled by alpha / rank) and the PEFT target names (None: every
-    projection the family has)."""
+    projection the family has); `source`, the PEFT directory they were read from, if any."""
 
     rank: int
     alpha: float
     targets: tuple[str, ...] | None = None
+    source: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         if self.rank < 1:
@@ -49,6 +50,8 @@ class LoRASettings:
         known = _hf_module(model).LORA_TARGETS
         targets = tuple(known) if self.targets is None else tuple(self.targets)
         unknown = sorted(set(targets) - set(known))
+        if unknown and self.source is not None:
+            raise ValueError(self._another_architecture(model, targets))
         if unknown or not targets:
             raise ValueError(f"--lora-targets: {', '.join(unknown) or 'none given'}: this model's projections are "
                              f"{', '.join(known)}")
@@ -61,6 +64,16 @@ class LoRASettings:
                                  f": jnntile computes {', '.join(parts)} as one product ({module}), which takes one "
                                  "adapter; name all of them or none")
         return dataclasses.replace(self, targets=tuple(t for t in known if t in targets))
+
+
+    def _another_architecture(self, model, targets) -> str:
+        """Why adapters read from `source` cannot go on `model`: their targets are another family's modules."""
+        mine = families.of_config(model.config)
+        theirs = [f.name for f in families.FAMILIES if f is not mine and set(targets) <= set(f.hf.LORA_TARGETS)]
+        whose = f"the projections of a {' or '.join(theirs)} model" if theirs else "modules this model does not have"
+        return (f"the adapters in {self.source} are of {', '.join(targets)}, {whose}: they were trained on "
+                f"another architecture than this {mine.name} model (whose projections are "
+                f"{', '.join(mine.hf.LORA_TARGETS)}); give adapters trained on this base model")
 
 
 def _hf_module(model):
@@ -147,11 +160,15 @@ def save_peft(model, settings: LoRASettings, directory, base_model: str | None =
     tensorfile.write_atomically(directory / ADAPTER_CONFIG, lambda p: Path(p).write_text(text))
 
 
+def _read_config(directory) -> dict:
+    return jsonfile.read_object(Path(directory) / ADAPTER_CONFIG, missing=f"{directory} is not a PEFT adapter "
+                                "directory", damaged="write the adapters again (--export-lora) or fix the file")
+
+
 def read_settings(directory) -> LoRASettings:
     """The LoRASettings of a PEFT directory's adapter_config.json; raises naming the file and what it lacks."""
     file = Path(directory) / ADAPTER_CONFIG
-    config = jsonfile.read_object(file, missing=f"{directory} is not a PEFT adapter directory",
-                                  damaged="write the adapters again (--export-lora) or fix the file")
+    config = _read_config(directory)
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{file}: peft_type is {config.get('peft_type')!r}; jnntile reads LoRA adapters")
     for key, what in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA")):
@@ -160,7 +177,25 @@ def read_settings(directory) -> LoRASettings:
     targets = config.get("target_modules")
     if isinstance(targets, str) or not isinstance(config.get("r"), int) or not targets:
         raise ValueError(f"{file} needs an integer r and a list of target_modules")
-    return LoRASettings(rank=config["r"], alpha=float(config.get("lora_alpha", 8)), targets=tuple(targets))
+    return LoRASettings(rank=config["r"], alpha=float(config.get("lora_alpha", 8)), targets=tuple(targets),
+                        source=str(directory))
+
+
+def other_base(directory, base: str) -> str | None:
+    """The base model a PEFT directory's adapter_config.json names (base_model_name_or_path) when it is not
+    `base` (a directory or a preset name); None when it names none or `base`.
+
+    Names are compared by their last part, so that a hub id ("org/name") and a local copy of it
+    (".../name") match, and a path matches itself however it is written (relative, with "..", a link).
+    """
+    named = _read_config(directory).get("base_model_name_or_path")
+    if not isinstance(named, str) or not named.strip():
+        return None
+
+    def last_part(name: str) -> str:
+        return Path(name).expanduser().resolve().name.casefold()
+
+    return None if last_part(named) == last_part(base) else named
 
 
 def load_peft(model, directory) -> None:

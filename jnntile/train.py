@@ -22,6 +22,7 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -77,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-order", choices=list(data_mod.BATCH_ORDERS), default=DEFAULTS["data_order"])
     p.add_argument("--out", default=DEFAULTS["out"], help="output directory")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds another run: "
+                   "its checkpoints, metrics.jsonl and loss.png are removed once the set-up checks passed")
     p.add_argument("--init-from-hf", metavar="DIR", help="start from a Hugging Face checkpoint directory (GPT-2, "
                    "Llama, Mistral, Qwen2: its config.json's model_type tells)")
     p.add_argument("--export-hf", metavar="DIR", help="write the final weights as a Hugging Face checkpoint")
@@ -112,6 +115,10 @@ def _check_args(args) -> None:
     if adapters and args.export_hf and not args.merge_lora:
         raise ValueError("--export-hf with LoRA adapters: add --merge-lora to write the merged weights, or write the "
                          "adapters alone with --export-lora DIR")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out, --overwrite removes it: give one of them")
+    if args.export_hf and args.export_lora and Path(args.export_hf).resolve() == Path(args.export_lora).resolve():
+        raise ValueError(f"--export-hf and --export-lora both name {args.export_hf}: give each its own folder")
 
 
 LOCK_FILE = ".lock"
@@ -142,6 +149,71 @@ def _prepare_out_dir(path: Path):
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     return lock
+
+
+EXPORT_MARK = "jnntile-export.json"  # in every export: {"run": the --out that wrote it, "step": its step}
+# What an --export-hf folder takes from the base beside the weights, where the base has it, so that
+# transformers and `generate --hf` load the export as a whole model.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+
+
+def _check_outputs(out: Path, args) -> None:
+    """Refuses, before anything runs, outputs that would mix two runs or that cannot be written.
+
+    A fresh run in an --out holding another run's checkpoints would interleave with them: the rotation would
+    remove the newer run's, whose `latest` then named a removed one. An export may not land on the weights the
+    run starts from, nor among files that are not an earlier export of this --out, nor where no folder can be.
+    """
+    found = checkpoint.checkpoints(out)
+    if found and not args.resume and not args.overwrite:
+        raise ValueError(f"{out} holds the checkpoints of another run (the last: {found[-1].name}): continue it with "
+                         "--resume, start afresh with --overwrite (which removes its checkpoints, metrics.jsonl and "
+                         "loss.png), or choose another --out")
+    for flag, directory in (("--export-hf", args.export_hf), ("--export-lora", args.export_lora)):
+        if not directory:
+            continue
+        path = Path(directory)
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            raise ValueError(f"{flag} {path}: {'it is a file' if existing == path else f'{existing} is a file'}, "
+                             "where the export needs a folder; choose another")
+        for source_flag in ("--init-from-hf", "--init-lora"):
+            source = getattr(args, source_flag[2:].replace("-", "_"))
+            if source and path.exists() and path.resolve() == Path(source).resolve():
+                raise ValueError(f"{flag} {path} is the {source_flag} folder: the export would replace the weights "
+                                 "this run starts from; choose another folder")
+        if path.exists() and any(path.iterdir()) and _exported_by(path) != str(out.resolve()):
+            raise ValueError(f"{flag} {path} holds files that are not an earlier export of this run's --out (no "
+                             f"{EXPORT_MARK} naming {out}): the export would mix with them or replace them; choose "
+                             "a new or empty folder")
+
+
+def _exported_by(directory: Path) -> str | None:
+    """The --out (resolved) of the run whose export `directory` is, or None for anything else."""
+    try:
+        return json.loads((directory / EXPORT_MARK).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _export(directory, out: Path, step: int, write, copy_from: Path | None = None) -> None:
+    """Writes an export into `directory` (created): its mark first, so that a later export of this run may
+    replace even one cut short, then `write(directory)`, then the TOKENIZER_FILES that `copy_from` has."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / EXPORT_MARK).write_text(json.dumps({"run": str(out.resolve()), "step": step}) + "\n")
+    write(directory)
+    for name in TOKENIZER_FILES if copy_from is not None else ():
+        if (copy_from / name).is_file():
+            shutil.copyfile(copy_from / name, directory / name)
+
+
+def _remove_run(out: Path) -> None:
+    """Removes what an earlier run left in --out: checkpoints, metrics and plot."""
+    checkpoint.remove_all(out)
+    for name in ("metrics.jsonl", "loss.png"):
+        (out / name).unlink(missing_ok=True)
 
 
 def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | None]:
@@ -190,14 +262,68 @@ def _check_tokenizer(args, train: data_mod.TokenDataset) -> None:
                      "--allow-tokenizer-mismatch if the two tokenizers agree on every id")
 
 
-def _config(args, data_vocab: int):
+def _base(args) -> dict:
+    """Where this run's first weights come from, as its checkpoints record it: a Hugging Face directory (its path
+    and `checkpoint.hf_fingerprint`), or the preset and the seed that draws them."""
+    if args.init_from_hf:
+        return {"init_from_hf": str(Path(args.init_from_hf).resolve()),
+                "fingerprint": checkpoint.hf_fingerprint(args.init_from_hf)}
+    return {"model": args.model, "seed": args.seed}
+
+
+def _resumed_base(path: Path, record: dict, args, finetune) -> dict:
+    """The base of checkpoint `path` (its state.json's `record`), checked against this run's flags: a LoRA
+    checkpoint's frozen base is built again from them, and the seed also draws the batches. Raises naming both.
+    A full fine-tune whose --init-from-hf folder is gone resumes all the same: its checkpoint holds every parameter.
+    """
+    saved_args = record.get("args", {})
+    saved = record.get("base") or ({"init_from_hf": saved_args["init_from_hf"]} if saved_args.get("init_from_hf")
+                                   else {"model": saved_args.get("model"), "seed": saved_args.get("seed")})
+    afresh = "or start afresh (--overwrite, or another --out)"
+    if "init_from_hf" not in saved:
+        if args.init_from_hf or (saved["model"], saved["seed"]) != (args.model, args.seed):
+            given = f"--init-from-hf {args.init_from_hf}" if args.init_from_hf else f"--model {args.model} --seed {args.seed}"
+            raise ValueError(f"checkpoint {path} was trained from --model {saved['model']} --seed {saved['seed']}, this "
+                             f"run asks for {given}: give --model {saved['model']} --seed {saved['seed']} (and no "
+                             f"--init-from-hf) to resume it, {afresh}")
+        return saved
+    recorded = saved["init_from_hf"]
+    if not args.init_from_hf:
+        raise ValueError(f"checkpoint {path} was trained from --init-from-hf {recorded}: give --init-from-hf "
+                         f"{recorded} to resume it")
+    if not Path(args.init_from_hf).exists():
+        if finetune.lora is not None:
+            raise ValueError(f"--init-from-hf {args.init_from_hf} does not exist: checkpoint {path} holds the LoRA "
+                             "adapters alone, whose frozen base is that folder; put it back to resume")
+        print(f"note: --init-from-hf {args.init_from_hf} does not exist; resuming from {path}, which holds every "
+              "parameter", file=sys.stderr)
+        return saved
+    mine = _base(args)
+    if saved.get("fingerprint", mine["fingerprint"]) != mine["fingerprint"]:
+        raise ValueError(f"checkpoint {path} was trained from --init-from-hf {recorded}, and --init-from-hf "
+                         f"{args.init_from_hf} holds other weights: give {recorded} (or a copy of it) to resume, {afresh}")
+    return mine
+
+
+def _config(args, data_vocab: int, weights: Path | None = None):
+    """The model config the flags ask for; with `weights`, a checkpoint's in place of --init-from-hf's."""
     tiles = flags.execution_settings(args)
     if args.init_from_hf:
-        config, _ = families.open_hf(args.init_from_hf)  # checks every file before anything starts
+        config, _ = families.open_hf(weights or args.init_from_hf)  # checks every file before anything starts
         if data_vocab > config.vocab_size:
             raise ValueError(f"the data uses {data_vocab} token ids but {args.init_from_hf} has a vocabulary of "
                              f"{config.vocab_size}")
-        return dataclasses.replace(config, **tiles)
+        for name in flags.SIZE_FLAGS:  # the weights have their sizes: a flag may only repeat them
+            given, field = getattr(args, name), config.FLAG_FIELDS[name]
+            if given is not None and given != getattr(config, field):
+                raise flags.naming_flags(ValueError(f"the model's size comes from --init-from-hf {args.init_from_hf} "
+                                                    f"({field}={getattr(config, field)}); leave the flag out"),
+                                         {name: given})
+        config = dataclasses.replace(config, **tiles)
+        try:  # a family without dropout refuses a rate
+            return config if args.dropout is None else dataclasses.replace(config, dropout=args.dropout)
+        except ValueError as e:
+            raise flags.naming_flags(e, {"dropout": args.dropout}) from None
     config = flags.preset_config(args, vocab_size=data_vocab, **tiles)
     if args.seq_len > config.max_positions:
         config = dataclasses.replace(config, **families.size_overrides(args.model, max_positions=args.seq_len))
@@ -234,7 +360,7 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     the mean loss of the micro-batches; nothing blocks until the caller reads
     the loss.
 
-    With `tx` a `jnntile.optim.chain` (an optional clip, then adamw or sgd),
+    With `tx` an `optax.chain` of jnntile's (an optional clip, then adamw or sgd),
     the parameters are updated in the last micro-batch's backward as soon as
     their gradients are final, so those gradients never reach swap
     (`jnntile.optim.FusedUpdate`), when `fused_update` ("auto", "on", "off":
@@ -274,7 +400,7 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     @functools.partial(jax.jit, static_argnames="setting")
     def last_and_update(packed, grads, idx, targets, dropout_seed, setting):
         params, opt_state, frozen = packed.unpack()
-        fused = optim.fused_update(tx, opt_state, params, setting)
+        fused = optim.fused_update(opt_state, params, setting)
         on_final = fused if fused is not None and fused.mode != "after" else None
         loss, grads = gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=on_final)
         if fused is None:
@@ -296,8 +422,8 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
             loss, grads = add_gradients(state, grads, idx[k], targets[k], dropout_seeds[k])
             losses.append(loss)
         setting = fused_update
-        if setting == "auto" and last_norm[0] is not None and optim.speculates(tx, setting):
-            setting = "off" if optim.clipped(tx, last_norm[0]) else setting
+        if setting == "auto" and last_norm[0] is not None and optim.speculates(opt_state, setting):
+            setting = "off" if optim.clipped(opt_state, last_norm[0]) else setting
         packed, loss, last_norm[0] = last_and_update(state, grads, idx[-1], targets[-1], dropout_seeds[-1],
                                                      setting)
         params, opt_state = packed.unpack()
@@ -451,6 +577,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
             held.enter_context(_prepare_out_dir(out))
             for stale in checkpoint.remove_stale_temporaries(out):
                 print(f"note: removed {stale}, left by a checkpoint write that was cut short", file=sys.stderr)
+            _check_outputs(out, args)
         if args.data is None and ranks > 1:  # rank 0 prepares the built-in corpus (once), the others wait
             try:
                 if lead:
@@ -458,8 +585,14 @@ def _train(args, held: contextlib.ExitStack) -> dict:
             finally:
                 distributed.wait_for_every_rank("the preparation of the built-in corpus")
         train_data, val_data = _load_data(args)
-        config = _config(args, train_data.vocab_size)
         finetune = flags.finetune_settings(args)
+        resume_from = checkpoint.latest(out) if args.resume else None
+        if args.resume and resume_from is None:
+            raise ValueError(f"--resume: no checkpoint in {out}")
+        record = checkpoint.read_state(resume_from) if resume_from else None
+        base = _resumed_base(resume_from, record, args, finetune) if record else _base(args)
+        gone = args.init_from_hf and not Path(args.init_from_hf).exists()  # accepted above for a full fine-tune only
+        config = _config(args, train_data.vocab_size, resume_from if record and gone else None)
 
         runtime_settings = flags.runtime_settings(args)
         runtime_config = flags.runtime_config(args)
@@ -477,12 +610,13 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         verdict = plan.check(runtime_config.memory_limit_mb,
                              runtime_config.swap_size_mb if runtime_config.swap_dir else 0, gpu_mb,
                              cpu_kernels=jnntile.runtime.cpu_kernels_beside_gpu(runtime_config))
-        resume_from = checkpoint.latest(out) if args.resume else None
-        if args.resume and resume_from is None:
-            raise ValueError(f"--resume: no checkpoint in {out}")
-        resumed_step = checkpoint.read_state(resume_from)["step"] if resume_from else 0
+        resumed_step = record["step"] if record else 0
+        exports = args.export_hf or args.export_lora
+        if exports and resumed_step > args.steps:
+            raise ValueError(f"{resume_from} is at step {resumed_step}, past --steps {args.steps}: give --steps "
+                             f"{resumed_step} to export it")
         same.update(_same_on_every_rank(args, config, train_data))
-    if resumed_step >= args.steps:
+    if resumed_step >= args.steps and not exports:  # at --steps with exports: they are written from the checkpoint
         if lead:
             print(f"nothing to do: {resume_from} is at step {resumed_step} and --steps is {args.steps}; give a larger "
                   "--steps to train further", flush=True)
@@ -504,6 +638,12 @@ def _train(args, held: contextlib.ExitStack) -> dict:
 
     model, lora_settings = finetune.build(make_model, config.dtype, args.seed)
     if args.init_lora and resume_from is None:
+        base = args.init_from_hf or args.model
+        named = lora.other_base(args.init_lora, base)
+        if named is not None and lead:  # the shapes may match all the same: nothing else would tell
+            print(f"warning: --init-lora {args.init_lora} was trained on {named} (its adapter_config.json's "
+                  f"base_model_name_or_path), not on {base}; its adapters may not suit this base model",
+                  file=sys.stderr, flush=True)
         lora.load_peft(model, args.init_lora)
     tx, schedule = _make_optimizer(args)
     graphdef, params, frozen = _split(model, finetune)
@@ -516,8 +656,8 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         start_step = record["step"]
         if lead:
             _truncate_metrics(metrics_path, start_step)
-    elif lead and metrics_path.exists():
-        metrics_path.unlink()
+    elif lead:
+        _remove_run(out)
 
     train_step, eval_step = make_steps(graphdef, tx, args.grad_accum_steps, args.fused_update)
     if lead:
@@ -538,7 +678,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         state = {"data_position": step * tokens_per_step, "data_order": args.data_order,
                  "rng": {"seed": args.seed,
                          "dropout_seed_of_next_step": int(_dropout_seed(args.seed, step * args.grad_accum_steps))},
-                 "args": {k: v for k, v in vars(args).items() if k != "quiet"}}
+                 "args": {k: v for k, v in vars(args).items() if k != "quiet"}, "base": base}
         return checkpoint.save(out, model=_merged(graphdef, params, frozen), opt_state=opt_state, step=step,
                                state=state, finetune=finetune)
 
@@ -623,9 +763,13 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     summary = {"step": step, "losses": losses, "checkpoint": str(path), "first_loss": rows[0]["loss"] if rows else None,
                "last_loss": rows[-1]["loss"] if rows else None,
-               "tokens_per_s": float(np.median([r["tokens_per_s"] for r in rows[1:]])) if len(rows) > 1 else None}
+               # The first step compiles its programs: its speed counts only when it is the one step.
+               "tokens_per_s": float(np.median([r["tokens_per_s"] for r in rows[1:] or rows]))}
+    rate = summary["tokens_per_s"]
+    rate = f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}"  # a slow model's rate is not 0
+    speed = f"median {rate} tokens/s" if len(rows) > 1 else f"{rate} tokens/s in its one step, compilation included"
     print(f"done: {step} steps, loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
-          f"median {summary['tokens_per_s'] or 0:.0f} tokens/s; metrics in {metrics_path}, curve in {out / 'loss.png'}")
+          f"{speed}; metrics in {metrics_path}, curve in {out / 'loss.png'}")
     if args.samples:
         dataset = val_data or train_data
         for i, text in enumerate(generate_samples(final_model, dataset, args)):

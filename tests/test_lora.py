@@ -276,3 +276,34 @@ def test_planner_counts_frozen_parameters_once():
     frozen = memory.plan(config, 2, 64, finetune=lora.FineTune(freeze="embed_tokens|lm_head"))
     assert frozen.frozen_parameters + frozen.parameters == full.parameters
     assert frozen.peak < full.peak
+
+
+def test_adapters_of_another_base_load_with_a_warning_naming_both(dataset, tmp_path, capsys):
+    adapter = DATA / "peft_tiny_llama"  # its adapter_config.json names hf_tiny_llama
+    _train(dataset, tmp_path / "qwen2", "--steps", "1", "--init-lora", str(adapter), hf="hf_tiny_qwen2")
+    assert (f"warning: --init-lora {adapter} was trained on hf_tiny_llama (its adapter_config.json's "
+            f"base_model_name_or_path), not on {DATA / 'hf_tiny_qwen2'}") in capsys.readouterr().err
+    _train(dataset, tmp_path / "llama", "--steps", "1", "--init-lora", str(adapter))
+    assert "warning" not in capsys.readouterr().err
+    # The same base: a local copy of a hub id, the same folder written otherwise; no base named: no warning.
+    assert lora.other_base(adapter, "/models/hf_tiny_llama") is None
+    assert lora.other_base(adapter, str(DATA / ".." / "data" / "hf_tiny_llama" / "")) is None
+    config = json.loads((adapter / lora.ADAPTER_CONFIG).read_text())
+    for named, base, expected in (("TinyLlama/TinyLlama-1.1B", "/models/TinyLlama-1.1B", None),
+                                  (None, "anything", None), ("", "anything", None),
+                                  ("meta-llama/Llama-3.2-1B", "Qwen/Qwen2-0.5B", "meta-llama/Llama-3.2-1B")):
+        (tmp_path / "adapter").mkdir(exist_ok=True)
+        (tmp_path / "adapter" / lora.ADAPTER_CONFIG).write_text(json.dumps({**config,
+                                                                            "base_model_name_or_path": named}))
+        assert lora.other_base(tmp_path / "adapter", base) == expected
+
+
+def test_adapters_of_another_architecture_are_refused_naming_the_folder(dataset, tmp_path):
+    adapter = DATA / "peft_tiny_gpt2"
+    with pytest.raises(ValueError) as refused:
+        _train(dataset, tmp_path / "out", "--steps", "1", "--init-lora", str(adapter))
+    message = str(refused.value)
+    assert message.startswith(f"the adapters in {adapter} are of c_attn, c_fc, c_proj, the projections of a gpt2 "
+                              "model: they were trained on another architecture than this llama model")
+    assert "--lora-targets" not in message
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
