@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -220,12 +221,28 @@ def _register_ffi_targets() -> None:
 _register_ffi_targets()
 
 
-def _prepare_swap_dir(config: RuntimeConfig) -> None:
-    """Creates the swap directory and checks that its file system can hold `swap_size_mb`.
+# The native runtime's swap subdirectories: jnntile-swap-<pid>-XXXXXX (xla_ffi/runtime.cc).
+_SWAP_SUBDIR = re.compile(r"jnntile-swap-(\d+)-\w{6}")
 
-    StarPU aborts the process when a swap write fails (a full disk included), so a swap the disk
-    cannot hold is refused here, before any tile is written.
-    """
+
+def _remove_dead_swap_dirs(path: Path) -> None:
+    """Removes the swap subdirectories in `path` of jnntile processes that no longer run (killed, or ended
+    without stopping the runtime), whose files would count against the free space the next run needs."""
+    for child in path.iterdir():
+        match = _SWAP_SUBDIR.fullmatch(child.name)
+        if match is None or not child.is_dir() or int(match[1]) == os.getpid():
+            continue
+        try:
+            os.kill(int(match[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(child, ignore_errors=True)
+        except PermissionError:  # another user's process lives
+            pass
+
+
+def _prepare_swap_dir(config: RuntimeConfig) -> None:
+    """Creates the swap directory, removes the swap left by dead runs and checks that the file system can
+    hold `swap_size_mb`, which the native runtime then reserves (so another process cannot take it)."""
     if not config.swap_dir:
         return
     path = Path(config.swap_dir)
@@ -236,12 +253,23 @@ def _prepare_swap_dir(config: RuntimeConfig) -> None:
                          "--swap-dir (swap_dir)") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"swap directory {path} is not writable; choose another --swap-dir (swap_dir)")
+    _remove_dead_swap_dirs(path)
     free_mb = shutil.disk_usage(path).free // 2**20
     if free_mb < config.swap_size_mb:
+        smaller = (f"give --swap-size-mb (swap_size_mb) at most {free_mb} (python -m jnntile.memory says how much "
+                   "the step needs), " if free_mb >= MIN_SWAP_MB else "")
         raise ValueError(
             f"swap directory {path} has {free_mb} MB free, less than the swap size of {config.swap_size_mb} MB: "
-            f"StarPU would abort the run when the disk fills. Give --swap-size-mb (swap_size_mb) at most {free_mb} "
-            "(python -m jnntile.memory says how much the step needs), free space there, or choose another --swap-dir")
+            f"{smaller}free space there, or choose another --swap-dir (swap_dir)")
+
+
+class SwapFailure(RuntimeError):
+    """Disk swap could not take a tile (its disk filled): the tasks in flight will not complete."""
+
+
+def swap_failure() -> str | None:
+    """Why disk swap could not take a tile since the runtime started (the runtime is then failed), or None."""
+    return _xla_ffi.swap_failure() or None
 
 
 def configure(**settings) -> RuntimeConfig:

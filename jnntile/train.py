@@ -209,6 +209,15 @@ def _export(directory, out: Path, step: int, write, copy_from: Path | None = Non
             shutil.copyfile(copy_from / name, directory / name)
 
 
+def _tokenizer_dir(args) -> Path | None:
+    """Where this run's tokenizer files are: the --init-from-hf folder, or the training data's (beside its file)."""
+    if args.init_from_hf:
+        return Path(args.init_from_hf) if Path(args.init_from_hf).is_dir() else None
+    if args.data is None:
+        return data_mod.default_dataset_dir()
+    return Path(args.data) if Path(args.data).is_dir() else Path(args.data).parent
+
+
 def _remove_run(out: Path) -> None:
     """Removes what an earlier run left in --out: checkpoints, metrics and plot."""
     checkpoint.remove_all(out)
@@ -736,6 +745,12 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     except OSError as e:  # a full disk; writes through a file object do not name their file
         e.filename = e.filename or str(metrics_path)
         raise
+    except RuntimeError as e:  # the step's tasks failed (jax.errors.JaxRuntimeError carries the native error)
+        if jnntile.runtime.swap_failure() is None:
+            raise
+        raise jnntile.runtime.SwapFailure(f"{jnntile.runtime.swap_failure()}. Step {step} did not finish, and the "
+                                          f"tiles it updated in place are not a state to save: "
+                                          f"{_standing_checkpoint(out)}") from e
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
@@ -748,18 +763,25 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         print(f"\ninterrupted ({name}) at step {step}: checkpoint saved to {path}; continue with --resume", flush=True)
         return {"interrupted": True, "signal": stop_requested[0] if stop_requested else signal.SIGINT, "step": step,
                 "losses": losses}
-    path = save(step)
-    plot_losses(metrics_path, out / "loss.png")
+    trained = step > start_step  # else a finished run's checkpoint is exported as it is
+    path = save(step) if trained else resume_from
+    if trained:
+        plot_losses(metrics_path, out / "loss.png")
     final_model = _merged(graphdef, params, frozen)
     if args.export_lora:
-        lora.save_peft(final_model, lora_settings, args.export_lora, base_model=args.init_from_hf or args.model)
+        _export(args.export_lora, out, step, lambda d: lora.save_peft(final_model, lora_settings, d,
+                                                                      base_model=args.init_from_hf or args.model))
         print(f"exported LoRA adapters (PEFT) to {args.export_lora}")
     if args.export_hf:
         if lora_settings is not None:
             lora.merge(final_model)
-        families.save_hf(final_model, args.export_hf, args.export_dtype)
+        _export(args.export_hf, out, step, lambda d: families.save_hf(final_model, d, args.export_dtype),
+                _tokenizer_dir(args))
         print(f"exported Hugging Face checkpoint ({args.export_dtype}{', adapters merged' if lora_settings else ''}) "
               f"to {args.export_hf}")
+    if not trained:
+        print(f"nothing to train: {path} is at --steps ({step}); its weights were exported")
+        return {"interrupted": False, "step": step, "losses": [], "checkpoint": str(path)}
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     summary = {"step": step, "losses": losses, "checkpoint": str(path), "first_loss": rows[0]["loss"] if rows else None,
                "last_loss": rows[-1]["loss"] if rows else None,
@@ -768,7 +790,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     rate = summary["tokens_per_s"]
     rate = f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}"  # a slow model's rate is not 0
     speed = f"median {rate} tokens/s" if len(rows) > 1 else f"{rate} tokens/s in its one step, compilation included"
-    print(f"done: {step} steps, loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
+    print(f"done: {step} step{'s' if step != 1 else ''}, loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
           f"{speed}; metrics in {metrics_path}, curve in {out / 'loss.png'}")
     if args.samples:
         dataset = val_data or train_data
@@ -797,6 +819,14 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(r + "\n" for r in rows))
 
 
+def _standing_checkpoint(out: Path) -> str:
+    """What a run that failed mid-step leaves to continue from."""
+    latest = checkpoint.latest(out)
+    if latest is None:
+        return f"{out} holds no checkpoint, so the run starts over"
+    return f"{latest} (step {checkpoint.read_state(latest)['step']}) stands; continue from it with --resume"
+
+
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -812,7 +842,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         distributed.wait_for_every_rank("the report of a set-up error")  # mpirun ends them all at the first exit
         return 2
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError, jnntile.runtime.SwapFailure) as e:
         print(f"error{_on_rank()}: {e}", file=sys.stderr)
         return _end_every_rank(2)
     except OSError as e:  # a full or read-only disk under --out, --swap-dir or --export-hf

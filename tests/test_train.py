@@ -1,6 +1,7 @@
 """`python -m jnntile.train`: outputs, checkpoints, bit-identical resume, Ctrl-C, HF interop, bad input."""
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -166,6 +167,34 @@ def test_export_and_init_from_hugging_face(dataset, tmp_path):
     assert summary["step"] == 1
 
 
+HF_GPT2 = Path(__file__).parent / "data" / "hf_tiny_gpt2"
+
+
+def test_init_from_hf_applies_dropout_and_size_flags_that_repeat_its_sizes():
+    args = train_mod.parse_args(["--init-from-hf", str(HF_GPT2), "--dropout", "0.1", "--n-layer", "2", "--n-embd", "32"])
+    config = train_mod._config(args, 96)
+    assert (config.dropout, config.n_layer, config.n_embd) == (0.1, 2, 32)
+
+
+@pytest.mark.parametrize("family, extra, message", [
+    ("gpt2", ["--n-layer", "6"], r"^--n-layer 6: the model's size comes from --init-from-hf .*hf_tiny_gpt2 "
+                                 r"\(n_layer=2\); leave the flag out"),
+    ("llama", ["--n-embd", "64"], r"^--n-embd 64: the model's size comes from .*\(hidden_size=32\)"),
+    ("llama", ["--dropout", "0.1"], "^--dropout 0.1: dropout=0.1: the Llama family has no dropout"),
+])
+def test_init_from_hf_refuses_flags_that_contradict_its_weights(family, extra, message):
+    args = train_mod.parse_args(["--init-from-hf", str(HF_GPT2.parent / f"hf_tiny_{family}"), *extra])
+    with pytest.raises(ValueError, match=message):
+        train_mod._config(args, 96)
+
+
+def test_a_one_step_run_reports_the_speed_of_its_step(dataset, tmp_path, capsys):
+    summary = _run(dataset, tmp_path, "--steps", "1", "--eval-interval", "0", "--samples", "0")
+    assert summary["tokens_per_s"] > 0
+    done = capsys.readouterr().out.split("done: ")[1]
+    assert re.match(r"1 step, loss .* [\d.,]+ tokens/s in its one step, compilation included;", done), done
+
+
 def test_bin_without_tokenizer_trains_and_samples_ids(dataset, tmp_path, capsys):
     bare = tmp_path / "bare.bin"
     bare.write_bytes(Path(dataset).read_bytes())
@@ -183,6 +212,7 @@ def test_text_file_as_data_says_to_tokenize_it(dataset, tmp_path, capsys):
 
 
 HF_LLAMA = Path(__file__).parent / "data" / "hf_tiny_llama"
+ON_HF_LLAMA = ["--init-from-hf", str(HF_LLAMA), "--batch-size", "2", "--seq-len", "16", "--quiet"]  # its own sizes
 
 
 def _words_prepared(tmp_path, **kwargs) -> Path:
@@ -195,8 +225,7 @@ def _words_prepared(tmp_path, **kwargs) -> Path:
 
 
 def _load(dataset, *extra):
-    return train_mod._load_data(train_mod.parse_args([*(["--data", str(dataset)] if dataset else []), *SMALL,
-                                                      *extra]))
+    return train_mod._load_data(train_mod.parse_args(["--data", str(dataset), *ON_HF_LLAMA, *extra]))
 
 
 def test_data_of_another_tokenizer_than_the_hf_model_s_is_refused_naming_both(dataset, tmp_path):
@@ -207,23 +236,23 @@ def test_data_of_another_tokenizer_than_the_hf_model_s_is_refused_naming_both(da
         theirs = re.escape(str(Path(data).parent / "tokenizer.json"))
         with pytest.raises(ValueError, match=rf"--data {re.escape(str(data))} was tokenized by {theirs} .*differs "
                                              rf"from .*{mine} .*{prepare}.*--allow-tokenizer-mismatch"):
-            _load(data, "--init-from-hf", str(HF_LLAMA))
-        _load(data, "--init-from-hf", str(HF_LLAMA), "--allow-tokenizer-mismatch")
+            _load(data)
+        _load(data, "--allow-tokenizer-mismatch")
     # The model's own tokenizer, by content: read from another path, and from a folder whose meta.json
     # predates the fingerprint.
     llama = _words_prepared(tmp_path / "llama", tokenizer=HF_LLAMA)
-    _load(llama, "--init-from-hf", str(HF_LLAMA))
+    _load(llama)
     meta = json.loads((llama / "meta.json").read_text())
     del meta["tokenizer_sha256"]
     (llama / "meta.json").write_text(json.dumps(meta))
-    _load(llama, "--init-from-hf", str(HF_LLAMA))
+    _load(llama)
     with pytest.raises(ValueError, match="differs"):
-        _load(qwen2, "--init-from-hf", str(HF_LLAMA))
+        _load(qwen2)
 
 
 def test_built_in_corpus_on_an_hf_model_with_its_own_tokenizer_is_refused(dataset, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(data_mod, "ensure_default_dataset", lambda progress: Path(dataset).parent)
-    assert train_mod.main([*SMALL, "--out", str(tmp_path), "--init-from-hf", str(HF_LLAMA), "--steps", "1"]) == 2
+    assert train_mod.main([*ON_HF_LLAMA, "--out", str(tmp_path), "--steps", "1"]) == 2
     error = capsys.readouterr().err
     assert f"--init-from-hf {HF_LLAMA} has its own tokenizer" in error and "built-in corpus" in error
     assert f"`python -m jnntile.data FILES --tokenizer {HF_LLAMA} --out DIR`, and pass --data DIR" in error
@@ -258,6 +287,10 @@ def test_unknown_preset_is_refused(capsys):
     (["--sample-tokens", "0"], "--sample-tokens=0 must be positive .--samples 0 turns samples off"),
     (["--lr", "nan"], "--lr=nan must be a finite number"),
     (["--weight-decay", "inf"], "--weight-decay=inf must be a finite number"),
+    (["--model", "llama-tiny", "--n-embd", "66", "--n-head", "4"],
+     r"--n-head 4 \(num_attention_heads\) --n-embd 66 \(hidden_size\): num_attention_heads=4 does not divide "
+     "hidden_size=66"),
+    (["--memory-limit-mb", "0"], "--memory-limit-mb 0: memory_limit_mb=0 must be positive"),
 ])
 def test_bad_input_is_refused_before_training(dataset, tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
@@ -416,6 +449,43 @@ def test_swap_larger_than_the_free_disk_is_refused_before_start(dataset, tmp_pat
     assert list(small_tmpfs.iterdir()) == []
 
 
+def _fill(directory: Path, name: str) -> None:
+    """Writes a file in `directory` until its disk is full, as another process might."""
+    with open(directory / name, "wb") as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\1" * 65536)
+                f.flush()
+
+
+def test_a_disk_filled_by_another_process_during_training(dataset, tmp_path, small_tmpfs):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "jnntile.train", "--data", str(dataset), "--out", str(out),
+                             *SMALL, "--steps", "100000", "--eval-interval", "0", "--checkpoint-interval", "2",
+                             "--memory-limit-mb", "3", "--swap-dir", str(small_tmpfs), "--swap-size-mb", "16",
+                             "--swap-backend", "unistd"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # The swap's space was reserved at start: filling the disk takes none of it, and training goes on.
+    _fill(small_tmpfs, "filler")
+    steps = metrics.read_text().count("\n")
+    while metrics.read_text().count("\n") < steps + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1]
+    # Something takes the reserve too: the next tile the swap cannot take ends the step with an error.
+    (swap,) = small_tmpfs.glob("jnntile-swap-*")
+    os.truncate(swap / "reserve", 0)
+    _fill(small_tmpfs, "filler2")
+    out_text, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert re.search(rf"error: disk swap in {swap} could not take a tile of \d+ bytes \(No space left on device; \d+ "
+                     rf"bytes free there\).*Step \d+ did not finish.*{out}/ckpt-\d+ \(step \d+\) stands; continue from "
+                     r"it with --resume", err), err
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler", "filler2"]  # the swap files are removed
+
+
 @pytest.mark.parametrize("swap_dir", ["/proc/jnntile-swap", "FILE/swap"])
 def test_swap_dir_that_cannot_be_created_is_named(dataset, tmp_path, swap_dir):
     (tmp_path / "file").write_text("")
@@ -479,3 +549,27 @@ def test_resume_at_or_past_the_last_step_has_nothing_to_do(dataset, tmp_path, ca
     assert "nothing to do" in capsys.readouterr().out and summary["losses"] == []
     assert (tmp_path / "ckpt-0000003" / "optimizer.safetensors").stat().st_mtime_ns == saved
     assert len(_losses(tmp_path)) == 3
+
+
+def test_a_fresh_run_is_refused_in_an_out_holding_another_run_and_overwrite_starts_afresh(dataset, tmp_path, capsys):
+    quick = ["--eval-interval", "0", "--samples", "0"]
+    _run(dataset, tmp_path, "--steps", "6", "--checkpoint-interval", "3", *quick)
+    code = train_mod.main(["--data", str(dataset), "--out", str(tmp_path), *SMALL, "--steps", "2",
+                           "--checkpoint-interval", "1", *quick])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert f"{tmp_path} holds the checkpoints of another run (the last: ckpt-0000006)" in error
+    assert "--resume" in error and "--overwrite" in error and "another --out" in error
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000003", "ckpt-0000006"]  # untouched
+    assert len(_losses(tmp_path)) == 6 and (tmp_path / "loss.png").exists()
+
+    (tmp_path / "ckpt-0000009").mkdir()  # even one cut short (no state.json) is the other run's
+    (tmp_path / "loss.png").unlink()
+    _run(dataset, tmp_path, "--steps", "2", "--checkpoint-interval", "1", "--overwrite", *quick)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000001", "ckpt-0000002"]
+    assert (tmp_path / "latest").read_text() == "ckpt-0000002"
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert (tmp_path / "loss.png").exists()
+    with pytest.raises(ValueError, match="--resume continues the run in --out, --overwrite removes it"):
+        _run(dataset, tmp_path, "--steps", "3", "--resume", "--overwrite")
+

@@ -94,6 +94,7 @@ NB_MODULE(_xla_ffi, m) {
     runtime_stop([](bool ok) { tensor_free_all(/*sync=*/ok); });
   });
   m.def("runtime_running", &runtime_running);
+  m.def("swap_failure", &swap_failure);
   m.def("blas_core", [] { return std::string(blas_core()); });
   m.def("wait_all", [] {
     nb::gil_scoped_release release;

@@ -121,6 +121,9 @@ void runtime_start(const RuntimeConfig& config);
 // (ok: no watchdog failure, tasks all done), then shuts StarPU down.
 void runtime_stop(const std::function<void(bool ok)>& release_data = {});
 bool runtime_running();
+// Why disk swap could not take a tile since the runtime last started ("" if it always could); the runtime is then
+// failed (runtime_fail) with this message.
+std::string swap_failure();
 // Marks the runtime failed (as the watchdog does): waits and stops no longer
 // wait for tasks, which will never complete (e.g. another rank is gone).
 void runtime_fail(const std::string& why);
