@@ -486,6 +486,30 @@ def test_a_disk_filled_by_another_process_during_training(dataset, tmp_path, sma
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler", "filler2"]  # the swap files are removed
 
 
+def test_swap_of_dead_runs_is_removed_before_the_free_space_check(dataset, tmp_path, small_tmpfs):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = small_tmpfs / f"jnntile-swap-{int(dead.stdout)}-AbC123"  # what a killed run leaves
+    left.mkdir()
+    (left / "tile").write_bytes(b"\1" * 10 * 2**20)
+    alive = small_tmpfs / "jnntile-swap-1-XyZ789"  # a process that runs (init)
+    alive.mkdir()
+    (small_tmpfs / "jnntile-swap-notes").write_text("not a swap directory")
+    result = _cli("--data", str(dataset), "--out", str(tmp_path / "out"), *SMALL, "--steps", "2", "--eval-interval",
+                  "0", "--samples", "0", "--memory-limit-mb", "4", "--swap-dir", str(small_tmpfs), "--swap-size-mb",
+                  "16", "--swap-backend", "unistd")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == [alive.name, "jnntile-swap-notes"]
+
+
+def test_free_space_below_the_smallest_swap_advises_no_smaller_swap(dataset, tmp_path, small_tmpfs):
+    (small_tmpfs / "filler").write_bytes(b"\1" * 4 * 2**20)
+    result = _cli("--data", str(dataset), "--out", str(tmp_path / "out"), *SMALL, "--steps", "2",
+                  "--memory-limit-mb", "4", "--swap-dir", str(small_tmpfs), "--swap-size-mb", "16")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert (f"swap directory {small_tmpfs} has 13 MB free, less than the swap size of 16 MB: free space there, or "
+            "choose another --swap-dir (swap_dir)") in result.stderr
+
+
 @pytest.mark.parametrize("swap_dir", ["/proc/jnntile-swap", "FILE/swap"])
 def test_swap_dir_that_cannot_be_created_is_named(dataset, tmp_path, swap_dir):
     (tmp_path / "file").write_text("")
