@@ -597,3 +597,48 @@ def test_a_fresh_run_is_refused_in_an_out_holding_another_run_and_overwrite_star
     with pytest.raises(ValueError, match="--resume continues the run in --out, --overwrite removes it"):
         _run(dataset, tmp_path, "--steps", "3", "--resume", "--overwrite")
 
+
+
+def test_export_places_are_checked_before_training(dataset, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    cases = {str(tmp_path / "file" / "hf"): f"{tmp_path / 'file'} is a file, where the export needs a folder",
+             str(tmp_path / "file"): "it is a file, where the export needs a folder",
+             str(tmp_path / "foreign"): "holds files that are not an earlier export of this run's --out"}
+    for flag in ("--export-hf", "--export-lora"):
+        for place, message in cases.items():
+            extra = ["--lora-rank", "2"] if flag == "--export-lora" else []
+            assert train_mod.main(["--data", str(dataset), "--out", str(tmp_path / "out"), *SMALL, "--steps", "1",
+                                   flag, place, *extra]) == 2
+            assert message in capsys.readouterr().err
+            assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
+
+
+def test_an_export_is_a_whole_model_replaced_only_by_its_own_run_and_a_finished_run_exports(dataset, tmp_path,
+                                                                                           capsys):
+    from jnntile import generate as generate_mod
+
+    quick = ["--eval-interval", "0", "--samples", "0"]
+    _run(dataset, tmp_path / "a", "--steps", "2", *quick, "--export-hf", str(tmp_path / "hf"))
+    files = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert files == {"config.json", "model.safetensors", "tokenizer.json", train_mod.EXPORT_MARK}
+    text = generate_mod.generate(generate_mod.parse_args(["--hf", str(tmp_path / "hf"), "--prompt", "alpha beta",
+                                                         "--max-new-tokens", "3", "--quiet"]))
+    assert text[0].startswith("alpha beta")  # the tokenizer came along
+    with pytest.raises(ValueError, match="not an earlier export of this run's --out"):
+        _run(dataset, tmp_path / "b", "--steps", "1", *quick, "--export-hf", str(tmp_path / "hf"))
+    # A finished run exports its last checkpoint, into a new folder or over its own export.
+    capsys.readouterr()
+    for place in ("hf2", "hf"):
+        summary = _run(dataset, tmp_path / "a", "--steps", "2", *quick, "--resume", "--export-hf", str(tmp_path / place))
+        assert summary["losses"] == [] and "nothing to train" in capsys.readouterr().out
+        assert _hf_tensors(tmp_path / place) == _hf_tensors(tmp_path / "a" / "ckpt-0000002")
+    assert len(_losses(tmp_path / "a")) == 2
+    with pytest.raises(ValueError, match="past --steps 1: give --steps 2 to export it"):
+        _run(dataset, tmp_path / "a", "--steps", "1", *quick, "--resume", "--export-hf", str(tmp_path / "hf"))
+
+
+def _hf_tensors(directory) -> dict:
+    return {name: value.tobytes() for name, value in safetensors.numpy.load_file(directory / "model.safetensors").items()}
