@@ -8,9 +8,11 @@ its `dtype` and its `remat`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 
 from jnntile import optim, runtime
-from jnntile.models import COMPUTE_DTYPES, REMAT_CHOICES, TILE_AXES
+from jnntile.models import COMPUTE_DTYPES, REMAT_CHOICES, TILE_AXES, families
 
 # Flag -> RuntimeConfig field, for the flags that set one directly. --swap-size-mb and --swap-backend
 # count only with --swap-dir (runtime_settings); the planner reads --swap-size-mb alone as a what-if.
@@ -52,6 +54,76 @@ def runtime_settings(args) -> dict:
             if getattr(args, name, None) is not None:
                 settings[name] = getattr(args, name)
     return settings
+
+
+def runtime_config(args) -> runtime.RuntimeConfig:
+    """The runtime's configuration with the runtime flags given, checked (`RuntimeConfig.validate`); an error
+    about a setting the flags gave names its flag."""
+    settings = runtime_settings(args)
+    config = dataclasses.replace(runtime.config(), **settings)
+    try:
+        config.validate()
+    except ValueError as e:
+        named = {name: value for name, value in settings.items() if str(e).startswith(f"{name}=")}
+        raise naming_flags(e, named) from None
+    return config
+
+
+def naming_flags(error: ValueError, given: dict, fields: dict | None = None) -> ValueError:
+    """`error` led by the flags that made it: `given` maps their attribute names to values (None: not given),
+    `fields` the names of those that set a config field of another name to it (which `error` may name)."""
+    def flag(name, value):
+        field = (fields or {}).get(name, name)
+        return f"--{name.replace('_', '-')} {value}" + (f" ({field})" if field != name else "")
+
+    named = " ".join(flag(name, value) for name, value in given.items() if value is not None)
+    return ValueError(f"{named}: {error}") if named else error
+
+
+def check_values(args, finite=(), positive=(), non_negative=(), hints=None) -> None:
+    """Refuses the flags (by attribute name; absent or None ones pass) of `finite` that are NaN or infinite, of
+    `positive` that are not positive, of `non_negative` that are negative; the message names the flag and
+    its value, then `hints[name]` where given."""
+    def refuse(name, problem):
+        raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} {problem}{(hints or {}).get(name, '')}")
+
+    values = {name: getattr(args, name, None) for name in (*finite, *positive, *non_negative)}
+    for name in finite:
+        if values[name] is not None and not math.isfinite(values[name]):
+            refuse(name, "must be a finite number")
+    for name in positive:
+        if values[name] is not None and values[name] <= 0:
+            refuse(name, "must be positive")
+    for name in non_negative:
+        if values[name] is not None and values[name] < 0:
+            refuse(name, "must not be negative")
+
+
+def check_step_flags(args) -> None:
+    """Refuses what no step runs with, in the flags that `train` and `memory` share: the batch, the sequence,
+    clipping, dropout, and the runtime's settings (`runtime_config`). Both commands call it, so the planner
+    refuses what training would."""
+    check_values(args, finite=("grad_clip", "dropout"), positive=("batch_size", "grad_accum_steps", "seq_len"),
+                 non_negative=("grad_clip",))
+    runtime_config(args)
+
+
+SIZE_FLAGS = ("n_layer", "n_head", "n_embd")  # the generic size flags (families.size_overrides)
+
+
+def preset_config(args, **fields):
+    """The config of preset --model with the size flags and --dropout given, and `fields` (other config fields by
+    name): a config the family cannot take (the config's own checks) is refused naming those flags."""
+    sizes = {name: getattr(args, name, None) for name in SIZE_FLAGS}
+    overrides = families.size_overrides(args.model, **sizes)
+    dropout = getattr(args, "dropout", None)
+    if dropout is not None:
+        overrides["dropout"] = dropout
+    try:
+        return families.preset(args.model, **overrides, **fields)
+    except ValueError as e:
+        raise naming_flags(e, {"model": args.model, **sizes, "dropout": dropout},
+                           families.PRESETS[args.model].config.FLAG_FIELDS) from None
 
 
 def add_execution_flags(parser: argparse.ArgumentParser, training: bool = True) -> None:

@@ -831,12 +831,11 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
         moved = {blocks: sum(plan_with(blocks).swap_traffic(capacity_mb)) for blocks in (0, n_blocks)}
         if moved[0] <= moved[n_blocks]:
             return plain, (f"--remat auto: none (the step swaps either way, and recomputation would not lower "
-                           f"the predicted swap traffic of {moved[0] / 2**30:.1f} GB per step)")
+                           f"the predicted swap traffic of {_amount(moved[0])} per step)")
         chosen = dataclasses.replace(config, remat="block", remat_blocks=n_blocks)
         return chosen, (f"--remat auto: block, all {n_blocks} blocks recomputed in the backward (the step swaps "
-                        f"either way: {moved[n_blocks] / 2**30:.1f} GB per step predicted instead of "
-                        f"{moved[0] / 2**30:.1f} GB; {peak} {all_peak / 2**20:.0f} MB instead of "
-                        f"{plain_peak / 2**20:.0f} MB under the {memory_limit_mb:.0f} MB limit)")
+                        f"either way: swap traffic per step predicted {_instead(moved[n_blocks], moved[0])}; {peak} "
+                        f"{_instead(all_peak, plain_peak)}, under the {memory_limit_mb:.0f} MB limit)")
     low, high = 1, n_blocks  # the fewest blocks that fit: the peak falls as blocks are added
     while low < high:
         middle = (low + high) // 2
@@ -848,6 +847,18 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
     return chosen, (f"--remat auto: block, the first {low} of {n_blocks} blocks recomputed in the backward "
                     f"({peak} {peak_with(low) / 2**20:.0f} MB instead of {plain_peak / 2**20:.0f} MB under "
                     f"the {memory_limit_mb:.0f} MB limit)")
+
+
+def _amount(n_bytes: float) -> str:
+    """Bytes in GB from 1 GB up, else in MB, to a tenth."""
+    return f"{n_bytes / 2**30:,.1f} GB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MB"
+
+
+def _instead(chosen: float, without: float) -> str:
+    """"A instead of B", two byte counts (`_amount`), or "A, about as much as without" where they print alike."""
+    chosen_text, without_text = _amount(chosen), _amount(without)
+    return (f"{chosen_text} instead of {without_text}" if chosen_text != without_text
+            else f"{chosen_text}, about as much as without")
 
 
 def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,
@@ -896,15 +907,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args):
     """The config the flags describe (preset, size overrides and tiles)."""
-    flag = lambda name: getattr(args, name, None)  # noqa: E731
-    overrides = families.size_overrides(args.model, n_layer=flag("n_layer"), n_head=flag("n_head"),
-                                        n_embd=flag("n_embd"), max_positions=flag("n_positions"))
-    overrides.update({name: flag(name) for name in ("vocab_size", "dropout") if flag(name) is not None})
-    return families.preset(args.model, **overrides, **flags.execution_settings(args))
+    overrides = families.size_overrides(args.model, max_positions=getattr(args, "n_positions", None))
+    if getattr(args, "vocab_size", None) is not None:
+        overrides["vocab_size"] = args.vocab_size
+    return flags.preset_config(args, **overrides, **flags.execution_settings(args))
 
 
 def plan_from_args(args) -> MemoryPlan:
-    """The plan of the step the flags describe, automatic tiles fitted to the limits (see `fit_tiles`)."""
+    """The plan of the step the flags describe, automatic tiles fitted to the limits (see `fit_tiles`); flags
+    that `python -m jnntile.train` refuses are refused alike (`flags.check_step_flags`)."""
+    flags.check_step_flags(args)
     args = flags.one_batch_per_step(args)
     config = config_from_args(args)
     seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.max_positions
@@ -954,7 +966,8 @@ def main(argv=None) -> int:
     try:
         memory_plan = plan_from_args(args)
     except ValueError as error:
-        parser.error(str(error))
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
     limit, swap_mb, gpu_mb, cpu_kernels = limits_from_args(args)
     config = memory_plan.config

@@ -138,6 +138,24 @@ def test_damaged_checkpoints_are_refused_naming_the_problem(tmp_path, damage, me
         families.from_hf(tmp_path / "ckpt", batch_size=B, seq_len=T)
 
 
+@pytest.mark.parametrize("fields, message", [
+    (dict(hidden_size=66), r"num_attention_heads=4 does not divide hidden_size=66; choose num_attention_heads among "
+                           r"divisors \[1, 2, 3, 6, 11, 22, 33, 66\]"),
+    (dict(hidden_size=36, num_attention_heads=4), "head_dim=9 is odd: the rotary embedding turns pairs of features"),
+    (dict(num_attention_heads=3, hidden_size=48), "num_key_value_heads=2 does not divide num_attention_heads=3"),
+    (dict(dropout=0.1), "dropout=0.1: the Llama family has no dropout; it must be 0"),
+])
+def test_a_config_that_is_no_llama_is_refused_where_it_is_made(fields, message):
+    with pytest.raises(ValueError, match=message):
+        families.preset("llama-tiny", **fields)
+
+
+def test_a_preset_s_head_dim_follows_the_width_and_head_count_given():
+    assert families.preset("llama-tiny", hidden_size=128).head_dim == 32
+    assert families.preset("llama-tiny", num_attention_heads=8).head_dim == 8
+    assert families.preset("llama-tiny", hidden_size=128, head_dim=16).head_dim == 16  # as config.json may give it
+
+
 # ---- decoding and the commands ----------------------------------------------------------------
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -12,6 +12,7 @@
 import dataclasses
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from conftest import train_steps
 
 import jnntile
 from jnntile import flags, memory, optim
+from jnntile import train as train_mod
 from jnntile.ledger import LEDGER
 from jnntile.models import gpt2
 from jnntile.models.gpt2.config import GPT2Config
@@ -431,8 +433,23 @@ def test_memory_cli_says_which_tiles_it_chose(capsys):
     assert memory.main(tiny) == 0
     out = capsys.readouterr().out
     assert "--remat auto: block, all 2 blocks recomputed" in out and "needs 24 MB of swap" in out
+    # Traffic below a GB in MB, not "0.0 GB ... instead of 0.0 GB"; amounts that print alike are not compared.
+    assert re.search(r"swap traffic per step predicted [\d.]+ MB instead of [\d.]+ MB", out) and " GB" not in out
+    assert memory._instead(5 * 2**20, 5 * 2**20 + 1000) == "5.0 MB, about as much as without"
     assert memory.main(tiny + ["--swap-backend", "unistd", "--remat", "none"]) == 0
     assert "swap backend unistd: the kernel's page cache may also hold up to 29 MB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--seq-len", "0"], ["--memory-limit-mb", "0"],
+                                 ["--workers", "0"], ["--grad-clip", "nan"],
+                                 ["--model", "llama-tiny", "--n-embd", "66", "--n-head", "4"],
+                                 ["--model", "llama-tiny", "--dropout", "0.1"]])
+def test_planner_refuses_what_training_refuses_with_the_same_message(bad, dataset, tmp_path, capsys):
+    assert memory.main(bad) == 2
+    planned = capsys.readouterr().err
+    assert train_mod.main(["--data", str(dataset), "--out", str(tmp_path), "--seq-len", "16", "--eval-interval",
+                           "0", "--quiet", *bad]) == 2
+    assert planned == capsys.readouterr().err and re.match(r"error: --[a-z]", planned), planned
 
 
 def test_memory_cli_plans_one_micro_batch(capsys):

@@ -53,22 +53,31 @@ class LlamaConfig(ExecutionFields):
     dropout: float = 0.0
 
     def __post_init__(self):
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // max(1, self.num_attention_heads))
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         for name in _SIZE_FIELDS:
             value = getattr(self, name)
-            if not is_int(value) or value <= 0:
+            if (value is not None or name != "head_dim") and (not is_int(value) or value <= 0):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.head_dim is None:
+            heads, width = self.num_attention_heads, self.hidden_size
+            if width % heads:
+                divisors = [d for d in range(1, width + 1) if width % d == 0]
+                raise ValueError(f"num_attention_heads={heads} does not divide hidden_size={width}; choose "
+                                 f"num_attention_heads among divisors {divisors} or change hidden_size")
+            object.__setattr__(self, "head_dim", width // heads)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} is odd: the rotary embedding turns pairs of features; choose "
+                             "sizes that give an even head_dim (hidden_size / num_attention_heads)")
         self.check_execution_fields()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads={self.num_key_value_heads} does not divide "
-                             f"num_attention_heads={self.num_attention_heads}")
+                             f"num_attention_heads={self.num_attention_heads}: each key/value head serves a group of "
+                             f"query heads; choose num_attention_heads a multiple of {self.num_key_value_heads}")
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.dropout != 0:
+            raise ValueError(f"dropout={self.dropout}: the Llama family has no dropout; it must be 0")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be positive")
         scaling = self.rope_scaling_dict
@@ -236,9 +245,13 @@ class LlamaConfig(ExecutionFields):
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "LlamaConfig":
+        """Preset `name` with fields replaced by `overrides`; a head_dim that is the preset's hidden_size /
+        num_attention_heads follows the width and head count given, unless `overrides` sets it."""
         if name not in PRESETS:
             raise ValueError(f"unknown Llama preset {name!r}; choose one of {sorted(PRESETS)}")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        base = PRESETS[name]
+        derived = base.head_dim * base.num_attention_heads == base.hidden_size
+        return dataclasses.replace(base, **{**({"head_dim": None} if derived else {}), **overrides})
 
 
 _LLAMA3_SCALING = lambda factor: {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,  # noqa: E731

@@ -95,8 +95,6 @@ class Llama(LanguageModel):
 
     def __init__(self, config: LlamaConfig, *, batch_size: int, seq_len: int, seed: int = 0):
         config.check_sequence_length(seq_len)
-        if config.dropout:
-            raise ValueError(f"dropout={config.dropout}: the Llama family here has no dropout; use --dropout 0")
         self.config = config
         self.batch_size, self.seq_len = batch_size, seq_len
         self.tiles = tiles = resolve_tiles(config, batch_size, seq_len)
