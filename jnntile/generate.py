@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory (config.json and "
                         "safetensors weights) of GPT-2 or the Llama family")
     p.add_argument("--lora", metavar="DIR", help="apply the LoRA adapters of a PEFT directory (adapter_config.json, "
-                   "adapter_model.safetensors) to the model, unmerged")
+                   "adapter_model.safetensors) to the model, unmerged; a LoRA run's --out: its latest checkpoint's")
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                    help="text to continue; repeat for several prompts, decoded as one batch")
     p.add_argument("--tokenizer", metavar="PATH",
@@ -86,6 +87,14 @@ def _weights_dir(args) -> Path:
         base = checkpoint.read_state(path).get("args", {}).get("init_from_hf") or "BASE"
         raise ValueError(f"--checkpoint {path} holds LoRA adapters, not a model: give the base and the adapters, "
                          f"--hf {base} --lora {path}")
+    return path
+
+
+def _adapters_dir(path) -> Path:
+    """--lora's PEFT directory: a LoRA run's --out directory stands for its latest checkpoint, as for --checkpoint."""
+    path = Path(path)
+    if not (path / lora.ADAPTER_CONFIG).is_file() and (path / checkpoint.LATEST).is_file():
+        return checkpoint.latest(path) or path
     return path
 
 
@@ -165,7 +174,8 @@ def _check_memory(config, batch: int, length: int, limit_mb: int, swap_mb: int) 
 def generate(args) -> list[str]:
     """Runs generation as configured by `args`; returns the texts. Raises ValueError on bad input."""
     _check_args(args)
-    adapters = lora.read_settings(args.lora) if args.lora else None  # checked before anything is loaded
+    adapters_dir = _adapters_dir(args.lora) if args.lora else None
+    adapters = lora.read_settings(adapters_dir) if adapters_dir else None  # checked before anything is loaded
     weights = _weights_dir(args)
     config = _read_config(weights, args)
     tokenizer = load_tokenizer(args, weights)
@@ -189,7 +199,7 @@ def generate(args) -> list[str]:
         model = families.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
     if adapters is not None:
         lora.apply(model, adapters)
-        lora.load_peft(model, args.lora)
+        lora.load_peft(model, adapters_dir)
     decoder = decoding.Decoder(model, batch_size=len(prompts), max_len=length)
     log = sys.stderr
     print(f"{config.describe()} from {weights}, loaded in "
@@ -204,8 +214,12 @@ def generate(args) -> list[str]:
         bar.update(done - bar.n)
 
     with tqdm(total=length, disable=args.quiet, unit="pos", file=log, dynamic_ncols=True) as bar:
-        continuations = decoder.generate(prompts, args.max_new_tokens, temperature=args.temperature,
-                                         top_k=args.top_k or None, seed=args.seed, progress=progress)
+        try:
+            continuations = decoder.generate(prompts, args.max_new_tokens, temperature=args.temperature,
+                                             top_k=args.top_k or None, seed=args.seed, progress=progress)
+        except RuntimeError as e:
+            jnntile.runtime.raise_if_swap_failed(e)
+            raise
     seconds = time.perf_counter() - started
     B = len(prompts)
     print(f"{B} x {args.max_new_tokens} new tokens in {seconds:.2f} s with compilation", file=log, end="")
@@ -220,12 +234,16 @@ def generate(args) -> list[str]:
 
 
 def main(argv=None) -> int:
+    jnntile.runtime.exit_on_sigterm()  # so that the exit handler removes the swap files
     args = parse_args(argv)
     try:
         texts = generate(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, jnntile.runtime.SwapFailure) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i} ---")

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 # With jax[cuda] installed, XLA would take 75% of the GPU's memory when it first
@@ -272,6 +273,13 @@ def swap_failure() -> str | None:
     return _xla_ffi.swap_failure() or None
 
 
+def raise_if_swap_failed(error: BaseException, consequence: str = "") -> None:
+    """Raises SwapFailure, with `consequence` after the reason, when `error` (a failed wait, which JAX may
+    carry as its own RuntimeError) came from a tile the disk swap could not take."""
+    if swap_failure() is not None:
+        raise SwapFailure(f"{swap_failure()}{f'. {consequence}' if consequence else ''}") from error
+
+
 def configure(**settings) -> RuntimeConfig:
     """Sets fields of the configuration used by the next start (see RuntimeConfig)."""
     global _config
@@ -488,6 +496,16 @@ def reset_peaks() -> None:
     """Starts the peak memory use of every node (stats()["nodes"][i]["peak_used_bytes"]) over."""
     if is_running():
         _xla_ffi.reset_peaks()
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Makes SIGTERM end the process through Python's own exit (status 143), so that the exit handler stops
+    StarPU and removes the swap files; by default SIGTERM ends the process at once and leaves them behind."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 def _at_exit() -> None:

@@ -688,20 +688,21 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                  "rng": {"seed": args.seed,
                          "dropout_seed_of_next_step": int(_dropout_seed(args.seed, step * args.grad_accum_steps))},
                  "args": {k: v for k, v in vars(args).items() if k != "quiet"}, "base": base}
-        return checkpoint.save(out, model=_merged(graphdef, params, frozen), opt_state=opt_state, step=step,
-                               state=state, finetune=finetune)
+        with _signals_deferred(stop_requested, f"the checkpoint of step {step}"):
+            return checkpoint.save(out, model=_merged(graphdef, params, frozen), opt_state=opt_state, step=step,
+                                   state=state, finetune=finetune)
 
     losses = []
     step = start_step
+    stop_requested = []  # the signals that asked the run to stop
     swapping = bool(jnntile.runtime.config().swap_dir)
     bar = tqdm(total=args.steps, initial=start_step, disable=args.quiet or not lead, unit="step", dynamic_ncols=True)
     # Ctrl-C only asks to stop: the step in flight updates tiles in place, so it
     # must finish (and be recorded) before the checkpoint is written.
-    stop_requested = []
-
     def request_stop(signum, frame):
         if stop_requested:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(f"step {step} did not finish; "
+                                    + (_standing_checkpoint(out) if lead else "rank 0 says which checkpoint stands"))
         stop_requested.append(signum)
 
     # SIGTERM, which batch schedulers and container runtimes send, stops the run the same way.
@@ -745,12 +746,10 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     except OSError as e:  # a full disk; writes through a file object do not name their file
         e.filename = e.filename or str(metrics_path)
         raise
-    except RuntimeError as e:  # the step's tasks failed (jax.errors.JaxRuntimeError carries the native error)
-        if jnntile.runtime.swap_failure() is None:
-            raise
-        raise jnntile.runtime.SwapFailure(f"{jnntile.runtime.swap_failure()}. Step {step} did not finish, and the "
-                                          f"tiles it updated in place are not a state to save: "
-                                          f"{_standing_checkpoint(out)}") from e
+    except RuntimeError as e:
+        jnntile.runtime.raise_if_swap_failed(e, f"Step {step} did not finish, and the tiles it updated in place are "
+                                                f"not a state to save: {_standing_checkpoint(out)}")
+        raise
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
@@ -819,6 +818,23 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(r + "\n" for r in rows))
 
 
+@contextlib.contextmanager
+def _signals_deferred(requests: list, what: str):
+    """Ctrl-C and SIGTERM while `what` is written are added to `requests` instead of cutting the write short
+    (which would leave no checkpoint of the steps since the last one)."""
+    def defer(signum, frame):
+        requests.append(signum)
+        print(f"\n{signal.Signals(signum).name}: {what} is being written; it is finished first", file=sys.stderr,
+              flush=True)
+
+    previous = {sig: signal.signal(sig, defer) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _standing_checkpoint(out: Path) -> str:
     """What a run that failed mid-step leaves to continue from."""
     latest = checkpoint.latest(out)
@@ -827,14 +843,10 @@ def _standing_checkpoint(out: Path) -> str:
     return f"{latest} (step {checkpoint.read_state(latest)['step']}) stands; continue from it with --resume"
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
-
-
 def main(argv=None) -> int:
     # Outside the training loop (which checkpoints first), SIGTERM exits through Python's own exit, so
     # that the runtime's exit handler stops StarPU and removes the swap files.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    jnntile.runtime.exit_on_sigterm()
     args = parse_args(argv)
     try:
         summary = train(args)
@@ -850,6 +862,9 @@ def main(argv=None) -> int:
         print(f"error{_on_rank()}: {e.strerror or e}{where}: free space there or choose another directory",
               file=sys.stderr)
         return _end_every_rank(2)
+    except KeyboardInterrupt as e:  # Ctrl-C outside the training loop, or a second one inside a step
+        print(f"interrupted{_on_rank()}{f': {e}' if str(e) else ''}", file=sys.stderr)
+        return _end_every_rank(128 + signal.SIGINT)
     except BaseException:
         if jnntile.runtime.world_size() > 1:
             traceback.print_exc()

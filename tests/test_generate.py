@@ -13,6 +13,7 @@
 
 import dataclasses
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -358,6 +359,19 @@ def test_cli_from_a_training_checkpoint(tmp_path):
     assert f"using the newest complete checkpoint, {older}" in result.stderr
 
 
+def test_lora_of_a_training_out_directory_is_its_latest_checkpoint(dataset, tmp_path):
+    llama = FIXTURE.parent / "hf_tiny_llama"
+    assert train_mod.main(["--data", str(dataset), "--out", str(tmp_path / "run"), "--init-from-hf", str(llama),
+                           "--allow-tokenizer-mismatch", "--lora-rank", "2", "--lr", "1e-2", "--batch-size", "2",
+                           "--seq-len", "16", "--steps", "2", "--eval-interval", "0", "--samples", "0", "--quiet"]) == 0
+    texts = {}
+    for source in ("run", "run/ckpt-0000002"):
+        texts[source] = generate_mod.generate(generate_mod.parse_args([
+            "--hf", str(llama), "--lora", str(tmp_path / source), "--prompt", "alpha beta", "--max-new-tokens", "4",
+            "--temperature", "0", "--quiet"]))
+    assert texts["run"] == texts["run/ckpt-0000002"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--hf", str(FIXTURE)], "the following arguments are required: --prompt"),
     (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "40"],
@@ -410,6 +424,33 @@ def test_cli_bad_input(argv, message, capsys, tmp_path):
         code = e.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_ctrl_c_prints_one_line(tmp_path, monkeypatch, capsys):
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decoding.Decoder, "generate", interrupted)
+    code = generate_mod.main(["--hf", str(FIXTURE), "--tokenizer", str(_char_tokenizer(tmp_path / "chars.json")),
+                              "--prompt", "Tiles", "--max-new-tokens", "4", "--quiet"])
+    assert code == 130
+    assert capsys.readouterr().err.endswith("\ninterrupted\n")
+
+
+def test_cli_sigterm_removes_the_swap_files(tmp_path):
+    swap = tmp_path / "swap"
+    proc = subprocess.Popen([sys.executable, "-m", "jnntile.generate", "--hf", str(FIXTURE), "--tokenizer",
+                             str(_char_tokenizer(tmp_path / "chars.json")), "--prompt", "Tiles", "--max-new-tokens",
+                             "28", "--memory-limit-mb", "64", "--swap-dir", str(swap), "--swap-size-mb", "16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    for line in proc.stderr:  # the model is loaded: the swap directory is in use
+        if "StarPU:" in line:
+            break
+    assert list(swap.glob("jnntile-swap-*"))
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 143
+    assert list(swap.iterdir()) == []
 
 
 def test_cli_refuses_weights_and_cache_beyond_limit_and_swap():

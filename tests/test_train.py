@@ -52,25 +52,31 @@ def test_training_writes_metrics_curve_checkpoint_and_samples(dataset, tmp_path,
     assert "--- sample 0 ---" in capsys.readouterr().out
 
 
-def test_resume_after_ctrl_c_is_bit_identical(dataset, tmp_path, monkeypatch, capsys):
-    args = ["--steps", "6", "--eval-interval", "0", "--samples", "0", "--dropout", "0.1"]
-    _run(dataset, tmp_path / "straight", *args)
-
+def _ctrl_c_in_step(monkeypatch, step: int, times: int = 1) -> None:
+    """Ctrl-C arrives `times` times while step `step` (counted from 0 in this run) runs."""
     make_steps = train_mod.make_steps
 
     def interrupting_make_steps(graphdef, tx, grad_accum_steps, fused_update):
         train_step, eval_step = make_steps(graphdef, tx, grad_accum_steps, fused_update)
         calls = {"n": 0}
 
-        def step(*a):
+        def run_step(*a):
             calls["n"] += 1
-            if calls["n"] == 3:
-                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives while step 2 runs
+            for _ in range(times if calls["n"] == step + 1 else 0):
+                os.kill(os.getpid(), signal.SIGINT)
             return train_step(*a)
 
-        return step, eval_step
+        return run_step, eval_step
 
     monkeypatch.setattr(train_mod, "make_steps", interrupting_make_steps)
+
+
+def test_resume_after_ctrl_c_is_bit_identical(dataset, tmp_path, monkeypatch, capsys):
+    args = ["--steps", "6", "--eval-interval", "0", "--samples", "0", "--dropout", "0.1"]
+    _run(dataset, tmp_path / "straight", *args)
+
+    make_steps = train_mod.make_steps
+    _ctrl_c_in_step(monkeypatch, 2)
     summary = _run(dataset, tmp_path / "resumed", *args)
     assert summary["interrupted"] and summary["step"] == 3
     assert "continue with --resume" in capsys.readouterr().out
@@ -78,6 +84,44 @@ def test_resume_after_ctrl_c_is_bit_identical(dataset, tmp_path, monkeypatch, ca
     monkeypatch.setattr(train_mod, "make_steps", make_steps)
     _run(dataset, tmp_path / "resumed", *args, "--resume")
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+
+
+def test_a_second_ctrl_c_while_the_checkpoint_is_written_lets_it_finish(dataset, tmp_path, monkeypatch, capsys):
+    _ctrl_c_in_step(monkeypatch, 2)
+    save = train_mod.checkpoint.save
+
+    def interrupted_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C again, impatient
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod.checkpoint, "save", interrupted_save)
+    summary = _run(dataset, tmp_path, "--steps", "6", "--eval-interval", "0", "--samples", "0")
+    assert summary["interrupted"] and summary["step"] == 3
+    assert json.loads((tmp_path / "ckpt-0000003" / "state.json").read_text())["step"] == 3
+    assert (tmp_path / "latest").read_text() == "ckpt-0000003"
+    captured = capsys.readouterr()
+    assert "SIGINT: the checkpoint of step 3 is being written; it is finished first" in captured.err
+    assert "checkpoint saved to" in captured.out
+
+
+def test_a_second_ctrl_c_in_a_step_stops_at_once_naming_the_checkpoint_that_stands(dataset, tmp_path, monkeypatch,
+                                                                                    capsys):
+    _ctrl_c_in_step(monkeypatch, 3, times=2)
+    code = train_mod.main(["--data", str(dataset), "--out", str(tmp_path), *SMALL, "--steps", "6", "--eval-interval",
+                           "0", "--samples", "0", "--checkpoint-interval", "2"])
+    assert code == 130
+    err = capsys.readouterr().err
+    assert f"interrupted: step 3 did not finish; {tmp_path}/ckpt-0000002 (step 2) stands; continue from it with " \
+           "--resume" in err and "Traceback" not in err
+
+
+def test_ctrl_c_during_the_set_up_prints_one_line(dataset, tmp_path, monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "_load_data", interrupted)
+    assert train_mod.main(["--data", str(dataset), "--out", str(tmp_path), *SMALL]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
 
 
 def test_sgd_without_clipping_and_sequential_data(dataset, tmp_path):
