@@ -21,6 +21,7 @@ would otherwise update its copy of the parameters with its own gradients).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -149,12 +150,13 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
     `mask(params)` returns a pytree of bools like the params: weight decay only where True.
     """
 
+    rule = _AdamW(learning_rate, b1, b2, eps, weight_decay, mask)
+    state_type = _declared(AdamWState, rule)
+
     def init(params):
         zeros = lambda p: jnntile.zeros(p.shape, tile_shape=p.tile_shape)  # noqa: E731
-        return AdamWState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params, is_leaf=_is_tensor),
+        return state_type(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params, is_leaf=_is_tensor),
                           nu=jax.tree.map(zeros, params, is_leaf=_is_tensor))
-
-    rule = _AdamW(learning_rate, b1, b2, eps, weight_decay, mask)
 
     def update(grads, state, params=None):
         grad_leaves, param_leaves = _check(grads, params, "adamw")
@@ -164,16 +166,17 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
         tokens = [_consume(g, token) for g, token in zip(grad_leaves, tokens)]
         return _updates_like(params, tokens), rule.state_after(step, state, tokens)
 
-    return _declared(optax.GradientTransformation(init, update), rule)
+    return optax.GradientTransformation(init, update)
 
 
 def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
     """Plain SGD (no momentum): p -= lr * g, on tiles in place."""
 
-    def init(params):
-        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
-
     rule = _Sgd(learning_rate)
+    state_type = _declared(optax.ScaleByScheduleState, rule)
+
+    def init(params):
+        return state_type(count=jnp.zeros([], jnp.int32))
 
     def update(grads, state, params=None):
         grad_leaves, param_leaves = _check(grads, params, "sgd")
@@ -183,7 +186,7 @@ def sgd(learning_rate: float | Callable) -> optax.GradientTransformation:
         tokens = [_consume(g, token) for g, token in zip(grad_leaves, tokens)]
         return _updates_like(params, tokens), rule.state_after(step, state, tokens)
 
-    return _declared(optax.GradientTransformation(init, update), rule)
+    return optax.GradientTransformation(init, update)
 
 
 def global_norm(grads) -> Tensor:
@@ -205,9 +208,10 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm={max_norm} must be positive (use no clipping to disable it)")
+    state_type = _declared(optax.EmptyState, _Clip(float(max_norm)))
 
     def init(params):
-        return optax.EmptyState()
+        return state_type()
 
     def update(grads, state, params=None):
         grad_leaves = _leaves(grads)
@@ -217,7 +221,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
                                is_leaf=_is_tensor)
         return clipped, state
 
-    return _declared(optax.GradientTransformation(init, update), _Clip(float(max_norm)))
+    return optax.GradientTransformation(init, update)
 
 
 # Distinct per traced allreduce and the same on every rank, which traces the same program: the
@@ -273,12 +277,23 @@ def allreduce_sum(ownership: distributed.DataParallel = distributed.DEFAULT_OWNE
 # step: the same bits. Clipping then costs a read of the old parameter and both moments and a write of
 # the new ones; not clipping costs nothing more.
 
-_RULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # update function -> what it does
+# A transformation's state says what the transformation does: adamw, sgd and clip_by_global_norm make their
+# states of a subclass of their state type (`_declared`) that holds their rule. A chain's state holds its
+# transformations' states in order (a tuple from optax.chain, an OrderedDict from optax.named_chain), so a
+# step's optimizer state tells whether it can be fused and how (`_chain_rule`), whichever chain built it. The
+# subclass adds no leaf: checkpoints hold the same leaves in the same order.
 
 
-def _declared(tx: optax.GradientTransformation, rule) -> optax.GradientTransformation:
-    _RULES[tx.update] = rule
-    return tx
+class _Declared:
+    """Mixed into the state types of jnntile's transformations; `rule` is what the transformation does."""
+
+    __slots__ = ()
+    rule: Any = None
+
+
+def _declared(state_type: type, rule) -> type:
+    """A subclass of the NamedTuple `state_type` whose states carry `rule`."""
+    return type(state_type.__name__, (state_type, _Declared), {"__slots__": (), "rule": rule})
 
 
 _shadows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -361,7 +376,7 @@ class _AdamW:
         return token
 
     def state_after(self, step: _Step, state: AdamWState, tokens) -> AdamWState:
-        return AdamWState(count=step.count, mu=_with_tokens(state.mu, tokens), nu=_with_tokens(state.nu, tokens))
+        return state._replace(count=step.count, mu=_with_tokens(state.mu, tokens), nu=_with_tokens(state.nu, tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,7 +410,7 @@ class _Sgd:
         return token
 
     def state_after(self, step: _Step, state, tokens):
-        return optax.ScaleByScheduleState(count=step.count)
+        return state._replace(count=step.count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,20 +429,41 @@ def _with_tokens(tree, tokens):
     return jax.tree.map(lambda t: t.with_token(next(tokens)), tree, is_leaf=_is_tensor)
 
 
-def chain(*transformations: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`optax.chain` of jnntile transformations. When it is an optional `clip_by_global_norm` then `adamw` or
-    `sgd`, `jnntile.train.make_steps` can fuse its update into the backward (`FusedUpdate`)."""
-    chained = optax.chain(*transformations)
-    rules = [_RULES.get(t.update) for t in transformations]
+# `optax.chain` itself: a chain of an optional `clip_by_global_norm` then `adamw` or `sgd` fuses whichever
+# chain built it (`_chain_rule`); the name stays for the code that used it.
+chain = optax.chain
+
+
+def _chain_states(opt_state) -> tuple | None:
+    """The states of a chain's transformations in order: `opt_state` of optax.chain or optax.named_chain."""
+    if isinstance(opt_state, collections.OrderedDict):
+        return tuple(opt_state.values())
+    return opt_state if type(opt_state) is tuple else None
+
+
+def _with_last_state(opt_state, state):
+    """A chain's state `opt_state` with the state of its last transformation replaced by `state`."""
+    if isinstance(opt_state, collections.OrderedDict):
+        replaced = collections.OrderedDict(opt_state)
+        replaced[next(reversed(opt_state))] = state
+        return replaced
+    return (*opt_state[:-1], state)
+
+
+def _chain_rule(opt_state) -> _Chain | None:
+    """What the chain whose state is `opt_state` does when it is an optional `clip_by_global_norm` then
+    `adamw` or `sgd`, read from its states' types (`_declared`); None for any other optimizer."""
+    states = _chain_states(opt_state)
+    rules = [s.rule if isinstance(s, _Declared) else None for s in states or ()]
     if len(rules) == 2 and isinstance(rules[0], _Clip) and isinstance(rules[1], (_AdamW, _Sgd)):
-        return _declared(chained, _Chain(rules[0], rules[1]))
+        return _Chain(rules[0], rules[1])
     if len(rules) == 1 and isinstance(rules[0], (_AdamW, _Sgd)):
-        return _declared(chained, _Chain(None, rules[0]))
-    return chained
+        return _Chain(None, rules[0])
+    return None
 
 
 class FusedUpdate:
-    """One step of a fusable `chain`, run as the backward finishes each parameter's gradient.
+    """One step of a fusable chain (see `fused_update`), run as the backward finishes each parameter's gradient.
 
     Pass it as `on_final` to `jnntile.value_and_grad` (when `mode` is not "after"), then call
     `finish(grads)` with the gradients returned: it updates the parameters the backward did not hand over
@@ -438,7 +474,8 @@ class FusedUpdate:
 
     def __init__(self, rule: _Chain, opt_state, params, mode: str):
         self.rule, self.opt_state, self.params, self.mode = rule, opt_state, params, mode
-        self.step = rule.main.start(opt_state[-1], params)
+        self.main_state = _chain_states(opt_state)[-1]
+        self.step = rule.main.start(self.main_state, params)
         self.index = {p.handle: i for i, p in enumerate(self.step.params)}
         self.fused: dict[int, Any] = {}  # leaf -> token of its update (speculative when clipping)
         self.partial_sums: dict[int, Tensor] = {}  # leaf -> its gradient's sum of squares, per tile
@@ -479,8 +516,8 @@ class FusedUpdate:
                 tokens.append(self.fused[i])
             else:
                 tokens.append(self.rule.main.commit(self.step, i, clip, self.fused[i]))
-        state = self.rule.main.state_after(self.step, self.opt_state[-1], tokens)
-        return _updates_like(self.params, tokens), (*self.opt_state[:-1], state)
+        state = self.rule.main.state_after(self.step, self.main_state, tokens)
+        return _updates_like(self.params, tokens), _with_last_state(self.opt_state, state)
 
 
 # How a training step updates the parameters: after the backward, fused into it in place (no clip), or
@@ -505,35 +542,37 @@ def update_mode(clip: bool, fused_update: str = "auto", swap: bool = False) -> s
     return "speculative" if clip else "fused"
 
 
-def fused_update(tx: optax.GradientTransformation, opt_state, params, setting: str = "on") -> FusedUpdate | None:
-    """One step of `tx` as a `FusedUpdate` in the mode `update_mode` gives for `setting` (the runtime's swap
-    decides "auto"), or None when `tx` is not a fusable `chain` or the run is distributed (gradients are
-    summed over the ranks first)."""
-    rule = _RULES.get(tx.update)
-    if not isinstance(rule, _Chain) or runtime.world_size() > 1:
+def fused_update(opt_state, params, setting: str = "on") -> FusedUpdate | None:
+    """One step of the optimizer whose state is `opt_state` as a `FusedUpdate` in the mode `update_mode`
+    gives for `setting` (the runtime's swap decides "auto"), or None when the optimizer is not a fusable
+    chain (an optional `clip_by_global_norm` then `adamw` or `sgd`, by optax.chain or optax.named_chain) or
+    the run is distributed (gradients are summed over the ranks first)."""
+    rule = _chain_rule(opt_state)
+    if rule is None or runtime.world_size() > 1:
         return None
     return FusedUpdate(rule, opt_state, params,
                        update_mode(rule.clip is not None, setting, runtime.config().swap_dir is not None))
 
 
-def speculates(tx: optax.GradientTransformation, setting: str) -> bool:
-    """Whether a step of `tx` under `setting` updates speculatively (see `update_mode`)."""
-    rule = _RULES.get(tx.update)
-    return (isinstance(rule, _Chain) and rule.clip is not None and runtime.world_size() == 1
+def speculates(opt_state, setting: str) -> bool:
+    """Whether a step of the optimizer whose state is `opt_state` under `setting` updates speculatively (see
+    `update_mode`)."""
+    rule = _chain_rule(opt_state)
+    return (rule is not None and rule.clip is not None and runtime.world_size() == 1
             and update_mode(True, setting, runtime.config().swap_dir is not None) == "speculative")
 
 
-def clipped(tx: optax.GradientTransformation, norm: Tensor) -> bool | None:
-    """Whether the global `norm` a step of `tx` computed clipped (read from its tile: waits for it); None
-    when `tx` does not clip.
+def clipped(opt_state, norm: Tensor) -> bool | None:
+    """Whether the global `norm` a step of the optimizer whose state is `opt_state` computed clipped (read
+    from its tile: waits for it); None when the optimizer is not a fusable chain that clips.
 
     A speculative update that clips costs more than the update after the backward (it reads the old
     parameter and moments again and writes the new ones twice), and a norm that clipped once tends to clip
     again: under "auto", `jnntile.train.make_steps` runs the step after one that clipped with the update
     after the backward (the same bits either way).
     """
-    rule = _RULES.get(tx.update)
-    if not isinstance(rule, _Chain) or rule.clip is None:
+    rule = _chain_rule(opt_state)
+    if rule is None or rule.clip is None:
         return None
     return bool(float(norm.numpy()) >= rule.clip.max_norm)
 

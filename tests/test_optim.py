@@ -324,7 +324,7 @@ def test_an_update_writes_the_compute_copy_and_the_next_forward_converts_nothing
 
 # ---- the update fused into the backward (jnntile.optim.FusedUpdate) --------------------------------------
 #
-# jnntile.train.make_steps with a jnntile.optim.chain updates each parameter inside the backward, as soon as
+# jnntile.train.make_steps with an optax.chain of jnntile's updates each parameter inside the backward, as soon as
 # its gradient is final (after the backward of every op that read it; a recomputed block counts as one).
 # Without a clip that is the same update, earlier. With one it is speculative (written apart, unclipped) and
 # committed once the norm is known; when the norm clips, the clipped step is rebuilt from the moments before
@@ -344,8 +344,10 @@ def _fused_config(**changes):
                       remat_blocks=2, **changes)
 
 
-def _train_gpt2(fuse, max_norm, optimizer="adamw", micro_batches=1, config=None, fused_update=None):
-    """Losses, parameters (by name) and update tasks by codelet of FUSED_STEPS steps through make_steps."""
+def _train_gpt2(fuse, max_norm, optimizer="adamw", micro_batches=1, config=None, fused_update=None,
+                chain=optim.chain):
+    """Losses, parameters (by name) and update tasks by codelet of FUSED_STEPS steps through make_steps, with
+    `chain` (transformations -> optimizer) of an optional clip and `optimizer`."""
     from flax import nnx
 
     from jnntile.models import families
@@ -356,7 +358,7 @@ def _train_gpt2(fuse, max_norm, optimizer="adamw", micro_batches=1, config=None,
     model = families.build(config, batch_size=batch // micro_batches, seq_len=16, seed=3)
     graphdef, params = nnx.split(model, nnx.Param)
     main = optim.adamw(FUSED_LR, weight_decay=0.1) if optimizer == "adamw" else optim.sgd(0.1)
-    tx = optim.chain(optim.clip_by_global_norm(max_norm), main) if max_norm else optim.chain(main)
+    tx = chain(optim.clip_by_global_norm(max_norm), main) if max_norm else chain(main)
     opt_state = tx.init(params)
     train_step, _ = make_steps(graphdef, tx, micro_batches, fused_update or ("on" if fuse else "off"))
     rng = np.random.default_rng(0)
@@ -402,6 +404,22 @@ def test_the_update_fused_into_the_backward_equals_the_update_after_it(optimizer
     assert rescaled == (apart if clip == "clips" else 0)
     # Speculative: every parameter was handed over and written apart, none updated in place.
     assert (fused_tasks.get(optimizer, 0) > 0) == (max_norm is None)
+    np.testing.assert_array_equal(fused_losses, losses)
+    for name in params:
+        np.testing.assert_array_equal(fused_params[name], params[name], err_msg=name)
+
+
+def _named_chain(*transformations):
+    return optax.named_chain(*((f"t{i}", t) for i, t in enumerate(transformations)))
+
+
+@pytest.mark.parametrize("chain", [optax.chain, _named_chain], ids=["optax.chain", "optax.named_chain"])
+def test_a_plain_optax_chain_fuses_as_jnntile_optim_chain_does(chain):
+    """The chain's state says what it does: Optax's own chains of jnntile's clip and adamw fuse (the updates
+    are written apart in the backward) and give the bits of jnntile.optim.chain's update after the backward."""
+    losses, params, _, _ = _train_gpt2(False, 0.05)
+    fused_losses, fused_params, tasks, _ = _train_gpt2(True, 0.05, chain=chain)
+    assert tasks.get("adamw_apart", 0) == FUSED_STEPS * _param_tiles(_fused_config())
     np.testing.assert_array_equal(fused_losses, losses)
     for name in params:
         np.testing.assert_array_equal(fused_params[name], params[name], err_msg=name)
@@ -454,14 +472,16 @@ def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, placement, 
 
 def test_only_a_chain_of_jnntile_transformations_fuses_and_auto_speculates_only_with_swap():
     params = {"w": jnntile.zeros((4,))}
-    state = (optax.EmptyState(), optim.adamw(1e-2).init(params))
-    clipped = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
-    assert optim.fused_update(clipped, state, params).mode == "speculative"
-    assert optim.fused_update(optim.chain(optim.adamw(1e-2)), state[1:], params, "auto").mode == "fused"
+    clipped = optax.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)).init(params)
+    assert optim.fused_update(clipped, params).mode == "speculative"
+    assert optim.fused_update(optim.chain(optim.adamw(1e-2)).init(params), params, "auto").mode == "fused"
     # auto: a clipped update is speculative only with disk swap (this runtime has none)
-    assert optim.fused_update(clipped, state, params, "auto").mode == "after"
-    assert optim.fused_update(optax.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)), state, params) is None
-    assert optim.fused_update(optim.chain(optim.adamw(1e-2), optim.clip_by_global_norm(1.0)), state, params) is None
+    assert optim.fused_update(clipped, params, "auto").mode == "after"
+    for foreign in ([optax.clip_by_global_norm(1.0), optim.adamw(1e-2)],  # Optax's clip
+                    [optim.adamw(1e-2), optim.clip_by_global_norm(1.0)],  # clipped after the update
+                    [optim.clip_by_global_norm(1.0), optim.clip_by_global_norm(1.0), optim.adamw(1e-2)]):
+        assert optim.fused_update(optax.chain(*foreign).init(params), params) is None
+    assert optim.fused_update(optim.adamw(1e-2).init(params), params) is None  # not a chain
     assert [optim.update_mode(clip, setting, swap=True) for clip in (True, False) for setting in ("auto", "off")] == [
         "speculative", "after", "fused", "after"]
 
@@ -477,8 +497,9 @@ def test_auto_does_not_speculate_right_after_a_step_that_clipped(tmp_path, resto
     assert tasks["adamw_rescale"] == tasks["adamw_apart"] == _param_tiles(_fused_config())
     _, _, tasks, _ = _train_gpt2(True, 1e6, fused_update="auto")  # never clips: every step speculates
     assert (tasks["adamw_apart"], tasks.get("adamw_rescale", 0)) == (FUSED_STEPS * _param_tiles(_fused_config()), 0)
-    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
-    assert optim.speculates(tx, "auto") and optim.speculates(tx, "on") and not optim.speculates(tx, "off")
-    assert not optim.speculates(optim.chain(optim.adamw(1e-2)), "on")
-    assert optim.clipped(tx, jnntile.from_array(np.float32(2.0))) is True
-    assert optim.clipped(tx, jnntile.from_array(np.float32(0.5))) is False
+    params = {"w": jnntile.zeros((4,))}
+    state = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)).init(params)
+    assert optim.speculates(state, "auto") and optim.speculates(state, "on") and not optim.speculates(state, "off")
+    assert not optim.speculates(optim.chain(optim.adamw(1e-2)).init(params), "on")
+    assert optim.clipped(state, jnntile.from_array(np.float32(2.0))) is True
+    assert optim.clipped(state, jnntile.from_array(np.float32(0.5))) is False
