@@ -1,17 +1,21 @@
-"""Token datasets for GPT-2 training: preparation, a built-in corpus, and batching.
+"""Token datasets for training (GPT-2 and Llama-family models): preparation, a built-in corpus, and batching.
 
 A prepared dataset is a directory in the layout nanoGPT uses, plus two small
 JSON files::
 
-    train.bin       token ids, raw little-endian uint16, no header
+    train.bin       token ids, raw little-endian uint16 (uint32 for a vocabulary
+                    of more than 65536 tokens), no header
     val.bin         the same for the validation split
-    tokenizer.json  byte-level BPE tokenizer (Hugging Face ``tokenizers``)
-    meta.json       vocab_size, token counts, source description, val fraction,
-                    the tokenizer's fingerprint (``tokenizer_fingerprint``)
+    tokenizer.json  a byte-level BPE tokenizer trained on the data, or a model's
+                    own (``--tokenizer DIR``: a Hugging Face checkpoint's)
+    meta.json       vocab_size, the token ``dtype``, token counts, source
+                    description, val fraction, the end-of-text id, the
+                    tokenizer's fingerprint (``tokenizer_fingerprint``)
 
-The token stream is every document's tokens followed by ``<|endoftext|>``, in
-file order. The validation split is the last ``val_fraction`` of that stream
-(at least one token in each split).
+The token stream is every document's tokens followed by the end-of-text token
+(``<|endoftext|>`` of a trained tokenizer; a model's tokenizer's eos token, or
+nothing when it has none), in file order. The validation split is the last
+``val_fraction`` of that stream (at least one token in each split).
 
 Built-in corpus
 ---------------

@@ -1,11 +1,14 @@
-"""Train a GPT-2 on tiled tensors: `python -m jnntile.train`.
+"""Train a GPT-2 or a Llama-family model on tiled tensors: `python -m jnntile.train`.
 
 With no arguments it trains the `tiny` preset on the built-in corpus (the
 Python standard library's sources, tokenized on first use) for a few minutes
 and prints samples. Every run writes to --out: metrics.jsonl (one JSON object
 per step), loss.png, and checkpoints (see jnntile/checkpoint.py). --resume
 continues from the latest checkpoint bit-identically: batches and dropout
-masks are pure functions of (seed, step).
+masks are pure functions of (seed, step). --model picks a preset of either
+family (jnntile.models.families); --init-from-hf starts from a Hugging Face
+checkpoint (GPT-2, Llama, Mistral, Qwen2); --data reads a prepared dataset's
+token file (jnntile/data.py, whose --tokenizer uses a model's own tokenizer).
 
 Under an MPI launcher (`mpirun -n N --bind-to none python -m jnntile.train ...`)
 the N processes train one model, each on 1/N of every batch; only rank 0
