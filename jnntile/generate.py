@@ -33,7 +33,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, decoding, flags, lora, nn
+from jnntile import checkpoint, decoding, flags, lora, memory, nn
 from jnntile import data as data_mod
 from jnntile.models import families
 
@@ -169,6 +169,31 @@ def _check_memory(config, batch: int, length: int, limit_mb: int, swap_mb: int) 
                          + ": raise --memory-limit-mb, or add --swap-dir (and --swap-size-mb)")
 
 
+def _fit_tiles(config, batch: int, length: int, runtime_config) -> tuple[object, str]:
+    """`config` with tiles whose largest tasks fit the memory limits, and a note when automatic ones were shrunk
+    (as train chooses them); raises naming the tile flags when no tiles fit.
+
+    Decoding runs the training forward's tasks over the cache's positions. The planner's step, with SGD (whose
+    update adds no state), also runs the backward's tasks, which are no smaller: tiles that fit it fit decoding.
+    """
+    config = dataclasses.replace(config, tile_batch=config.tile_batch or batch)  # the decoder's default batch tile
+    limit_mb, workers = runtime_config.memory_limit_mb, runtime_config.workers
+    gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
+    memory_plan = memory.plan(config, batch, length, "sgd", workers, gpu_mb=gpu_mb)
+    problem = memory_plan.task_fit_problem(limit_mb, gpu_mb)
+    if problem is None:
+        return config, ""
+    fitted, note = memory.fit_tiles(config, batch, length, limit_mb, gpu_mb, "sgd", workers)
+    if note:
+        shrunk = ", ".join(f"{axis} {getattr(memory_plan.tiles, axis)} -> {getattr(fitted, f'tile_{axis}')}"
+                           for axis in dataclasses.asdict(memory_plan.tiles)
+                           if getattr(fitted, f"tile_{axis}") not in (None, getattr(memory_plan.tiles, axis)))
+        return fitted, f"automatic tiles shrunk ({shrunk}) so that every task fits the memory limits"
+    hint = memory_plan.suggest_tiles(limit_mb, gpu_mb)
+    raise ValueError(f"cannot generate with these tiles: {problem}; give smaller tiles{f' ({hint})' if hint else ''} "
+                     "or raise --memory-limit-mb" + (" (or --gpu-memory-limit-mb)" if gpu_mb else ""))
+
+
 # ---- main -------------------------------------------------------------------------------
 
 def generate(args) -> list[str]:
@@ -187,6 +212,7 @@ def generate(args) -> list[str]:
     runtime_config.validate()
     _check_memory(config, len(prompts), length, runtime_config.memory_limit_mb,
                   runtime_config.swap_size_mb if runtime_config.swap_dir else 0)
+    config, tiles_note = _fit_tiles(config, len(prompts), length, runtime_config)
     if runtime_config != jnntile.runtime.config():
         jnntile.runtime.stop()
         jnntile.runtime.configure(**settings)
@@ -194,7 +220,6 @@ def generate(args) -> list[str]:
 
     started = time.perf_counter()
     tiles = {k: getattr(config, k) for k in config.execution_field_names()}
-    tiles["tile_batch"] = tiles["tile_batch"] or len(prompts)  # the decoder's default (the models' kv_cache)
     with nn.base_dtype(config.dtype):  # nothing updates a weight here: a bfloat16 one needs no float32 master
         model = families.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
     if adapters is not None:
@@ -202,6 +227,8 @@ def generate(args) -> list[str]:
         lora.load_peft(model, adapters_dir)
     decoder = decoding.Decoder(model, batch_size=len(prompts), max_len=length)
     log = sys.stderr
+    if tiles_note:
+        print(tiles_note, file=log, flush=True)
     print(f"{config.describe()} from {weights}, loaded in "
           f"{time.perf_counter() - started:.1f} s; tiles {model.tiles}; StarPU: {jnntile.runtime.describe()}",
           file=log, flush=True)

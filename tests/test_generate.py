@@ -12,6 +12,8 @@
 """
 
 import dataclasses
+import json
+import re
 import shutil
 import signal
 import subprocess
@@ -451,6 +453,35 @@ def test_cli_sigterm_removes_the_swap_files(tmp_path):
     proc.communicate(timeout=120)
     assert proc.returncode == 143
     assert list(swap.iterdir()) == []
+
+
+def _wide_vocabulary(path: Path, vocab: int) -> Path:
+    """The fixture with a vocabulary of `vocab` (the new token rows random): its head tiles are large."""
+    shutil.copytree(FIXTURE, path)
+    config = json.loads((FIXTURE / "config.json").read_text())
+    tensors = safetensors.numpy.load_file(FIXTURE / "model.safetensors")
+    extra = 0.02 * np.random.default_rng(0).standard_normal((vocab - config["vocab_size"], config["n_embd"]),
+                                                            np.float32)
+    tensors["transformer.wte.weight"] = np.concatenate([tensors["transformer.wte.weight"], extra])
+    safetensors.numpy.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(dict(config, vocab_size=vocab)))
+    return path
+
+
+def test_cli_shrinks_automatic_tiles_to_the_memory_limit_and_refuses_given_ones_beyond_it(tmp_path):
+    weights = _wide_vocabulary(tmp_path / "wide", 32768)
+    common = ["--hf", str(weights), "--tokenizer", str(_char_tokenizer(tmp_path / "chars.json")), "--prompt", "Tiles",
+              "--max-new-tokens", "4", "--temperature", "0", "--memory-limit-mb", "2", "--swap-dir",
+              str(tmp_path / "swap"), "--swap-size-mb", "64"]
+    result = _run_cli(*common)
+    assert result.returncode == 0, result.stderr
+    assert "automatic tiles shrunk (vocab 8192 -> 4096) so that every task fits the memory limits" in result.stderr
+    assert result.stdout.startswith("Tiles")
+    result = _run_cli(*common, "--tile-vocab", "32768")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(r"error: cannot generate with these tiles: a single task \(.*wte.weight tile \(32768, 32\)\) needs "
+                     r".* more than the memory limit of 2 MB; give smaller tiles \(--tile-vocab \d+\) or raise "
+                     "--memory-limit-mb", result.stderr), result.stderr
 
 
 def test_cli_refuses_weights_and_cache_beyond_limit_and_swap():
