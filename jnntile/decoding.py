@@ -227,8 +227,12 @@ def sample(logits: np.ndarray, temperature: float, top_k: int | None, generator:
     softmax(logits / temperature) over the top_k largest logits (ties with the k-th kept)."""
     if temperature == 0:
         return int(np.argmax(logits))
-    z = np.asarray(logits, np.float64) / temperature
+    # The largest logit is subtracted before dividing: a tiny temperature then sends the others to -inf (their
+    # probability 0) instead of every logit to +-inf, whose difference was NaN (temperature 1e-310).
+    z = np.asarray(logits, np.float64)
+    z = z - z.max()
     if top_k is not None and top_k < z.size:
         z = np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)
-    p = np.exp(z - z.max())
+    with np.errstate(over="ignore"):  # a logit below the largest overflowing to -inf is probability 0
+        p = np.exp(z / temperature)
     return int(generator.choice(z.size, p=p / p.sum()))

@@ -256,6 +256,14 @@ def test_sample_respects_temperature_and_top_k():
     assert set(draws) == {1}
 
 
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-30])
+def test_sample_at_a_tiny_temperature_is_the_most_likely_token(temperature):
+    logits = np.array([0.0, 3.0, 3.0 - 1e-6, 2.5, -1.0], np.float32)
+    generator = np.random.default_rng(0)
+    assert {decoding.sample(logits, temperature, top_k, generator) for top_k in (None, 2) for _ in range(20)} == {1}
+    assert decoding.sample(np.array([2.0, 2.0], np.float32), temperature, None, generator) in (0, 1)  # a tie
+
+
 def test_decoder_bad_inputs(weights, prompts):
     decoder = _decoder(weights, TILINGS["many tiles"])
     with pytest.raises(ValueError, match="2 prompts; this decoder was built for batch_size=3"):
