@@ -39,7 +39,7 @@ $(STAMP): $(PY) $(NATIVE_SOURCES) | system-packages
 build: $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m jnntile.train
+	$(PY) -m jnntile.train --overwrite  # each time afresh in out/
 
 # When a test run dies (a crash in native code), its last lines are pytest's own frames: this prints the
 # crash's message and the frames of this project (the test that ran) at the end, where a CI log shows them.

@@ -4,7 +4,11 @@ A checkpoint is a directory `ckpt-<step>` inside the output directory:
 
     config.json, model.safetensors   a Hugging Face checkpoint of the model's family (loadable with --init-from-hf)
     optimizer.safetensors            every optimizer-state leaf, in tree order
-    state.json                       step, data position, RNG seed, model config and run settings
+    state.json                       step, data position, RNG seed, model config, run settings and the base
+
+The base is where the run's first weights came from: a Hugging Face directory (its path and
+`hf_fingerprint`) or a preset and seed. A LoRA checkpoint's frozen base is built again from it, so a
+resume on other weights is refused (jnntile.train).
 
 A run that trains LoRA adapters writes them as a PEFT directory (adapter_config.json,
 adapter_model.safetensors; jnntile.lora) in place of config.json and model.safetensors: its frozen base
@@ -14,7 +18,8 @@ optimizer state.
 
 It is written under a temporary name and renamed into place, then the file
 `latest` (itself replaced atomically) points at it, so an interrupted save never
-leaves a checkpoint that looks complete. Older checkpoints beyond `keep` are removed.
+leaves a checkpoint that looks complete. Older checkpoints beyond `keep` are removed, never the one
+just written (which `latest` names).
 
 Tiled tensors stream between their tiles and the files one chunk of tiles at a
 time (jnntile.tensorfile), so saving and restoring need no more RAM than the
@@ -26,6 +31,7 @@ before it overwrites anything.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -87,10 +93,51 @@ def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict
     pointer = out_dir / f".{LATEST}.tmp"
     pointer.write_text(final.name)
     os.replace(pointer, out_dir / LATEST)
-    checkpoints = sorted(p for p in out_dir.glob("ckpt-*") if p.is_dir() and ".tmp-" not in p.name)
-    for old in checkpoints[:-keep]:
+    # The older ones only: one of a later step is not this run's to remove (nor, when resuming from an older
+    # checkpoint, its successor, which the run writes again when it gets there).
+    older = [p for p in checkpoints(out_dir) if p.name < final.name]
+    for old in older[:len(older) - (keep - 1)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoints(out_dir: str | os.PathLike) -> list[Path]:
+    """Every checkpoint directory of `out_dir`, complete or not, oldest first (not the temporaries)."""
+    return sorted(p for p in Path(out_dir).glob("ckpt-*") if p.is_dir())
+
+
+def remove_all(out_dir: str | os.PathLike) -> None:
+    """Removes every checkpoint of `out_dir` and `latest` (a run started afresh there)."""
+    for path in checkpoints(out_dir):
+        shutil.rmtree(path)
+    Path(out_dir, LATEST).unlink(missing_ok=True)
+
+
+# Blocks of each safetensors file's data that hf_fingerprint reads.
+_SAMPLED_BLOCKS, _BLOCK_BYTES = 16, 4096
+
+
+def hf_fingerprint(directory: str | os.PathLike) -> str:
+    """A hash of the weights of a Hugging Face checkpoint directory that costs no full read of them.
+
+    It takes each safetensors file's name and size, its header (tensor names, dtypes, shapes, offsets) and 16
+    blocks of 4 KiB spread evenly over its data: about 64 KiB a file, where reading a model of many GB whole
+    would add minutes to every resume. Headers alone do not tell a model from its fine-tune (one layout, other
+    values); the sampled blocks do, as two weight sets trained apart differ in nearly every block.
+    """
+    digest = hashlib.sha256()
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            header = f.read(8)
+            data_start = 8 + int.from_bytes(header.ljust(8, b"\0"), "little")
+            header += f.read(max(0, min(data_start, size) - 8))
+            digest.update(f"{file.name}\0{size}\0".encode() + header)
+            span = max(0, size - data_start - _BLOCK_BYTES)
+            for i in range(_SAMPLED_BLOCKS):
+                f.seek(data_start + span * i // max(1, _SAMPLED_BLOCKS - 1))
+                digest.update(f.read(_BLOCK_BYTES))
+    return digest.hexdigest()
 
 
 def _complete(out_dir: Path) -> list[Path]:
@@ -145,6 +192,16 @@ def read_state(path: str | os.PathLike) -> dict:
     return record
 
 
+def _resolved_targets(finetune: dict, model) -> dict:
+    """A FineTune record with its LoRA targets resolved for `model`'s family (every projection for none, in the
+    family's order): the same adapters, named in another order or with the defaults spelled out, compare equal."""
+    settings = finetune.get("lora")
+    if not settings:
+        return finetune
+    targets = lora.LoRASettings(settings["rank"], settings["alpha"], tuple(settings["targets"]) or None).resolved(model)
+    return {**finetune, "lora": {**settings, "targets": list(targets.targets)}}
+
+
 def restore(path: str | os.PathLike, *, model, opt_state, finetune=None):
     """Loads weights into `model` and returns (opt_state with the saved values, state dict).
 
@@ -163,8 +220,8 @@ def restore(path: str | os.PathLike, *, model, opt_state, finetune=None):
     differing = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v and k not in execution}
     if differing:
         raise ValueError(f"checkpoint {path} is of another model: (saved, requested) differ in {differing}")
-    wanted = (finetune or lora.FineTune()).record()
-    saved_finetune = record.get("finetune", lora.FineTune().record())
+    wanted = _resolved_targets((finetune or lora.FineTune()).record(), model)
+    saved_finetune = _resolved_targets(record.get("finetune", lora.FineTune().record()), model)
     if saved_finetune != wanted:
         raise ValueError(f"checkpoint {path} trained {saved_finetune}, this run asks for {wanted} "
                          "(--freeze, --train-only, --lora-*): give the same, or start afresh in another --out")

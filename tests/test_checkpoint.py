@@ -13,6 +13,7 @@
 """
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -263,6 +264,29 @@ def test_checkpoint_round_trip_in_small_chunks(tmp_path, small_chunks):
     for name, value in model.to_hf_params().items():
         np.testing.assert_array_equal(np.asarray(value), np.asarray(saved.to_hf_params()[name]), err_msg=name)
     assert int(opt_state.count) == 0
+
+
+def test_rotation_keeps_the_checkpoint_it_writes_whatever_newer_ones_the_directory_holds(tmp_path):
+    path, _ = _saved_checkpoint(tmp_path)
+    for step in (20, 30):  # of a later step: another run's, or those a resume from an older one writes again
+        shutil.copytree(path, tmp_path / f"ckpt-{step:07d}")
+    model = gpt2.GPT2(SMALL, batch_size=B, seq_len=T, seed=2)
+    opt_state = optim.adamw(1e-3).init(nnx.state(model, nnx.Param))
+    for step in (10, 12):
+        checkpoint.save(tmp_path, model=model, opt_state=opt_state, step=step, state={"data_position": 0})
+    assert (tmp_path / checkpoint.LATEST).read_text() == "ckpt-0000012"
+    assert checkpoint.latest(tmp_path) == tmp_path / "ckpt-0000012"
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["ckpt-0000010", "ckpt-0000012", "ckpt-0000020",
+                                                                 "ckpt-0000030"]
+
+
+def test_fingerprint_tells_weights_of_one_layout_apart_without_the_path(tmp_path):
+    copy, tuned = tmp_path / "copy", tmp_path / "tuned"
+    shutil.copytree(FIXTURE, copy)
+    shutil.copytree(FIXTURE, tuned)
+    _rewrite(tuned / "model.safetensors", lambda t: t["transformer.h.1.mlp.c_fc.weight"].__imul__(1.01))
+    assert checkpoint.hf_fingerprint(copy) == checkpoint.hf_fingerprint(FIXTURE)
+    assert checkpoint.hf_fingerprint(tuned) != checkpoint.hf_fingerprint(FIXTURE)
 
 
 # ---- end to end: peak RSS of the command line ------------------------------------------------------

@@ -158,6 +158,83 @@ def test_lora_resumes_bit_identically_from_adapter_checkpoints(dataset, tmp_path
         _train(dataset, tmp_path / "b", "--steps", "5", "--resume")
 
 
+def test_lora_resumes_on_its_own_base_only(dataset, tmp_path):
+    """A LoRA checkpoint's frozen base is built again at resume: from the same weights (wherever they are now),
+    not from other weights of the same shapes, nor from a preset drawn with another --seed."""
+    base, moved, other = tmp_path / "base", tmp_path / "moved", tmp_path / "other"
+    shutil.copytree(DATA / "hf_tiny_llama", base)
+    shutil.copytree(base, other)
+    tensors = _tensors(other / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"] *= 1.01
+    tensorfile.write_file(other / "model.safetensors", tensors, metadata={"format": "pt"})
+    flags = ["--lora-rank", "2", "--allow-tokenizer-mismatch"]
+    _train(dataset, tmp_path / "out", "--steps", "2", *flags, "--init-from-hf", str(base), hf=None)
+    with pytest.raises(ValueError, match=f"trained from --init-from-hf {base}, and --init-from-hf {other} holds other "
+                                         "weights"):
+        _train(dataset, tmp_path / "out", "--steps", "3", "--resume", *flags, "--init-from-hf", str(other), hf=None)
+    with pytest.raises(ValueError, match=f"trained from --init-from-hf {base}: give --init-from-hf {base} to resume"):
+        _train(dataset, tmp_path / "out", "--steps", "3", "--resume", *flags, hf=None)
+    base.rename(moved)
+    with pytest.raises(ValueError, match=f"--init-from-hf {base} does not exist: .* holds the LoRA adapters alone"):
+        _train(dataset, tmp_path / "out", "--steps", "3", "--resume", *flags, "--init-from-hf", str(base), hf=None)
+    assert _train(dataset, tmp_path / "out", "--steps", "3", "--resume", *flags, "--init-from-hf", str(moved),
+                  hf=None)["step"] == 3
+
+    preset = ["--model", "llama-tiny", "--lora-rank", "2"]
+    _train(dataset, tmp_path / "preset", "--steps", "1", *preset, "--seed", "1", hf=None)
+    with pytest.raises(ValueError, match="trained from --model llama-tiny --seed 1, this run asks for --model "
+                                         "llama-tiny --seed 0: give --model llama-tiny --seed 1"):
+        _train(dataset, tmp_path / "preset", "--steps", "2", "--resume", *preset, hf=None)
+
+
+def test_full_fine_tune_resumes_from_its_checkpoint_when_its_base_is_gone(dataset, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(DATA / "hf_tiny_llama", base)
+    flags = ["--init-from-hf", str(base), "--allow-tokenizer-mismatch"]
+    straight = _train(dataset, tmp_path / "a", "--steps", "3", "--checkpoint-interval", "2", *flags, hf=None)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # back to the checkpoint of step 2
+    shutil.rmtree(tmp_path / "b" / "ckpt-0000003")
+    (tmp_path / "b" / checkpoint.LATEST).write_text("ckpt-0000002")
+    shutil.rmtree(base)
+    resumed = _train(dataset, tmp_path / "b", "--steps", "3", "--resume", *flags, hf=None)
+    assert resumed["losses"] == straight["losses"][2:]
+    assert f"--init-from-hf {base} does not exist; resuming from" in capsys.readouterr().err
+
+
+def test_lora_targets_compare_as_sets_with_the_defaults_resolved(dataset, tmp_path):
+    _train(dataset, tmp_path / "a", "--steps", "1", "--lora-rank", "2", "--lora-targets", "v_proj,q_proj,k_proj")
+    assert _train(dataset, tmp_path / "a", "--steps", "2", "--resume", "--lora-rank", "2", "--lora-targets",
+                  "q_proj,k_proj,v_proj")["step"] == 2
+    _train(dataset, tmp_path / "b", "--steps", "1", "--lora-rank", "2")
+    every = "down_proj,up_proj,gate_proj,o_proj,v_proj,k_proj,q_proj"
+    assert _train(dataset, tmp_path / "b", "--steps", "2", "--resume", "--lora-rank", "2", "--lora-targets",
+                  every)["step"] == 2
+    with pytest.raises(ValueError, match="--lora"):  # other adapters all the same
+        _train(dataset, tmp_path / "b", "--steps", "3", "--resume", "--lora-rank", "2", "--lora-targets", "o_proj")
+
+
+def test_exports_never_land_on_the_base(dataset, tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(DATA / "hf_tiny_llama", base)
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    flags = ["--steps", "1", "--init-from-hf", str(base), "--allow-tokenizer-mismatch"]
+    with pytest.raises(ValueError, match=f"--export-hf {base} is the --init-from-hf folder: the export would replace"):
+        _train(dataset, tmp_path / "out", *flags, "--export-hf", str(base), hf=None)
+    with pytest.raises(ValueError, match=f"--export-lora {base} is the --init-from-hf folder"):
+        _train(dataset, tmp_path / "out", *flags, "--lora-rank", "2", "--export-lora", str(base), hf=None)
+    adapter = tmp_path / "adapter"
+    shutil.copytree(DATA / "peft_tiny_llama", adapter)
+    with pytest.raises(ValueError, match=f"--export-lora {adapter} is the --init-lora folder"):
+        _train(dataset, tmp_path / "out", *flags, "--init-lora", str(adapter), "--export-lora", str(adapter), hf=None)
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    # The merged export is a whole model: the base's tokenizer files and generation settings come along.
+    _train(dataset, tmp_path / "out", *flags, "--lora-rank", "2", "--export-hf", str(tmp_path / "merged"),
+           "--merge-lora", hf=None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "merged" / name).read_bytes() == before[name]
+
+
 def test_lora_base_in_bfloat16_stays_bitwise_unchanged(dataset, tmp_path):
     """The base of a bfloat16 run is stored in bfloat16, read by the products as it is, and never written."""
     from jnntile.models.llama import hf as llama_hf
