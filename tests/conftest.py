@@ -31,6 +31,26 @@ def rel_err(actual, expected) -> float:
     return float(np.linalg.norm(actual - expected) / (denom if denom > 0 else 1.0))
 
 
+def normal(shape, seed):
+    """Standard normal float32 values of `shape`, reproducible by `seed`."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def check_value_and_grads(loss, reference, tensors, arrays, jit):
+    """The value and every gradient of jnntile loss(*tensors) against JAX's of reference(*arrays), within 1e-5."""
+    import jax
+
+    import jnntile
+
+    argnums = tuple(range(len(tensors)))
+    fn = jnntile.value_and_grad(loss, argnums=argnums)
+    value, grads = (jax.jit(fn) if jit else fn)(*tensors)
+    ref_value, ref_grads = jax.value_and_grad(reference, argnums=argnums)(*arrays)
+    assert rel_err(value, ref_value) <= 1e-5
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert rel_err(jnntile.grad_of(grad).numpy(), ref_grad) <= 1e-5
+
+
 def causal_attention_reference(qkv):
     """Softmax attention with a causal mask, in plain jnp, on qkv of shape (B, T, G + 2, H, D): the G query
     heads of group h (axis 2 index g < G) attend with its keys (index G) and values (G + 1). Returns

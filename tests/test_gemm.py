@@ -1,12 +1,15 @@
-"""Tiled GEMM: values and gradients against jnp, every transpose, batch axes, tilings."""
+"""Tiled GEMM and the linear layer on it (bias and residual added by the product's tasks): values and
+gradients against jnp, every transpose, batch axes, tilings."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BFLOAT16_TOL, check_op
+from conftest import BFLOAT16_TOL, check_op, check_value_and_grads, normal, rel_err
 
 import jnntile
 from jnntile.ops import gemm
+from jnntile.ops.gemm import linear
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
 pytestmark = pytest.mark.usefixtures("placement")
@@ -74,8 +77,6 @@ def test_k_tiles_in_several_tasks_where_one_would_not_fit(rng, dtype, tasks):
     by the last) and its gradient (summed in the first row of dW's tasks)."""
     from conftest import restart_runtime
 
-    from jnntile.ops import bias as bias_ops
-
     settings = jnntile.runtime.config()
     restart_runtime(memory_limit_mb=32, workers=4)
     jnntile.runtime.ensure_started()
@@ -93,7 +94,7 @@ def test_k_tiles_in_several_tasks_where_one_would_not_fit(rng, dtype, tasks):
         def reference(x, w, b):
             return (jnp.matmul(x, w, preferred_element_type=jnp.float32) + b).astype(x.dtype)
 
-        check_op(lambda x, w, b: bias_ops.linear(x, w, b), reference,
+        check_op(lambda x, w, b: linear(x, w, b), reference,
                  [np.asarray(x, np.float32), np.asarray(w, np.float32), b], [(256, 1024), (1024, 256), 256],
                  jit=True, dtype=[dtype, dtype, "float32"], tol=BFLOAT16_TOL if dtype == "bfloat16" else 1e-5)
     finally:
@@ -175,3 +176,146 @@ def test_matmul_needs_one_float_dtype(rng):
     b = jnntile.convert(a, "bfloat16")
     with pytest.raises(TypeError, match="two float32 or two bfloat16"):
         gemm.matmul(a, b)
+
+
+# x shape, x tile, w shape, w tile
+LINEAR_TILINGS = {
+    "one_tile": ((2, 4, 6), (2, 4, 6), (6, 5), (6, 5)),
+    "many_tiles": ((2, 4, 6), (1, 2, 3), (6, 4), (3, 2)),
+    "uneven_tiles": ((3, 5, 7), (2, 3, 3), (7, 5), (3, 2)),
+    "fused_qkv": ((2, 5, 6), (1, 3, 4), (6, 3, 2, 3), (4, 1, 2, 2)),
+}
+
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("tiling", LINEAR_TILINGS)
+def test_linear(tiling, jit, with_bias):
+    x_shape, x_tile, w_shape, w_tile = LINEAR_TILINGS[tiling]
+    out_shape = x_shape[:-1] + w_shape[1:]
+    x_np, w_np, b_np, weight = normal(x_shape, 0), normal(w_shape, 1), normal(w_shape[1:], 2), normal(out_shape, 3)
+    tensors = [jnntile.from_array(x_np, x_tile), jnntile.from_array(w_np, w_tile)]
+    arrays = [x_np, w_np]
+    if with_bias:
+        tensors.append(jnntile.from_array(b_np, w_tile[1:]))
+        arrays.append(b_np)
+
+    out = linear(*tensors)
+    assert out.shape == out_shape and out.tile_shape == x_tile[:-1] + w_tile[1:]
+
+    def loss(*tensors):
+        return jnp.sum(jnntile.to_array(linear(*tensors)) * weight)
+
+    def reference(x, w, b=0.0):
+        return jnp.sum((jnp.tensordot(x, w, axes=1) + b) * weight)
+
+    check_value_and_grads(loss, reference, tensors, arrays, jit)
+
+
+@pytest.mark.parametrize("tiling", LINEAR_TILINGS)
+def test_linear_bfloat16(tiling):
+    """x and W bfloat16, b float32: the product summed in float32 over the K tiles, the bias added to it in
+    float32 by the last K tile's task, rounded once; db summed from bfloat16 dy in float."""
+    x_shape, x_tile, w_shape, w_tile = LINEAR_TILINGS[tiling]
+
+    def reference(x, w, b):
+        product = jnp.tensordot(x.astype(jnp.float32), w.astype(jnp.float32), axes=1)
+        return (product + b).astype(jnp.bfloat16)
+
+    check_op(linear, reference, [normal(x_shape, 0), normal(w_shape, 1), normal(w_shape[1:], 2)],
+             [x_tile, w_tile, w_tile[1:]], jit=True, dtype=["bfloat16", "bfloat16", "float32"], tol=BFLOAT16_TOL)
+
+
+def test_linear_with_the_weight_out_first_and_two_input_axes():
+    """W stored (N, C1, C2) as torch stores a Linear's weight, contracting x's last two axes, uneven tiles."""
+    x_np, w_np, b_np = normal((3, 4, 2, 5), 0), normal((6, 2, 5), 1), normal((6,), 2)
+
+    def op(x, w, b):
+        return linear(x, w, b, ndim=2, trans_b=True)
+
+    def reference(x, w, b):
+        return jnp.tensordot(x, w, axes=((2, 3), (1, 2))) + b
+
+    check_op(op, reference, [x_np, w_np, b_np], [(2, 3, 1, 3), (4, 1, 3), (4,)], jit=True)
+
+
+def test_a_bias_shared_by_two_layers_sums_both_gradients():
+    """The second layer's bias gradient adds to the first's (the first wrote it: it held nothing yet)."""
+    x_np, w1_np, w2_np, b_np = normal((4, 6), 0), normal((6, 6), 1), normal((6, 6), 2), normal((6,), 3)
+
+    def op(x, w1, w2, b):
+        return linear(linear(x, w1, b), w2, b)
+
+    def reference(x, w1, w2, b):
+        return (x @ w1 + b) @ w2 + b
+
+    check_op(op, reference, [x_np, w1_np, w2_np, b_np], [(2, 3), (3, 3), (3, 3), (3,)], jit=False)
+
+
+@pytest.mark.parametrize("tiling", LINEAR_TILINGS)
+def test_the_bias_gradient_is_summed_in_the_weight_gradient_tasks(tiling):
+    """With w's gradient wanted, db is summed by the tasks of dw (no add_bias_db task); with w frozen, by a
+    pass of its own over dy, in the same order: the same bits. Gradients against jnp either way."""
+    x_shape, x_tile, w_shape, w_tile = LINEAR_TILINGS[tiling]
+    out_shape = x_shape[:-1] + w_shape[1:]
+    x_np, w_np, b_np, weight = normal(x_shape, 0), normal(w_shape, 1), normal(w_shape[1:], 2), normal(out_shape, 3)
+
+    def loss(x, w, b):
+        return jnp.sum(jnntile.to_array(linear(x, w, b)) * weight)
+
+    def reference(x, w, b):
+        return jnp.sum((jnp.tensordot(x, w, axes=1) + b) * weight)
+
+    def db_tasks():
+        jnntile.runtime.wait_all()
+        return jnntile.runtime.stats()["codelets"].get("add_bias_db", {}).get("tasks", 0)
+
+    db = {}
+    for argnums in [(0, 1, 2), (0, 2)]:  # w trained, w frozen
+        tensors = [jnntile.from_array(x_np, x_tile), jnntile.from_array(w_np, w_tile),
+                   jnntile.from_array(b_np, w_tile[1:])]
+        before = db_tasks()
+        _, grads = jnntile.value_and_grad(loss, argnums=argnums)(*tensors)
+        grads = [jnntile.grad_of(g).numpy() for g in grads]
+        assert (db_tasks() > before) == (argnums == (0, 2))
+        _, ref_grads = jax.value_and_grad(reference, argnums=argnums)(x_np, w_np, b_np)
+        for grad, ref_grad in zip(grads, ref_grads):
+            assert rel_err(grad, ref_grad) <= 1e-5
+        db[argnums] = grads[-1]
+    np.testing.assert_array_equal(db[(0, 1, 2)], db[(0, 2)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("tiling", LINEAR_TILINGS)
+def test_linear_with_a_residual(tiling, with_bias, dtype):
+    """r + x @ W (+ b), the residual added by the product's tasks (its first task on each tile starts from r's
+    tile): values, and the gradients of x, W, b and r (r's is the output's, copied)."""
+    x_shape, x_tile, w_shape, w_tile = LINEAR_TILINGS[tiling]
+    out_shape, out_tile = x_shape[:-1] + w_shape[1:], x_tile[:-1] + w_tile[1:]
+    arrays = [normal(x_shape, 0), normal(w_shape, 1), normal(out_shape, 4)] + ([normal(w_shape[1:], 2)]
+                                                                              if with_bias else [])
+
+    def op(x, w, r, b=None):
+        return linear(x, w, b, residual=r)
+
+    def reference(x, w, r, b=0.0):
+        product = jnp.tensordot(x.astype(jnp.float32), w.astype(jnp.float32), axes=1)
+        return (r.astype(jnp.float32) + product + b).astype(x.dtype)
+
+    dtypes = [dtype] * 3 + ["float32"] * with_bias
+    check_op(op, reference, arrays, [x_tile, w_tile, out_tile] + [w_tile[1:]] * with_bias, jit=True, dtype=dtypes,
+             tol=BFLOAT16_TOL if dtype == "bfloat16" else 1e-5)
+
+
+def test_linear_bad_inputs():
+    x = jnntile.zeros((4, 6), tile_shape=(2, 3))
+    w = jnntile.zeros((6, 5), tile_shape=(3, 5))
+    with pytest.raises(ValueError, match=r"linear: b .* must match w's output axes"):
+        linear(x, w, jnntile.zeros((4,)))
+    with pytest.raises(ValueError, match="contraction axes"):
+        linear(x, jnntile.zeros((6, 5), tile_shape=(2, 5)))
+    with pytest.raises(ValueError, match=r"linear: the residual .* must have the result's shape \(4, 5\), tiles "
+                                         r"\(2, 5\) and dtype float32"):
+        linear(x, w, residual=jnntile.zeros((4, 5), tile_shape=(4, 5)))

@@ -39,7 +39,6 @@ import numpy as np
 from flax import nnx
 
 import jnntile
-from jnntile.ops import bias as bias_ops
 from jnntile.ops import data as data_ops
 from jnntile.ops import dropout as dropout_ops
 from jnntile.ops import elementwise as elementwise_ops
@@ -127,7 +126,7 @@ class Linear(nnx.Module):
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """x @ W + b, plus `residual` (a residual connection, of the output's layout) where given: added by the
         product's own tasks."""
-        return bias_ops.linear(x, compute_copy(self.weight.get_value(), self.dtype),
+        return gemm.linear(x, compute_copy(self.weight.get_value(), self.dtype),
                                None if self.bias is None else self.bias.get_value(), ndim=self.in_ndim,
                                trans_b=self.weight_out_first, residual=residual)
 
