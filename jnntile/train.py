@@ -539,8 +539,9 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     plt.close(fig)
 
 
-def generate_samples(model, dataset, args) -> list[str]:
-    """Continues a few prompts from the validation data with the trained weights (top-40, temperature 0.8).
+def generate_samples(model, datasets, args) -> list[str]:
+    """Continues a few prompts from the first of `datasets` (the validation data, then the training data) that
+    holds one, with the trained weights (top-40, temperature 0.8).
 
     Decoding runs on the tiled model with a key/value cache (jnntile.decoding),
     under this run's memory limit and swap. Prompt and sample stay within the
@@ -552,6 +553,7 @@ def generate_samples(model, dataset, args) -> list[str]:
     if new_tokens < args.sample_tokens:
         print(f"samples of {new_tokens} tokens: the model was trained on {window} positions")
     prompt_len = min(16, window + 1 - new_tokens)
+    dataset = next(d for d in datasets if d is not None and len(d) > prompt_len)
     prompts = [dataset.batch(i, 1, prompt_len, "random", seed=args.seed + 2)[0][0] for i in range(args.samples)]
     decoder = decoding.Decoder(model, batch_size=args.samples, max_len=prompt_len + new_tokens - 1)
     continuations = decoder.generate(prompts, new_tokens, temperature=0.8, top_k=40, seed=args.seed)
@@ -795,8 +797,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     print(f"done: {step} step{'s' if step != 1 else ''}, loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
           f"{speed}; metrics in {metrics_path}, curve in {out / 'loss.png'}")
     if args.samples:
-        dataset = val_data or train_data
-        for i, text in enumerate(generate_samples(final_model, dataset, args)):
+        for i, text in enumerate(generate_samples(final_model, (val_data, train_data), args)):
             print(f"--- sample {i} ---\n{text}")
     return summary
 

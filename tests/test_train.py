@@ -312,7 +312,9 @@ def test_validation_file_too_small_for_one_evaluation_is_refused_before_training
     for fix in ("more text", "larger --val-fraction", "smaller --seq-len", "--eval-interval 0"):
         assert fix in error
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
-    assert _run(prepared, tmp_path / "no-eval", "--steps", "1", "--eval-interval", "0", "--samples", "0")["step"] == 1
+    # Without evaluation it trains, and its samples take their prompts from the training data.
+    assert _run(prepared, tmp_path / "no-eval", "--steps", "1", "--eval-interval", "0", "--samples", "1",
+                "--sample-tokens", "4")["step"] == 1
 
 
 def test_unknown_preset_is_refused(capsys):
