@@ -222,7 +222,7 @@ def _register_ffi_targets() -> None:
 _register_ffi_targets()
 
 
-# The native runtime's swap subdirectories: jnntile-swap-<pid>-XXXXXX (xla_ffi/runtime.cc).
+# The native runtime's swap subdirectories: jnntile-swap-<pid>-XXXXXX (xla_ffi/swap.cc).
 _SWAP_SUBDIR = re.compile(r"jnntile-swap-(\d+)-\w{6}")
 
 

@@ -1,7 +1,9 @@
-"""The package's shape: no import circle among its modules, and test oracles kept out of the library."""
+"""The package's shape: no import circle among its modules, test oracles kept out of the library, and the native
+runtime below the native files that build on it."""
 
 import ast
 import importlib.util
+import re
 from pathlib import Path
 
 import jnntile
@@ -87,3 +89,15 @@ def test_the_library_never_imports_a_reference_model():
     for name, path in modules.items():
         if not name.endswith("reference"):
             assert not {m for m in _imports(name, path, modules) if m.endswith("reference")}, name
+
+
+def test_the_native_runtime_includes_nothing_above_it():
+    """The runtime's files (docs/design.md, "Code layout") include only each other, format.h and the CUDA context:
+    tensor, task, distributed and bench build on the runtime, which starts StarPU-MPI through DistributedHooks."""
+    native = Path(__file__).resolve().parents[1] / "xla_ffi"
+    runtime = ["runtime.h", "runtime_state.h", "runtime.cc", "task_accounting.cc", "host_memory.cc", "swap.cc",
+               "stats.cc"]
+    allowed = {"runtime.h", "runtime_state.h", "format.h", "kernels/cuda/context.h"}
+    for name in runtime:
+        included = set(re.findall(r'^#include "([^"]+)"', (native / name).read_text(), re.MULTILINE))
+        assert included <= allowed, f"xla_ffi/{name} includes {sorted(included - allowed)}"

@@ -8,8 +8,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "format.h"
 #include "runtime.h"
-#include "tensor.h"
 
 #if JNNTILE_MPI
 #include <starpu_mpi.h>
@@ -329,5 +329,9 @@ std::string distributed_stall() { return ""; }
 int64_t mpi_bytes_sent() { return 0; }
 
 #endif
+
+void install_distributed_hooks() {
+  set_distributed_hooks({distributed_starpu_init, distributed_starpu_shutdown, distributed_abandon, distributed_stall});
+}
 
 }  // namespace jnntile

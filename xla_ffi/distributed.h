@@ -29,6 +29,10 @@ bool mpi_initialized();
 void mpi_finalize();
 [[noreturn]] void mpi_abort(int code);
 
+// Makes the runtime start and stop StarPU through the functions below when its config is distributed
+// (runtime.h's DistributedHooks: the runtime, the layer below, does not call into this one). Called once at import.
+void install_distributed_hooks();
+
 // starpu_init / starpu_shutdown through StarPU-MPI. The shutdown first meets
 // the other ranks in a barrier that sleeps while it waits (StarPU-MPI's own
 // barrier polls) and gives up after timeout_s naming the ranks that did not come.

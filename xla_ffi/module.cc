@@ -7,6 +7,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "bench.h"
+#include "crash.h"
 #include "distributed.h"
 #include "kernels/device.h"
 #include "kernels/elementwise.h"
@@ -31,6 +33,7 @@ std::vector<std::pair<std::string, void*>>& ffi_targets() {
 NB_MODULE(_xla_ffi, m) {
   using namespace jnntile;
   report_native_stack_on_crash();
+  install_distributed_hooks();
 
   m.def("registrations", [] {
     nb::dict out;

@@ -1,4 +1,5 @@
-// StarPU lifetime, task accounting, idle pausing, watchdog and statistics.
+// StarPU lifetime, task accounting, idle pausing, watchdog and statistics (runtime_state.h says which file
+// holds which).
 //
 // Every task jnntile submits goes through `submit()`, which keeps a count of
 // pending work. Debian's StarPU busy-waits when idle (DESIGN invariant 5), so
@@ -111,10 +112,18 @@ struct RuntimeStats {
   std::map<std::string, int64_t> bytes_moved;
 };
 
-// Makes a fatal signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) in this process print the native stack to
-// stderr before the handler installed before it (Python's faulthandler prints the Python stack): a crash
-// inside StarPU or a kernel then says where, also on machines without a debugger. Called once at import.
-void report_native_stack_on_crash();
+// How StarPU starts and stops on one of several MPI ranks (config.distributed): through StarPU-MPI, which
+// distributed.cc provides and sets here at import (install_distributed_hooks), the layer above the runtime.
+struct DistributedHooks {
+  int (*starpu_init)(starpu_conf* conf);
+  // Meets the other ranks, then shuts StarPU down; throws naming the ranks that did not come.
+  void (*starpu_shutdown)(double timeout_s);
+  // After a failure: leaves StarPU-MPI as it is; the process is expected to exit.
+  void (*abandon)();
+  // For the watchdog's message: which ranks' tiles this one waits for ("" when none).
+  std::string (*stall)();
+};
+void set_distributed_hooks(const DistributedHooks& hooks);
 
 void runtime_start(const RuntimeConfig& config);
 // Waits for pending tasks, then runs `release_data(ok)` with the workers awake
@@ -154,14 +163,5 @@ void wait_all(const char* what);
 RuntimeStats runtime_stats();
 // Starts the peak memory use of every node over from its current use.
 void reset_peaks();
-
-// The mean seconds per task of `count` empty tasks on CPU or CUDA workers: the
-// runtime's own cost of a task. RoundTrip submits one at a time and waits for
-// each (submission to completion, as a blocking read pays); Chain submits all
-// at once on one tile, each depending on the one before (what a chain of ops
-// pays between kernels); Independent submits all at once on tiles of their own
-// (the workers' task throughput).
-enum class EmptyTasks { RoundTrip, Chain, Independent };
-double measure_empty_tasks(int count, EmptyTasks kind, bool on_cuda);
 
 }  // namespace jnntile

@@ -1,6 +1,5 @@
 #include "tensor.h"
 
-#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -95,22 +94,6 @@ int64_t TiledTensor::tile_numel(int64_t linear) const {
   int64_t n = 1;
   for (int64_t e : tile_extent(tile_coord(linear))) n *= e;
   return n;
-}
-
-// Messages are built from strings and std::to_string, not iostreams: on a GPU
-// machine whose build linked its own copy of libstdc++, formatting a number
-// through an ostream crashed in the locale's facets (an error message became a
-// segfault).
-std::string shape_str(const Index& shape) {
-  std::string out = "(";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + (shape.size() == 1 ? ",)" : ")");
-}
-
-std::string seconds_str(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f", seconds);
-  return text;
 }
 
 std::string TiledTensor::describe() const {

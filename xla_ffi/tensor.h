@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "format.h"
+
 namespace jnntile {
 
 enum class DType : int { F32 = 0, I32 = 1, I64 = 2, BF16 = 3 };
@@ -22,10 +24,6 @@ size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
 
 using Index = std::vector<int64_t>;
-// "(64, 48)", "(3,)": shapes, tile grids and tile coordinates in messages.
-std::string shape_str(const Index& shape);
-// Seconds with one decimal, for messages.
-std::string seconds_str(double seconds);
 
 struct TiledTensor;
 
