@@ -79,6 +79,20 @@ def grad_of(t: Tensor) -> Tensor:
     return Tensor(_ffi.join(t.token, token), values)
 
 
+def mark_computed(grads):
+    """Tells the ledger that `grads`, returned by a compiled program that just ran, hold their values.
+
+    The ledger learns what a program does to the tiles only while JAX traces it: a compiled program that
+    runs again tells it nothing. A program traced after one that ran compiled (jnntile.train.make_steps'
+    last micro-batch, traced anew under "auto" after a step that clipped) would otherwise find these
+    gradients as the last trace left them, consumed by the update of the step before, and refuse to
+    accumulate into them.
+    """
+    for g in jax.tree.leaves(grads, is_leaf=_is_tensor):
+        if _is_tensor(g):
+            LEDGER.written(tensor_mod.grad_handle(g.handle))
+
+
 def _continue_from(tree, previous):
     """`tree` (arguments) ready to add to their gradients `previous`, from an earlier differentiation.
 

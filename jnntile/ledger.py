@@ -15,7 +15,10 @@ Each fact is recorded here and nowhere else; ops, differentiation and the
 optimizers ask and tell this one object. It outlives a single trace on
 purpose: the compiled training step invalidates the gradients every time it
 runs, so a trace that comes after it (an evaluation, an eager read) must see
-them invalidated too. Entries go with their tensors (weak references).
+them invalidated too. It learns what a program does only while JAX traces it:
+a compiled program that runs again tells it nothing, so whoever runs one and
+then traces another on its results tells it what they hold
+(jnntile.grad.mark_computed). Entries go with their tensors (weak references).
 
 What is decided per differentiation (which calls touched a tensor, whether
 activations are kept) lives in the step scope of jnntile.ops._ffi; what a

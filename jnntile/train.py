@@ -41,8 +41,9 @@ from flax import nnx
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, decoding, distributed, flags, lora, memory, nn, optim
+from jnntile import checkpoint, decoding, distributed, flags, lora, nn, optim, planning
 from jnntile import data as data_mod
+from jnntile.grad import mark_computed
 from jnntile.models import families
 from jnntile.tensor import pack
 
@@ -55,8 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jnntile.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=list(families.PRESETS), default=DEFAULTS["model"],
-                   help="size preset: GPT-2's tiny, small, gpt2 ... or the Llama family's llama-tiny, smollm-135m, "
-                        "llama-1b, tinyllama-1.1b, llama-8b")
+                   help=f"size preset: {families.PRESETS_HELP}")
     p.add_argument("--n-layer", type=int, help="override the preset's layer count")
     p.add_argument("--n-head", type=int, help="override the preset's head count")
     p.add_argument("--n-embd", type=int, help="override the preset's width")
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=DEFAULTS["warmup_steps"])
     p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
     flags.add_update_flags(p)
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default=DEFAULTS["optimizer"])
+    p.add_argument("--optimizer", choices=sorted(optim.OPTIMIZER_STATES), default=DEFAULTS["optimizer"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--eval-interval", type=int, default=DEFAULTS["eval_interval"], help="0 disables evaluation")
     p.add_argument("--eval-batches", type=int, default=DEFAULTS["eval_batches"])
@@ -83,8 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds another run: "
                    "its checkpoints, metrics.jsonl and loss.png are removed once the set-up checks passed")
-    p.add_argument("--init-from-hf", metavar="DIR", help="start from a Hugging Face checkpoint directory (GPT-2, "
-                   "Llama, Mistral, Qwen2: its config.json's model_type tells)")
+    p.add_argument("--init-from-hf", metavar="DIR", help="start from a Hugging Face checkpoint directory of "
+                   f"{families.TITLES}: its config.json's model_type tells which")
     p.add_argument("--export-hf", metavar="DIR", help="write the final weights as a Hugging Face checkpoint")
     p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the --export-hf weights (bfloat16: rounded to nearest even from the float32 "
@@ -389,13 +389,8 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     scale = 1.0 / (grad_accum_steps * jnntile.runtime.world_size())
     summed = optim.allreduce_sum()
 
-    def loss_fn(model, idx, targets, dropout_seed):
-        _, loss = model(model.token_tensor(idx), model.token_tensor(targets, allow_ignore=True),
-                        dropout_seed=dropout_seed)
-        return loss
-
     def gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=None):
-        return jnntile.value_and_grad(lambda p: loss_fn(_merged(graphdef, p, frozen), idx, targets, dropout_seed),
+        return jnntile.value_and_grad(lambda p: _merged(graphdef, p, frozen).loss(idx, targets, dropout_seed),
                                       accumulate=grads, scale=scale, on_final=on_final)(params)
 
     # The parameters, the optimizer state and the frozen weights cross each jitted call packed behind one
@@ -432,6 +427,9 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
         state = pack((params, opt_state, frozen))  # every micro-batch's program takes the same state
         for k in range(grad_accum_steps - 1):
             loss, grads = add_gradients(state, grads, idx[k], targets[k], dropout_seeds[k])
+            # Run compiled, it told the ledger nothing: a trace of last_and_update made now (a setting not
+            # compiled yet) would find these gradients consumed by the update of the step before.
+            mark_computed(grads)
             losses.append(loss)
         setting = fused_update
         if setting == "auto" and last_norm[0] is not None and optim.speculates(opt_state, setting):
@@ -445,7 +443,7 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     @jax.jit
     def eval_packed(packed, idx, targets):
         params, frozen = packed.unpack()
-        return jnntile.to_array(loss_fn(_merged(graphdef, params, frozen), idx, targets, None))
+        return jnntile.to_array(_merged(graphdef, params, frozen).loss(idx, targets))
 
     def eval_step(params, idx, targets, frozen=None):
         return eval_packed(pack((params, frozen)), idx, targets)
@@ -612,13 +610,13 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         runtime_config = flags.runtime_config(args)
         gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
         update = flags.update_mode(args)
-        config, remat_note = memory.choose_remat(config, batch_size, args.seq_len, runtime_config.memory_limit_mb,
+        config, remat_note = planning.choose_remat(config, batch_size, args.seq_len, runtime_config.memory_limit_mb,
                                                  args.optimizer, runtime_config.workers, finetune, update,
                                                  args.grad_accum_steps, gpu_mb)
-        config, tiles_note = memory.fit_tiles(config, batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
+        config, tiles_note = planning.fit_tiles(config, batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
                                               args.optimizer, runtime_config.workers, finetune, update)
         tiles_note = "\n".join(note for note in (remat_note, tiles_note) if note)
-        plan = memory.plan(config, batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
+        plan = planning.plan(config, batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
                            grad_accum_steps=args.grad_accum_steps, finetune=finetune, update=update, gpu_mb=gpu_mb)
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
         verdict = plan.check(runtime_config.memory_limit_mb,

@@ -97,10 +97,9 @@ def _train(micro_batches, config=CONFIG):
     tx = optax.chain(optim.clip_by_global_norm(1.0), optim.adamw(LEARNING_RATE, weight_decay=0.1))
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)
-    # The update after the backward: this file tests the accumulation, test_optim.py the fused update. (Fused
-    # under "auto" with swap, the step after one that clipped retraces its update, which then finds the gradients
-    # of the earlier micro-batches invalidated in the ledger by the step before: a defect of make_steps.)
-    train_step, _ = train_mod.make_steps(graphdef, tx, micro_batches, "off")
+    # "auto": the clipped update runs after the backward without swap; with swap it speculates in the last
+    # backward, and after a step that clipped runs after the backward again (its program traced then).
+    train_step, _ = train_mod.make_steps(graphdef, tx, micro_batches, "auto")
     losses = []
     for step_rows in rows:
         idx, targets = (a.reshape(micro_batches, -1, T) for a in (step_rows[:, :-1], step_rows[:, 1:]))
@@ -142,12 +141,22 @@ def small_limit_with_swap(tmp_path):
     jnntile.runtime.configure(**dataclasses.asdict(previous))
 
 
-def test_micro_batches_under_a_small_limit_with_swap(one_big_batch, small_limit_with_swap):
-    from jnntile import memory
+def test_micro_batches_under_a_small_limit_with_swap(one_big_batch, small_limit_with_swap, monkeypatch):
+    from jnntile import planning
 
-    plan = memory.plan(CONFIG, B, T, grad_accum_steps=N)
+    plan = planning.plan(CONFIG, B, T, grad_accum_steps=N)
     assert plan.peak > 2 * 2**20 and plan.verdict(1, 64).startswith("needs")  # over twice the 1 MB limit
+    clips, clipped = [], optim.clipped
+
+    def recorded(opt_state, norm):  # what "auto" decides the next step's update from
+        clips.append(clipped(opt_state, norm))
+        return clips[-1]
+
+    monkeypatch.setattr(optim, "clipped", recorded)
     losses, params = _train(N)
+    # The speculative first step clipped: the second updated after the backward, in a program traced then,
+    # which accumulated into the gradients the earlier micro-batches' compiled program had just computed.
+    assert clips[0]
     assert jnntile.runtime.stats()["bytes_moved"]["RAM->DISK"] > plan.state, "the state went through the swap"
     assert rel_err(losses, one_big_batch[0]) < 1e-6
     _assert_close(params, one_big_batch[1])
