@@ -194,7 +194,7 @@ def _peaks(stats: dict) -> dict:
 def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) -> dict:
     """Tokens/s of jnntile's GPT-2 step; with gpu_memory_fraction, under that share of the step's memory."""
     import jnntile
-    from jnntile import memory
+    from jnntile import planning
     from steps import jnntile_step, step_seconds
 
     config = _config(p["model"])
@@ -202,11 +202,11 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     settings = {k: p[k] for k in ("placement", "workers", "fused_attention", "scheduler") if p.get(k) is not None}
     fused_update = p.get("fused_update") or "auto"
     if gpu_memory_fraction is not None:
-        plan = memory.plan(config, B, T)
+        plan = planning.plan(config, B, T)
         gpu_mb = settings["gpu_memory_limit_mb"] = max(1, int((plan.state + plan.activations) * gpu_memory_fraction
                                                               / MB))
         # Automatic tiles shrink where two of a step's largest tasks would not fit the GPU, as jnntile.train does.
-        config, _ = memory.fit_tiles(config, B, T, jnntile.runtime.config().memory_limit_mb, gpu_mb,
+        config, _ = planning.fit_tiles(config, B, T, jnntile.runtime.config().memory_limit_mb, gpu_mb,
                                      workers=settings.get("workers"))
     jnntile.runtime.stop()
     jnntile.runtime.start(**settings)
@@ -245,21 +245,21 @@ def measure_xla_training(p: dict) -> dict:
 def measure_capacity(p: dict) -> dict:
     """Two AdamW steps of a GPT-2 that needs GPU memory, host RAM and disk swap together."""
     import jnntile
-    from jnntile import memory
+    from jnntile import planning
     from jnntile.models.gpt2.config import GPT2Config
     from steps import jnntile_step
 
     config = GPT2Config(n_layer=p["n_layer"], n_head=p["n_head"], n_embd=p["n_embd"], vocab_size=p["vocab_size"],
                         n_positions=p["seq"], dropout=0.0, **p.get("tiles", {}))
     B, T, workers = p["batch"], p["seq"], p.get("workers")
-    plan = memory.plan(config, B, T, workers=workers)
+    plan = planning.plan(config, B, T, workers=workers)
     if not p["full"]:  # a quarter of the state on the GPU, a quarter in RAM, the rest on disk
         quarter_mb = max(16, plan.state // MB // 4)
         p = dict(p, memory_limit_mb=quarter_mb, gpu_memory_limit_mb=quarter_mb if p["gpu"] else None)
     gpu_mb = p.get("gpu_memory_limit_mb") or jnntile.runtime.gpu_memory_mb()
     ram_mb = p["memory_limit_mb"]
-    config, tiles_note = memory.fit_tiles(config, B, T, ram_mb, gpu_mb, workers=workers)  # as jnntile.train does
-    plan = memory.plan(config, B, T, workers=workers)
+    config, tiles_note = planning.fit_tiles(config, B, T, ram_mb, gpu_mb, workers=workers)  # as jnntile.train does
+    plan = planning.plan(config, B, T, workers=workers)
     swap_mb = plan.swap_needed_mb(ram_mb, gpu_mb) or jnntile.runtime.MIN_SWAP_MB
     settings = {"memory_limit_mb": ram_mb, "swap_dir": p["swap_dir"], "swap_size_mb": swap_mb}
     if workers is not None:

@@ -33,7 +33,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, decoding, flags, lora, memory, nn
+from jnntile import checkpoint, decoding, flags, lora, nn, planning
 from jnntile import data as data_mod
 from jnntile.models import families
 
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--checkpoint", metavar="DIR",
                         help="a checkpoint of python -m jnntile.train (ckpt-* directory, or its --out directory)")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory (config.json and "
-                        "safetensors weights) of GPT-2 or the Llama family")
+                        f"safetensors weights) of {families.TITLES}")
     p.add_argument("--lora", metavar="DIR", help="apply the LoRA adapters of a PEFT directory (adapter_config.json, "
                    "adapter_model.safetensors) to the model, unmerged; a LoRA run's --out: its latest checkpoint's")
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
@@ -179,11 +179,11 @@ def _fit_tiles(config, batch: int, length: int, runtime_config) -> tuple[object,
     config = dataclasses.replace(config, tile_batch=config.tile_batch or batch)  # the decoder's default batch tile
     limit_mb, workers = runtime_config.memory_limit_mb, runtime_config.workers
     gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
-    memory_plan = memory.plan(config, batch, length, "sgd", workers, gpu_mb=gpu_mb)
+    memory_plan = planning.plan(config, batch, length, "sgd", workers, gpu_mb=gpu_mb)
     problem = memory_plan.task_fit_problem(limit_mb, gpu_mb)
     if problem is None:
         return config, ""
-    fitted, note = memory.fit_tiles(config, batch, length, limit_mb, gpu_mb, "sgd", workers)
+    fitted, note = planning.fit_tiles(config, batch, length, limit_mb, gpu_mb, "sgd", workers)
     if note:
         shrunk = ", ".join(f"{axis} {getattr(memory_plan.tiles, axis)} -> {getattr(fitted, f'tile_{axis}')}"
                            for axis in dataclasses.asdict(memory_plan.tiles)

@@ -143,6 +143,11 @@ class AdamWState(NamedTuple):
     nu: Any  # second moments
 
 
+# The optimizers a command can train with (train's --optimizer), each with the parameter-sized tensors of state it
+# keeps per parameter (the memory planner counts them).
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}
+
+
 def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           weight_decay: float = 1e-4, mask: Callable[[Any], Any] | None = None) -> optax.GradientTransformation:
     """AdamW as `optax.adamw` (bias correction, decoupled weight decay), on tiles in place.
@@ -577,6 +582,6 @@ def clipped(opt_state, norm: Tensor) -> bool | None:
     return bool(float(norm.numpy()) >= rule.clip.max_norm)
 
 
-__all__ = ["AdamWState", "FUSED_UPDATE_CHOICES", "FusedUpdate", "Gradient", "UPDATE_MODES", "adamw", "allreduce_sum",
-           "chain", "clip_by_global_norm", "clipped", "fused_update", "global_norm", "sgd", "speculates",
-           "update_mode"]
+__all__ = ["AdamWState", "FUSED_UPDATE_CHOICES", "FusedUpdate", "Gradient", "OPTIMIZER_STATES", "UPDATE_MODES",
+           "adamw", "allreduce_sum", "chain", "clip_by_global_norm", "clipped", "fused_update", "global_norm", "sgd",
+           "speculates", "update_mode"]

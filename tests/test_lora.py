@@ -25,7 +25,7 @@ from conftest import BFLOAT16_TOL
 from flax import nnx
 
 import jnntile
-from jnntile import checkpoint, lora, memory, nn, tensorfile
+from jnntile import checkpoint, lora, nn, planning, tensorfile
 from jnntile import generate as generate_mod
 from jnntile import train as train_mod
 from jnntile.models import families
@@ -237,9 +237,7 @@ def test_exports_never_land_on_the_base(dataset, tmp_path):
 
 def test_lora_base_in_bfloat16_stays_bitwise_unchanged(dataset, tmp_path):
     """The base of a bfloat16 run is stored in bfloat16, read by the products as it is, and never written."""
-    from jnntile.models.llama import hf as llama_hf
-
-    config, files = llama_hf.open_hf(DATA / "hf_tiny_llama")
+    config, files = families.open_hf(DATA / "hf_tiny_llama")
     model, _ = lora.FineTune(lora=lora.LoRASettings(2, 4.0)).build(
         lambda: families.from_hf(DATA / "hf_tiny_llama", batch_size=2, seq_len=16, dtype="bfloat16"), "bfloat16")
     linear = model.layers[0].mlp.down_proj
@@ -340,8 +338,8 @@ def test_peft_adapters_give_peft_logits_loss_and_gradients(name):
 
 def test_planner_counts_frozen_parameters_once():
     config = families.preset("llama-tiny")
-    full = memory.plan(config, 2, 64)
-    adapters = memory.plan(config, 2, 64, finetune=lora.FineTune(lora=lora.LoRASettings(4, 8.0)))
+    full = planning.plan(config, 2, 64)
+    adapters = planning.plan(config, 2, 64, finetune=lora.FineTune(lora=lora.LoRASettings(4, 8.0)))
     model, _ = lora.FineTune(lora=lora.LoRASettings(4, 8.0)).build(
         lambda: families.build(config, batch_size=2, seq_len=64), config.dtype)
     n_adapter = sum(t.size for t in nn.tensors(nnx.state(model, nnx.LoRAParam)))
@@ -350,7 +348,7 @@ def test_planner_counts_frozen_parameters_once():
     assert adapters.optimizer_state == 2 * adapters.parameters and adapters.gradients == adapters.parameters
     assert adapters.state < full.state / 3
     assert "frozen parameters" in adapters.table()
-    frozen = memory.plan(config, 2, 64, finetune=lora.FineTune(freeze="embed_tokens|lm_head"))
+    frozen = planning.plan(config, 2, 64, finetune=lora.FineTune(freeze="embed_tokens|lm_head"))
     assert frozen.frozen_parameters + frozen.parameters == full.parameters
     assert frozen.peak < full.peak
 

@@ -29,7 +29,7 @@ from flax import nnx
 from conftest import train_steps
 
 import jnntile
-from jnntile import flags, memory, optim
+from jnntile import flags, memory, optim, planning
 from jnntile import train as train_mod
 from jnntile.ledger import LEDGER
 from jnntile.models import gpt2
@@ -65,7 +65,7 @@ def test_small_limit_with_swap_matches_unlimited_run(tmp_path, restore_runtime, 
     _restart(memory_limit_mb=1024, swap_dir=None)
     losses, params = _train(SWAP_CONFIG, steps=3)
 
-    plan = memory.plan(SWAP_CONFIG, B, T)
+    plan = planning.plan(SWAP_CONFIG, B, T)
     assert plan.state > 2.5 * 16 * 2**20
     assert plan.verdict(16, 64).startswith("needs")
     _restart(memory_limit_mb=16, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60, swap_backend=backend)
@@ -202,7 +202,7 @@ def test_planner_counts_what_a_traced_step_creates(restore_runtime, dtype):
 
     _restart(memory_limit_mb=1024, swap_dir=None)
     config = dataclasses.replace(TINY, dtype=dtype)
-    plan = memory.plan(config, 2, 64)
+    plan = planning.plan(config, 2, 64)
     model = gpt2.GPT2(config, batch_size=2, seq_len=64)
     assert plan.n_params == TINY.n_params() and plan.parameters == 4 * plan.n_params
     created = []
@@ -252,7 +252,7 @@ def test_planner_peak_against_the_measured_peak(restore_runtime, clip):
     float(loss)
     jnntile.runtime.wait_all()
     measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
-    plan = memory.plan(SWAP_CONFIG, B, T)
+    plan = planning.plan(SWAP_CONFIG, B, T)
     assert measured <= 1.3 * plan.peak, (plan.peak, measured)
     # The plan counts a gradient whole when its op's backward starts; the runtime allocates it tile by tile as
     # the tasks that write it run, while the tiles of dead tensors go: with a clip the peak may fall short of the
@@ -281,8 +281,8 @@ def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runti
     float(loss)
     jnntile.runtime.wait_all()
     measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
-    planned = memory.plan(SWAP_CONFIG, B, T, grad_accum_steps=2)
-    assert planned.peak > memory.plan(SWAP_CONFIG, B, T).peak
+    planned = planning.plan(SWAP_CONFIG, B, T, grad_accum_steps=2)
+    assert planned.peak > planning.plan(SWAP_CONFIG, B, T).peak
     # The plan counts a gradient whole when its op's backward starts; the runtime allocates it tile by tile as
     # the tasks that write it run (no zero-fill runs ahead of them), while the tiles of dead tensors go: the
     # peak may fall short of the plan by the tiles in flight, at most a task's.
@@ -311,10 +311,10 @@ def test_planner_traces_any_model_built_from_jnntile_modules(restore_runtime):
     x = rng.standard_normal((2048, 1, 64)).astype(np.float32)
     y = rng.integers(0, 16, (2048, 1)).astype(np.int32)
     build = lambda: _SpiralMLP(64, 512, 16, tile=256)  # noqa: E731
-    plan = memory.plan_model(build, lambda m: m.loss(x, y), workers=1)
+    plan = planning.plan_model(build, lambda m: m.loss(x, y), workers=1)
     assert plan.n_params == 64 * 512 + 512 + 512 * 512 + 512 + 512 * 16 + 16
     assert plan.largest_task_name == "adamw update of a fc2.weight tile (256, 256)"
-    recorded = memory.record_step(build, lambda m: m.loss(x, y))
+    recorded = planning.record_step(build, lambda m: m.loss(x, y))
     assert [op.name.split()[0] for op in recorded.ops] == ["linear", "unary"] * 2 + ["linear", "cross_entropy"]
     assert [t.kind for t in recorded.inputs] == ["input", "input"]  # x and y, written from the host
 
@@ -347,27 +347,27 @@ def test_planner_traces_any_model_built_from_jnntile_modules(restore_runtime):
 
 
 def test_planner_verdicts():
-    plan = memory.plan(TINY, 2, 64, workers=2)
+    plan = planning.plan(TINY, 2, 64, workers=2)
     peak_mb = plan.peak / 2**20
     assert plan.verdict(peak_mb + 1) == "fits in RAM"
     assert plan.check(peak_mb + 1) == "fits in RAM"
     need = plan.swap_needed_mb(peak_mb / 2)
     assert need >= 16 and plan.verdict(peak_mb / 2) == f"needs {need} MB of swap"
     assert plan.verdict(peak_mb / 2, need) == f"needs {need} MB of swap"
-    with pytest.raises(memory.MemoryPlanError, match="cannot run without swap.*--swap-size-mb"):
+    with pytest.raises(planning.MemoryPlanError, match="cannot run without swap.*--swap-size-mb"):
         plan.check(peak_mb / 2)
-    with pytest.raises(memory.MemoryPlanError, match="raise --swap-size-mb"):
+    with pytest.raises(planning.MemoryPlanError, match="raise --swap-size-mb"):
         plan.check(peak_mb / 2, need - 1)
     task_mb = plan.largest_task / 2**20
     verdict = plan.verdict(1.5 * task_mb, 4096)  # one task fits, two at once do not
     assert verdict.startswith("cannot run: a single task") and "2 workers" in verdict
-    with pytest.raises(memory.MemoryPlanError, match="use smaller tiles, e.g. --tile-"):
+    with pytest.raises(planning.MemoryPlanError, match="use smaller tiles, e.g. --tile-"):
         plan.check(0.5 * task_mb, 4096)
 
 
 def test_planner_swap_traffic_follows_the_limit_recomputation_and_clipping():
-    plan = memory.plan(TINY, 2, 64, workers=2)
-    recomputed = memory.plan(dataclasses.replace(TINY, remat="block"), 2, 64, workers=2)
+    plan = planning.plan(TINY, 2, 64, workers=2)
+    recomputed = planning.plan(dataclasses.replace(TINY, remat="block"), 2, 64, workers=2)
     peak_mb = plan.peak / 2**20
     assert plan.swap_traffic(peak_mb * 1.01) == (0, 0)
     totals = [sum(plan.swap_traffic(peak_mb * fraction)) for fraction in (0.75, 0.5, 0.25)]
@@ -376,7 +376,7 @@ def test_planner_swap_traffic_follows_the_limit_recomputation_and_clipping():
         assert sum(recomputed.swap_traffic(limit_mb)) < sum(plan.swap_traffic(limit_mb))
     # An update fused into the backward frees each gradient in RAM: when most of the state swaps, fewer bytes
     # move than when the update follows the backward (after a norm that reads them all).
-    state_bound = memory.plan(dataclasses.replace(TINY, remat="block"), 1, 32, workers=2)
+    state_bound = planning.plan(dataclasses.replace(TINY, remat="block"), 1, 32, workers=2)
     limit_mb = state_bound.peak / 2**20 * 0.3
     after = sum(state_bound.swap_traffic(limit_mb))
     fused = sum(state_bound.swap_traffic(limit_mb, clip=False, update="fused"))
@@ -386,14 +386,14 @@ def test_planner_swap_traffic_follows_the_limit_recomputation_and_clipping():
 
 def test_planner_suggestion_makes_the_task_fit():
     config = dataclasses.replace(TINY, vocab_size=32768, tile_vocab=32768, tile_embd=128)
-    plan = memory.plan(config, 2, 64, workers=2)
+    plan = planning.plan(config, 2, 64, workers=2)
     limit = 20
     assert plan.largest_task > limit * 2**20
     hint = plan.suggest_tiles(limit)
     assert "--tile-vocab" in hint
     flags = dict(zip(hint.split()[::2], map(int, hint.split()[1::2])))
     smaller = dataclasses.replace(config, **{f.removeprefix("--").replace("-", "_"): v for f, v in flags.items()})
-    assert not memory.plan(smaller, 2, 64, workers=2).verdict(limit, 4096).startswith("cannot run")
+    assert not planning.plan(smaller, 2, 64, workers=2).verdict(limit, 4096).startswith("cannot run")
 
 
 AUTO = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=64)  # automatic tiles
@@ -403,22 +403,22 @@ AUTO = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=
 def test_automatic_tiles_shrink_until_every_task_fits(gpu):
     """Only automatic tiles shrink; RAM holds one task per worker, the GPU two per CUDA worker."""
     # The cross-entropy backward on a (4 x 64, 4096) logits tile and its gradient: 8 MB.
-    task_mb = memory.plan(AUTO, 4, 64, workers=2).largest_task / 2**20
+    task_mb = planning.plan(AUTO, 4, 64, workers=2).largest_task / 2**20
     limits = dict(memory_limit_mb=4096, gpu_mb=task_mb) if gpu else dict(memory_limit_mb=task_mb)
-    config, note = memory.fit_tiles(AUTO, 4, 64, workers=2, **limits)
+    config, note = planning.fit_tiles(AUTO, 4, 64, workers=2, **limits)
     assert config.tile_vocab == 1024 and note.startswith("automatic tiles shrunk (vocab 4096 -> 1024)")
     assert ("GPU memory limit" in note) == gpu
-    fitted = memory.plan(config, 4, 64, workers=2)
+    fitted = planning.plan(config, 4, 64, workers=2)
     assert not fitted.verdict(limits["memory_limit_mb"], 4096, limits.get("gpu_mb", 0)).startswith("cannot")
-    assert memory.fit_tiles(config, 4, 64, workers=2, **limits) == (config, "")  # fitted tiles fit as they are
+    assert planning.fit_tiles(config, 4, 64, workers=2, **limits) == (config, "")  # fitted tiles fit as they are
     # A tile given explicitly stays; another axis shrinks instead, or, with none left, the step is refused.
-    config, note = memory.fit_tiles(dataclasses.replace(AUTO, tile_vocab=4096), 4, 64, workers=2, **limits)
+    config, note = planning.fit_tiles(dataclasses.replace(AUTO, tile_vocab=4096), 4, 64, workers=2, **limits)
     assert (config.tile_vocab, config.tile_embd, config.tile_seq) == (4096, 64, 32)
     assert "embd 128 -> 64, seq 64 -> 32" in note
     explicit = dataclasses.replace(AUTO, tile_vocab=4096, tile_embd=128)
-    assert memory.fit_tiles(explicit, 4, 64, workers=2, **limits) == (explicit, "")
-    with pytest.raises(memory.MemoryPlanError, match="cannot run: a single task.*e.g. --tile-vocab 1024"):
-        memory.plan(explicit, 4, 64, workers=2).check(limits["memory_limit_mb"], 4096, limits.get("gpu_mb", 0))
+    assert planning.fit_tiles(explicit, 4, 64, workers=2, **limits) == (explicit, "")
+    with pytest.raises(planning.MemoryPlanError, match="cannot run: a single task.*e.g. --tile-vocab 1024"):
+        planning.plan(explicit, 4, 64, workers=2).check(limits["memory_limit_mb"], 4096, limits.get("gpu_mb", 0))
 
 
 def test_memory_cli_says_which_tiles_it_chose(capsys):
@@ -435,7 +435,7 @@ def test_memory_cli_says_which_tiles_it_chose(capsys):
     assert "--remat auto: block, all 2 blocks recomputed" in out and "needs 24 MB of swap" in out
     # Traffic below a GB in MB, not "0.0 GB ... instead of 0.0 GB"; amounts that print alike are not compared.
     assert re.search(r"swap traffic per step predicted [\d.]+ MB instead of [\d.]+ MB", out) and " GB" not in out
-    assert memory._instead(5 * 2**20, 5 * 2**20 + 1000) == "5.0 MB, about as much as without"
+    assert planning.search._instead(5 * 2**20, 5 * 2**20 + 1000) == "5.0 MB, about as much as without"
     assert memory.main(tiny + ["--swap-backend", "unistd", "--remat", "none"]) == 0
     assert "swap backend unistd: the kernel's page cache may also hold up to 29 MB" in capsys.readouterr().out
 
@@ -461,7 +461,7 @@ def test_memory_cli_plans_one_micro_batch(capsys):
 
 def test_planner_gpu_verdicts():
     """With a GPU, its memory comes first, then host RAM, then swap; a task must fit the GPU twice over."""
-    plan = memory.plan(TINY, 2, 64, workers=2)
+    plan = planning.plan(TINY, 2, 64, workers=2)
     peak_mb = plan.peak / 2**20
     ram_mb = 4 * peak_mb
     assert plan.verdict(ram_mb, gpu_mb=peak_mb + 1) == "fits on the GPU"
@@ -471,7 +471,7 @@ def test_planner_gpu_verdicts():
     assert need == max(16, math.ceil(1.1 * plan.host_bytes(peak_mb / 2) / 2**20)), "swap holds what the GPU cannot"
     assert plan.verdict(host_mb / 2, need, gpu_mb=peak_mb / 2) == f"needs {need} MB of swap"
     task_mb = plan.largest_task / 2**20
-    with pytest.raises(memory.MemoryPlanError, match="GPU memory limit.*--gpu-memory-limit-mb"):
+    with pytest.raises(planning.MemoryPlanError, match="GPU memory limit.*--gpu-memory-limit-mb"):
         plan.check(ram_mb, gpu_mb=1.5 * task_mb)
 
 
@@ -479,7 +479,7 @@ def test_a_deeper_cuda_pipeline_or_more_workers_per_gpu_hold_more_tasks_on_it(mo
     """StarPU's CUDA pipeline (2 tasks) on each CUDA worker of a GPU: what the GPU must hold follows both."""
     for name in ("STARPU_CUDA_PIPELINE", "STARPU_NWORKER_PER_CUDA"):
         monkeypatch.delenv(name, raising=False)
-    plan = memory.plan(TINY, 2, 64, workers=2)
+    plan = planning.plan(TINY, 2, 64, workers=2)
     task_mb = plan.largest_task / 2**20
     assert jnntile.runtime.gpu_tasks_in_flight() == 2 and plan.task_fit_problem(1024, 2.5 * task_mb) is None
     for name, value in (("STARPU_CUDA_PIPELINE", "4"), ("STARPU_NWORKER_PER_CUDA", "2")):
@@ -496,10 +496,10 @@ def test_a_deeper_cuda_pipeline_or_more_workers_per_gpu_hold_more_tasks_on_it(mo
 def test_cpu_kernels_beside_a_limited_gpu_need_ram_for_the_whole_peak_without_swap():
     """Under a GPU memory limit CPU workers run kernels too, and what they write stays in RAM: without swap RAM
     must hold the whole peak, however much the GPU could (tests/test_emulated_gpu.py runs the refused case)."""
-    plan = memory.plan(TINY, 2, 64, workers=2)
+    plan = planning.plan(TINY, 2, 64, workers=2)
     peak_mb = plan.peak / 2**20
     assert plan.verdict(peak_mb / 2, gpu_mb=peak_mb + 1) == "fits on the GPU"
-    with pytest.raises(memory.MemoryPlanError, match=r"CPU workers run kernels too.*give --swap-dir, raise "
+    with pytest.raises(planning.MemoryPlanError, match=r"CPU workers run kernels too.*give --swap-dir, raise "
                        rf"--memory-limit-mb to {math.ceil(peak_mb)}, or leave GPU memory unlimited"):
         plan.check(peak_mb / 2, gpu_mb=peak_mb + 1, cpu_kernels=True)
     assert plan.check(peak_mb + 1, gpu_mb=peak_mb + 1, cpu_kernels=True) == "fits on the GPU"
@@ -574,8 +574,8 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
     script = f"""
         import argparse, numpy as np, jnntile
         from flax import nnx
-        from jnntile import memory, optim
-        from jnntile.models import gpt2
+        from jnntile import memory, optim, planning
+        from jnntile.models import gpt2, loss_and_grads
         parser = argparse.ArgumentParser()
         memory.add_arguments(parser)
         args = parser.parse_args("--model tiny --n-layer 1 --n-embd 128 --n-head 2 --vocab-size 2048 --n-positions 32 "
@@ -584,13 +584,13 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
                                  .split() + ({swap!r} and ["--swap-dir", {str(tmp_path)!r}] or []))
         try:
             memory.plan_from_args(args).check(*memory.limits_from_args(args))
-        except memory.MemoryPlanError as e:
+        except planning.MemoryPlanError as e:
             print("PLANNER:", e, flush=True)
         # Run anyway, as if the planner had missed it.
         jnntile.runtime.start(memory_limit_mb=2, watchdog_s=3, cuda_workers=0{swap_settings})
         model = gpt2.GPT2(memory.config_from_args(args), batch_size=1, seq_len=32)
         ids = np.zeros((1, 32), np.int32)
-        _, grads = gpt2.loss_and_grads(model, ids, ids)
+        _, grads = loss_and_grads(model, ids, ids)
         params = nnx.state(model, nnx.Param)
         tx = optim.adamw(1e-3)
         tx.update(grads, tx.init(params), params)

@@ -19,9 +19,9 @@ import safetensors.numpy
 from conftest import rel_err
 
 from jnntile import data as data_mod
-from jnntile import memory
+from jnntile import memory, planning
 from jnntile import train as train_mod
-from jnntile.models.gpt2.hf import load_hf
+from jnntile.models.families import load_hf
 
 SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "2", "--seq-len", "16",
          "--eval-batches", "1", "--samples", "1", "--sample-tokens", "5", "--quiet"]
@@ -351,7 +351,7 @@ def test_step_that_cannot_fit_the_memory_limit_is_refused_before_training(datase
     config = train_mod._config(args, data_mod.TokenDataset(dataset).vocab_size)
     assert config.remat == "auto"  # the default under a memory limit; recomputation does not make it fit either
     for remat in ("none", "block"):
-        assert memory.plan(dataclasses.replace(config, remat=remat), 8, 64).peak > 2 * 2**20
+        assert planning.plan(dataclasses.replace(config, remat=remat), 8, 64).peak > 2 * 2**20
     with pytest.raises(ValueError, match="swap"):
         _run(dataset, tmp_path, "--steps", "1", *bigger)
     assert not (tmp_path / "metrics.jsonl").exists()
