@@ -196,9 +196,9 @@ def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
                         "--dtype bfloat16 the base is stored in bfloat16)")
     parser.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: updates are scaled by alpha / rank "
                         "(default: twice the rank)")
-    parser.add_argument("--lora-targets", help="comma-separated projections to adapt, PEFT's names (default: every "
-                        "projection: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj for Llama, "
-                        "c_attn,c_proj,c_fc for GPT-2)")
+    every = "; ".join(f"{','.join(family.hf.LORA_TARGETS)} for {family.title}" for family in families.FAMILIES)
+    parser.add_argument("--lora-targets", help=f"comma-separated projections to adapt, PEFT's names (default: every "
+                        f"projection: {every})")
     parser.add_argument("--init-lora", metavar="DIR", help="start the adapters from a PEFT directory (its rank, alpha "
                         "and targets)")
 

@@ -35,7 +35,7 @@ from jnntile import decoding
 from jnntile.models import gpt2
 from jnntile.models.gpt2 import reference as ref
 from jnntile.models.gpt2.config import GPT2Config
-from jnntile.models.gpt2.hf import load_hf
+from jnntile.models.families import load_hf
 from jnntile.ops import attention
 from jnntile.ops import data as data_ops
 from jnntile.tensor import pack

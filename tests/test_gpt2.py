@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 from conftest import BFLOAT16_MODEL_TOL, rel_err
 from flax import nnx
 
@@ -18,7 +19,7 @@ import jnntile
 from jnntile.models import families, gpt2, gpu_aligned_tile, resolve_tiles
 from jnntile.models.gpt2 import reference as ref
 from jnntile.models.gpt2.config import GPT2Config
-from jnntile.models.gpt2.hf import load_hf
+from jnntile.models.families import load_hf
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
 pytestmark = pytest.mark.usefixtures("placement")
@@ -160,6 +161,27 @@ def test_save_to_hugging_face_round_trips_exactly(tmp_path):
     assert config == load_hf(FIXTURE)[0]
     for name in original:
         np.testing.assert_array_equal(params[name], original[name])
+
+
+def test_checkpoint_written_in_shards_reads_back_equal(tmp_path):
+    model = families.from_hf(FIXTURE, batch_size=B, seq_len=T, tile_embd=12)
+    families.save_hf(model, tmp_path / "out", max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["config.json", "model.safetensors.index.json", *shards])
+    assert all(name.startswith("transformer.") for name in index["weight_map"])  # save_pretrained's names
+    for shard in shards:
+        tensors = safetensors.numpy.load_file(tmp_path / "out" / shard)
+        assert len(tensors) == 1 or sum(t.nbytes for t in tensors.values()) <= 20_000, shard
+    config, params = load_hf(tmp_path / "out")
+    original_config, original = load_hf(FIXTURE)
+    assert config == original_config and list(params) == list(original)
+    for name in original:
+        np.testing.assert_array_equal(params[name], original[name], err_msg=name)
+    families.save_hf(model, tmp_path / "out")  # one file again: the shards of the first save are gone
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_same_seed_same_weights_for_any_tiling():

@@ -17,7 +17,7 @@ import safetensors.numpy
 
 from jnntile.models.gpt2 import reference as ref
 from jnntile.models.gpt2.config import PRESETS, GPT2Config
-from jnntile.models.gpt2.hf import load_hf, save_hf
+from jnntile.models.families import load_hf, write_hf
 
 DATA = Path(__file__).parent / "data"
 HF_DIR = DATA / "hf_tiny_gpt2"
@@ -191,7 +191,7 @@ def test_bad_token_ids_raise(hf_model):
 def test_save_load_round_trip_is_bit_exact(tmp_path, hf_model):
     config, params = hf_model
     jax_params = {name: jnp.asarray(value) for name, value in params.items()}
-    save_hf(tmp_path / "new" / "dir", config, jax_params)
+    write_hf(tmp_path / "new" / "dir", config, jax_params)
     names = safetensors.numpy.load_file(tmp_path / "new" / "dir" / "model.safetensors").keys()
     assert all(name.startswith("transformer.") for name in names) and "transformer.wte.weight" in names
     assert json.loads((tmp_path / "new" / "dir" / "config.json").read_text())["tie_word_embeddings"] is True
@@ -241,7 +241,7 @@ def test_load_missing_unexpected_and_misshapen_tensors(tmp_path):
 def test_load_missing_files(tmp_path):
     directory = copy_checkpoint(tmp_path)
     (directory / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model.safetensors not found"):
+    with pytest.raises(FileNotFoundError, match="neither .*model.safetensors nor .*index.json exists"):
         load_hf(directory)
     (directory / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json not found"):
@@ -259,5 +259,5 @@ def test_load_config_with_bad_head_count(tmp_path):
 def test_save_rejects_wrong_params(tmp_path, hf_model):
     config, params = hf_model
     with pytest.raises(ValueError, match="tensor 'ln_f.bias' .* is missing from the params to save"):
-        save_hf(tmp_path, config, {k: v for k, v in params.items() if k != "ln_f.bias"})
+        write_hf(tmp_path, config, {k: v for k, v in params.items() if k != "ln_f.bias"})
     assert list(tmp_path.iterdir()) == []

@@ -28,7 +28,8 @@ from jnntile import data as data_mod
 from jnntile import decoding
 from jnntile import generate as generate_mod
 from jnntile import train as train_mod
-from jnntile.models import families, llama
+from jnntile.models import families, loss_and_grads
+from jnntile.models import hf as hf_files
 from jnntile.models.llama import hf
 from jnntile.models.llama import reference as ref
 
@@ -51,7 +52,7 @@ def _fixture(name):
 
 
 def _loss_and_grads(model, idx, targets):
-    loss, grads = llama.loss_and_grads(model, idx, targets)
+    loss, grads = loss_and_grads(model, idx, targets)
     tensors = dict(zip(model.named_params(), jnntile.nn.tensors(grads)))
     # The gradients in Hugging Face's names and layouts, as the parameters convert.
     hf_grads = hf.from_model(model.config, {name: jnntile.grad_of(g) for name, g in tensors.items()})
@@ -107,7 +108,20 @@ def test_save_hf_writes_the_checkpoint_back(tmp_path):
     assert list(saved) == list(model.config.param_shapes())
     for key, value in params.items():
         np.testing.assert_array_equal(saved[key], value, err_msg=key)
-    assert hf.read_config(tmp_path, **TILINGS["uneven tiles"]) == model.config
+    assert families.read_config(tmp_path, **TILINGS["uneven tiles"]) == model.config
+
+
+def test_checkpoint_written_in_shards_reads_back_equal(tmp_path):
+    directory, params, _ = _fixture("qwen2")
+    model = families.from_hf(directory, batch_size=B, seq_len=T, **TILINGS["uneven tiles"])
+    families.save_hf(model, tmp_path, dtype="bfloat16", max_shard_bytes=4_000)
+    index = json.loads((tmp_path / hf_files.INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 2 and not (tmp_path / hf_files.WEIGHTS_FILE).exists()
+    assert list(index["weight_map"]) == list(model.config.param_shapes())
+    config, loaded = families.load_hf(tmp_path)
+    assert config == families.read_config(directory)
+    for name, value in params.items():
+        np.testing.assert_array_equal(loaded[name], value.astype(ml_dtypes.bfloat16).astype(np.float32), err_msg=name)
 
 
 def test_bfloat16_shards_load(tmp_path):
@@ -118,7 +132,7 @@ def test_bfloat16_shards_load(tmp_path):
     for shard, keys in shards.items():
         safetensors.numpy.save_file({k: params[k].astype(ml_dtypes.bfloat16) for k in keys}, tmp_path / shard)
     weight_map = {key: shard for shard, keys in shards.items() for key in keys}
-    (tmp_path / hf.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / hf_files.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     model = families.from_hf(tmp_path, batch_size=B, seq_len=T, **TILINGS["many tiles"])
     rounded = {k: jnp.asarray(v.astype(ml_dtypes.bfloat16).astype(np.float32)) for k, v in params.items()}
     logits, _ = model(model.token_tensor(expected["idx"]))
@@ -189,7 +203,7 @@ def test_train_resume_export_and_generate_from_the_command_line(dataset, tmp_pat
 
     assert len(losses("whole")) == 6 and losses("parts") == losses("whole")  # resuming changes nothing
     exported = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
-    config = hf.read_config(tmp_path / "hf")
+    config = families.read_config(tmp_path / "hf")
     assert config.model_type == "llama" and set(exported) == set(config.param_shapes())
     texts = generate_mod.generate(generate_mod.parse_args(
         ["--checkpoint", str(tmp_path / "parts"), "--prompt", "alpha beta", "--max-new-tokens", "4",
@@ -209,7 +223,7 @@ def test_fine_tune_a_hugging_face_llama_on_text_prepared_with_its_tokenizer(tmp_
          "--steps", "4", "--eval-interval", "0", "--samples", "0", "--quiet", "--out", str(tmp_path / "out"),
          "--export-hf", str(tmp_path / "tuned")]))
     assert summary["last_loss"] < summary["first_loss"]
-    assert hf.read_config(tmp_path / "tuned") == hf.read_config(directory)
+    assert families.read_config(tmp_path / "tuned") == families.read_config(directory)
     texts = generate_mod.generate(generate_mod.parse_args(
         ["--hf", str(tmp_path / "tuned"), "--tokenizer", str(directory), "--prompt", "tiles move", "--max-new-tokens",
          "3", "--temperature", "0"]))

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +13,11 @@ import numpy as np
 from flax import nnx
 
 import jnntile
-from jnntile import jsonfile, runtime
+from jnntile import nn, runtime, tensorfile
 from jnntile.decoding import KVCache
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import loss as loss_ops
+from jnntile.models import hf
 from jnntile.tensor import FLOAT_DTYPES, Tensor
 
 # The logical axes a model cuts into tiles, each with a tile_<axis> field on its config (None: automatic).
@@ -27,7 +27,7 @@ TILE_AXES = ("batch", "seq", "embd", "heads", "hidden", "vocab")
 
 # Activation recomputation: "none" keeps every activation for the backward; "block" makes each transformer
 # block keep only its input and recompute its forward in the backward (jnntile.remat); "auto" lets the
-# memory planner choose before the model is built (jnntile.memory.choose_remat).
+# memory planner choose before the model is built (jnntile.planning.choose_remat).
 REMAT_CHOICES = ("none", "block", "auto")
 COMPUTE_DTYPES = FLOAT_DTYPES  # of activations and weight copies; parameters are float32
 
@@ -74,25 +74,6 @@ class ExecutionFields:
             value = getattr(self, f"tile_{axis}")
             if value is not None and (not is_int(value) or value <= 0):
                 raise ValueError(f"tile_{axis}={value!r} must be a positive integer, or None to let jnntile choose")
-
-
-HF_CONFIG_FILE = "config.json"
-
-
-def read_hf_config(directory) -> dict:
-    """The JSON object of a Hugging Face checkpoint's config.json, or an error naming what is wrong with it."""
-    return jsonfile.read_object(Path(directory) / HF_CONFIG_FILE,
-                                missing=f"a Hugging Face checkpoint directory holds {HF_CONFIG_FILE} and its "
-                                        "safetensors weights",
-                                damaged="the checkpoint is damaged")
-
-
-def config_from_hf(directory, config_class, **tiles):
-    """`config_class.from_hf_dict` of a checkpoint directory's config.json, with `tiles`; errors name the file."""
-    try:
-        return config_class.from_hf_dict(read_hf_config(directory), **tiles)
-    except ValueError as e:
-        raise ValueError(f"{Path(directory) / HF_CONFIG_FILE}: {e}") from None
 
 
 def is_int(value) -> bool:
@@ -185,7 +166,7 @@ def recomputed_blocks(config) -> int:
     """How many of a model's blocks, from the first, recompute their forward in the backward (remat="block",
     remat_blocks); "auto" must be resolved first."""
     if config.remat == "auto":
-        raise ValueError("remat='auto' is chosen by the memory planner (jnntile.memory.choose_remat) before the "
+        raise ValueError("remat='auto' is chosen by the memory planner (jnntile.planning.choose_remat) before the "
                          "model is built; build it with remat='none' or 'block'")
     if config.remat == "none":
         return 0
@@ -193,8 +174,10 @@ def recomputed_blocks(config) -> int:
 
 
 class LanguageModel(nnx.Module):
-    """What every family's causal LM shares: built for (batch_size, seq_len) token ids with `tiles`; its
-    `config` has `vocab_size`, `max_positions`, `n_blocks`, `head_dim` and `axis_sizes`."""
+    """What every family's causal LM shares (`families.Model`): built for (batch_size, seq_len) token ids with
+    `tiles`; its `config` is a `families.ModelConfig`, its class's `hf_layout` its family's `families.HFLayout`."""
+
+    hf_layout: ClassVar
 
     @property
     def max_positions(self) -> int:
@@ -216,6 +199,13 @@ class LanguageModel(nnx.Module):
             embedding_ops.check_ids(checked, self.config.vocab_size)
         return jnntile.from_array(jnp.asarray(ids, jnp.int32) if isinstance(ids, jax.Array) else
                                   np.asarray(ids, np.int32), (self.tiles.batch, self.tiles.seq))
+
+    def loss(self, idx, targets, dropout_seed=None) -> Tensor:
+        """The mean cross-entropy (a scalar Tensor) of token arrays idx, targets (B, T) (targets may hold -100,
+        ignored), with dropout where the config has some and `dropout_seed` is given."""
+        _, loss = self(self.token_tensor(idx), self.token_tensor(targets, allow_ignore=True),
+                       dropout_seed=dropout_seed)
+        return loss
 
     def kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty key/value cache (of the key/value heads) for decoding `batch_size` sequences of up to
@@ -241,3 +231,29 @@ class LanguageModel(nnx.Module):
         """Parameter variables by their path in the module ("h.0.attn.c_attn.weight", "layers.0.mlp...")."""
         return {".".join(str(p) for p in path): variable for path, variable in nnx.iter_graph(self)
                 if isinstance(variable, nnx.Param)}
+
+    def to_hf_params(self) -> dict:
+        """Every parameter in Hugging Face names and layouts, unread (`hf_layout.from_model`): np.asarray(value)
+        reads one whole, `save_hf` and checkpoints stream them from the tiles chunk by chunk."""
+        return self.hf_layout.from_model(self.config, {name: p.get_value() for name, p in self.named_params().items()})
+
+    def load_hf_params(self, params: dict) -> None:
+        """Overwrites every parameter from Hugging Face tensors by name (arrays, or the unread tensors of
+        `families.open_hf`, streamed into the tiles chunk by chunk). Checks every shape before writing."""
+        sources = self.hf_layout.to_model(self.config, hf.checked(params, self.config, "the params to load"))
+        mine = self.named_params()
+        if set(sources) != set(mine):
+            raise ValueError(f"parameters do not match the model: missing {sorted(set(mine) - set(sources))[:5]}, "
+                             f"unexpected {sorted(set(sources) - set(mine))[:5]}")
+        for name, variable in mine.items():
+            if tuple(np.shape(sources[name])) != variable.get_value().shape:
+                raise ValueError(f"parameter {name} comes as shape {tuple(np.shape(sources[name]))}, expected "
+                                 f"{variable.get_value().shape}")
+        for name, variable in mine.items():
+            variable.set_value(tensorfile.load_into(variable.get_value(), sources[name]))
+
+
+def loss_and_grads(model: LanguageModel, idx, targets, *, dropout_seed=None):
+    """Loss (a JAX scalar) and gradients (nnx.State of Tensors) of `model.loss` for token arrays idx, targets."""
+    return nn.value_and_grad(lambda m, idx, targets, seed: m.loss(idx, targets, seed))(model, idx, targets,
+                                                                                        dropout_seed)

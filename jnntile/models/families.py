@@ -1,40 +1,105 @@
-"""The model families the commands know, and the one place that picks a family.
+"""The model families the commands know, the contract a family fulfils, and the one place that picks a family.
 
-A family is registered by one `Family` entry: its config class (presets, Hugging Face config.json), its
-model class, and its Hugging Face module (`read_config`, `open_hf`, `save_hf`). The commands (train,
-generate, memory) and checkpoints only go through the functions here: a preset name, a config or a
-checkpoint directory selects the family, so a new family touches no command.
+A family is its own package (`gpt2/`, `llama/`) registered by one `Family` entry in FAMILIES: its config class
+(`ModelConfig`), its model class (`Model`, on `jnntile.models.LanguageModel`) and its Hugging Face layout module
+(`HFLayout`; `jnntile.models.hf` reads and writes the files for every family). The commands (train, generate,
+memory), checkpoints, the planner and LoRA only go through these and the functions here: a preset name, a config
+or a checkpoint directory selects the family, and the commands' help texts list what FAMILIES holds, so a new
+family touches no command.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import ModuleType
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
 
 from jnntile import nn
-from jnntile.models import gpt2, llama, read_hf_config
-from jnntile.models.gpt2 import hf as gpt2_hf
-from jnntile.models.llama import hf as llama_hf
+from jnntile.models import gpt2, hf, llama
 from jnntile.models.llama.config import MODEL_TYPES as LLAMA_MODEL_TYPES
+
+
+class ModelConfig(Protocol):
+    """A family's config: a frozen dataclass on `jnntile.models.ExecutionFields` (tile_*, remat, dtype)."""
+
+    FLAG_FIELDS: ClassVar[dict[str, str]]  # generic flag (n_layer, n_head, n_embd, max_positions) -> field
+    vocab_size: int
+    dropout: float
+
+    @property
+    def max_positions(self) -> int: ...
+    @property
+    def n_blocks(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    def axis_sizes(self) -> dict[str, int]: ...  # embd, heads (key/value heads), hidden, vocab
+    def param_shapes(self) -> dict[str, tuple[int, ...]]: ...  # Hugging Face's names and shapes, in file order
+    def n_params(self) -> int: ...
+    def describe(self) -> str: ...
+    def kv_cache_bytes(self, batch: int, length: int) -> int: ...
+    def to_hf_dict(self) -> dict[str, Any]: ...
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], **overrides) -> ModelConfig: ...  # refuses what it cannot run
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelConfig: ...
+
+
+class Model(Protocol):
+    """A family's causal LM, built by `Model(config, batch_size=, seq_len=, seed=)`; `LanguageModel` gives all
+    but the forward."""
+
+    config: ModelConfig
+    hf_layout: ClassVar[HFLayout]
+
+    def __call__(self, idx, targets=None, *, dropout_seed=None, ignore_index: int = -100, cache=None):
+        """(logits, loss or None) of int32 (B, T) Tensors; with a `kv_cache`, a decoding step over it."""
+    def head(self, x): ...  # logits of the last block's output
+    def token_tensor(self, ids, *, allow_ignore: bool = False, ignore_index: int = -100): ...
+    def loss(self, idx, targets, dropout_seed=None): ...
+    def kv_cache(self, batch_size: int, max_len: int): ...
+    def named_params(self) -> dict: ...
+    def to_hf_params(self) -> dict: ...
+    def load_hf_params(self, params: dict) -> None: ...
+
+
+class HFLayout(Protocol):
+    """A family's names and layouts in Hugging Face files and PEFT adapters (a module, `<family>/hf.py`).
+    Parameters are by the names of `config.param_shapes()`, in Hugging Face's layouts."""
+
+    LORA_TARGETS: dict[str, str]  # PEFT's target name -> the model's Linear module that holds it
+
+    def from_files(self, config, tensors: dict, source) -> dict:
+        """The parameters among a file's tensors (by the file's names); `source` names the file in errors."""
+    def to_files(self, config, params: dict) -> dict: ...  # the inverse: by the file's names
+    def to_model(self, config, params: dict) -> dict: ...  # the model's parameters (by `named_params` name) as views
+    def from_model(self, config, tensors: dict) -> dict: ...  # the inverse, of the model's parameter Tensors
+    def lora_to_peft(self, config, path: str, a, b) -> dict: ...  # {PEFT module: (lora_A, lora_B)}
+    def lora_from_peft(self, config, path: str, peft: dict, a_shape, b_shape) -> tuple: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
+    title: str  # for help texts
     model_types: tuple[str, ...]  # the config.json model_type values it reads
-    config: type  # preset(name, **overrides), from_hf_dict, param_shapes, n_params, axis_sizes
-    model: type  # model(config, *, batch_size, seq_len, seed); max_positions, named_params, load_hf_params...
-    hf: ModuleType  # read_config(directory, **tiles), open_hf(directory, **tiles), save_hf(directory, config, params, dtype)
+    config: type[ModelConfig]
+    model: type[Model]
+    hf: HFLayout
     presets: dict
 
 
 FAMILIES = (
-    Family("gpt2", ("gpt2",), gpt2.GPT2Config, gpt2.GPT2, gpt2_hf, gpt2.PRESETS),
-    Family("llama", LLAMA_MODEL_TYPES, llama.LlamaConfig, llama.Llama, llama_hf, llama.PRESETS),
+    Family("gpt2", "GPT-2", ("gpt2",), gpt2.GPT2Config, gpt2.GPT2, gpt2.hf, gpt2.PRESETS),
+    Family("llama", "the Llama family (Llama, Mistral, Qwen2)", LLAMA_MODEL_TYPES, llama.LlamaConfig, llama.Llama,
+           llama.hf, llama.PRESETS),
 )
 # Every preset name, each in one family.
 PRESETS = {name: family for family in FAMILIES for name in family.presets}
 MODEL_TYPES = tuple(t for family in FAMILIES for t in family.model_types)
+# For help texts: "GPT-2 or the Llama family (...)", and the presets of each.
+TITLES = " or ".join(family.title for family in FAMILIES)
+PRESETS_HELP = "; ".join(f"{family.title}: {', '.join(family.presets)}" for family in FAMILIES)
 
 
 def preset(name: str, **overrides):
@@ -60,7 +125,7 @@ def of_config(config) -> Family:
 
 def of_checkpoint(directory) -> Family:
     """The family of a Hugging Face checkpoint directory, from its config.json's model_type."""
-    model_type = read_hf_config(directory).get("model_type")
+    model_type = hf.read_config_dict(directory).get("model_type")
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
@@ -70,13 +135,21 @@ def of_checkpoint(directory) -> Family:
 
 def read_config(directory, **tiles):
     """The config of a Hugging Face checkpoint directory, of whichever family, with `tiles` (tile_* sizes)."""
-    return of_checkpoint(directory).hf.read_config(directory, **tiles)
+    return hf.read_config(directory, of_checkpoint(directory).config, **tiles)
 
 
 def open_hf(directory, **tiles):
     """(config, params) of a Hugging Face checkpoint directory, of whichever family: every file checked,
-    the tensors unread."""
-    return of_checkpoint(directory).hf.open_hf(directory, **tiles)
+    the tensors unread, by the names of `config.param_shapes()`."""
+    family = of_checkpoint(directory)
+    return hf.open_hf(directory, family.config, family.hf, **tiles)
+
+
+def load_hf(directory):
+    """(config, params) of a Hugging Face checkpoint directory, every tensor read into a float32 numpy array
+    (for tests and benchmarks that run the pure-JAX references)."""
+    config, params = open_hf(directory)
+    return config, {name: value.read().astype(np.float32, copy=False) for name, value in params.items()}
 
 
 def build(config, *, batch_size: int, seq_len: int, seed: int = 0):
@@ -94,7 +167,13 @@ def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **tiles)
     return model
 
 
-def save_hf(model, directory, dtype: str = "float32") -> None:
-    """Writes `model` as a Hugging Face checkpoint directory of its family (config.json, model.safetensors in
-    `dtype`: float32, or bfloat16 rounded to nearest even from the float32 parameters)."""
-    of_config(model.config).hf.save_hf(directory, model.config, model.to_hf_params(), dtype)
+def save_hf(model, directory, dtype: str = "float32", max_shard_bytes: int | None = None) -> None:
+    """Writes `model` as a Hugging Face checkpoint directory of its family (`write_hf`)."""
+    write_hf(directory, model.config, model.to_hf_params(), dtype, max_shard_bytes)
+
+
+def write_hf(directory, config, params: dict, dtype: str = "float32", max_shard_bytes: int | None = None) -> None:
+    """Writes config.json and the weights of `params` (by the names of `config.param_shapes()`) in `dtype`
+    (float32, or bfloat16 rounded to nearest even from float32), in shards of `max_shard_bytes` where they are
+    larger (`jnntile.models.hf.save_hf`)."""
+    hf.save_hf(directory, config, params, of_config(config).hf, dtype, max_shard_bytes)

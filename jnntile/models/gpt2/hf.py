@@ -1,36 +1,25 @@
-"""Read and write Hugging Face GPT-2 checkpoints (config.json + model.safetensors).
+"""GPT-2's names and layouts in Hugging Face files (`families.HFLayout`; `jnntile.models.hf` does the files).
 
-The files are those of `GPT2LMHeadModel.save_pretrained(safe_serialization=True)`:
-tensors named "transformer.<name>" in Conv1D layout, the LM head omitted
-because it is tied to wte. Loading also accepts the unprefixed names of older
-checkpoints (e.g. openai-community/gpt2) and skips the causal-mask buffers
-they carry. Parameters use the unprefixed names of `GPT2Config.param_shapes`.
+The files are those of `GPT2LMHeadModel.save_pretrained(safe_serialization=True)`: tensors named
+"transformer.<name>" in Conv1D layout, the LM head omitted because it is tied to wte. Reading also accepts the
+unprefixed names of older checkpoints (e.g. openai-community/gpt2) and skips the causal-mask buffers they carry.
+Parameters use the unprefixed names of `GPT2Config.param_shapes`; the model (`model.GPT2`) has the same names,
+with more axes where tiling wants them:
 
-Nothing here needs a whole checkpoint in RAM: `open_hf` checks both files and
-returns the tensors unread (`jnntile.tensorfile.FileTensor`), which
-`GPT2.load_hf_params` streams into tiles chunk by chunk, and `save_hf` writes
-tiled parameters (`jnntile.tensorfile.Reshaped`, from `GPT2.to_hf_params`)
-straight from their tiles. `load_hf` reads every tensor into numpy (for tests and
-benchmarks that run the pure-JAX reference).
+    c_attn.weight  HF (C, 3C)   here (C, 3, H, D)   so q, k and v of a head tile are separate tiles
+    c_attn.bias    HF (3C,)     here (3, H, D)
+    attn.c_proj.weight HF (C, C) here (H, D, C)     contracts the attention output (B, T, H, D) over (H, D)
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 
 from jnntile.ops import data as data_ops
-from jnntile.tensorfile import (FileTensor, Reshaped, SafetensorsFile, checked_parameters, write_atomically,
-                               write_file)
-
-from jnntile.models import HF_CONFIG_FILE as CONFIG_FILE
-from jnntile.models import config_from_hf
+from jnntile.tensorfile import FileTensor, Reshaped, Stacked
 
 from .config import GPT2Config
 
-WEIGHTS_FILE = "model.safetensors"
 _PREFIX = "transformer."
 # Non-parameter buffers (the causal mask and its fill value) that older
 # transformers versions stored with every attention layer.
@@ -38,74 +27,58 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 _LM_HEAD = "lm_head.weight"
 
 
-def read_config(directory, **tiles) -> GPT2Config:
-    """The GPT2Config of a Hugging Face GPT-2 checkpoint directory (its config.json), with `tiles` (tile_* sizes)."""
-    return config_from_hf(directory, GPT2Config, **tiles)
-
-
-def open_hf(directory, **tiles) -> tuple[GPT2Config, dict[str, FileTensor]]:
-    """(config, params) of a Hugging Face GPT-2 checkpoint directory, checked and unread.
-
-    Params are keyed by reference (unprefixed) names; each is read when asked
-    (np.asarray, or chunk by chunk by GPT2.load_hf_params). Raises ValueError
-    naming the file and the problem (damaged or truncated file, missing,
-    unexpected or misshapen tensor, untied LM head) before anything is read.
-    """
-    directory = Path(directory)
-    weights_path = directory / WEIGHTS_FILE
-    config = read_config(directory, **tiles)
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"{weights_path} not found: a Hugging Face GPT-2 checkpoint needs "
-                                f"{CONFIG_FILE} and {WEIGHTS_FILE}")
-    tensors = {}
+def from_files(config: GPT2Config, tensors: dict, source) -> dict:
+    """The parameters (unchecked) among a file's tensors: prefixes and buffers dropped, a tied LM head checked
+    against wte.weight and dropped."""
+    params = {}
     lm_head = None
-    for key, value in SafetensorsFile(weights_path).items():
+    for key, value in tensors.items():
         if key.endswith(_BUFFER_SUFFIXES):
             continue
         if key == _LM_HEAD:
             lm_head = value
             continue
         name = key.removeprefix(_PREFIX)
-        if name in tensors:
-            raise ValueError(f"tensor {name!r} appears both with and without the "
-                             f"{_PREFIX!r} prefix in {weights_path}")
-        tensors[name] = value
-
-    params = _checked(tensors, config, weights_path)
-    if lm_head is not None and not _same_values(lm_head, params["wte.weight"]):
-        raise ValueError(f"{_LM_HEAD} in {weights_path} differs from wte.weight: "
-                         "untied LM heads are unsupported")
-    return config, params
-
-
-def load_hf(directory) -> tuple[GPT2Config, dict[str, np.ndarray]]:
-    """Load (config, params) from a Hugging Face GPT-2 checkpoint directory.
-    Params are float32 numpy arrays keyed by reference (unprefixed) names."""
-    config, params = open_hf(directory)
-    return config, {name: value.read().astype(np.float32, copy=False) for name, value in params.items()}
+        if name in params:
+            raise ValueError(f"tensor {name!r} appears both with and without the {_PREFIX!r} prefix in {source}")
+        params[name] = value
+    wte = params.get("wte.weight")
+    # A misshapen wte is reported by the shape check that follows.
+    if lm_head is not None and wte is not None and tuple(wte.shape) == (config.vocab_size, config.n_embd) and \
+            not _same_values(lm_head, wte):
+        raise ValueError(f"{_LM_HEAD} in {source} differs from wte.weight: untied LM heads are unsupported")
+    return params
 
 
-def save_hf(directory, config: GPT2Config, params: dict, dtype: str = "float32") -> None:
-    """Write config.json and model.safetensors (in `dtype`, float32 or bfloat16; "transformer."-prefixed
-    names, no lm_head) into directory, creating it. Params are arrays or tiled
-    parameters (`Reshaped`, streamed from their tiles). Each file is written to
-    a temporary name and renamed, so a crash never leaves a half-written file."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    checked = _checked(params, config, "the params to save")
-    tensors = {_PREFIX + name: value if isinstance(value, Reshaped) and value.dtype == np.float32 else
-               np.asarray(value, np.float32) for name, value in checked.items()}
-
-    # "format": "pt" is the metadata transformers requires to load the file.
-    write_atomically(directory / WEIGHTS_FILE, lambda path: write_file(path, tensors, metadata={"format": "pt"},
-                                                                      float_dtype=dtype))
-    text = json.dumps({**config.to_hf_dict(), "torch_dtype": dtype}, indent=2) + "\n"
-    write_atomically(directory / CONFIG_FILE, lambda path: Path(path).write_text(text))
+def to_files(config: GPT2Config, params: dict) -> dict:
+    """The file's names of the parameters (those of save_pretrained: prefixed, no lm_head)."""
+    return {_PREFIX + name: value for name, value in params.items()}
 
 
-def _checked(tensors: dict, config: GPT2Config, source) -> dict:
-    """The parameters of config in `tensors`, checked (`tensorfile.checked_parameters`), in reference order."""
-    return checked_parameters(tensors, config, source, f"a GPT-2 with n_layer={config.n_layer}")
+def to_model(config: GPT2Config, params: dict) -> dict:
+    """`model.GPT2`'s parameters (same names) as views of Hugging Face tensors in the model's shapes."""
+    out = {}
+    for name, value in params.items():
+        shape = _model_shape(config, name, tuple(np.shape(value)))
+        out[name] = value if shape == tuple(np.shape(value)) else Stacked([(value, shape, tuple(range(len(shape))))])
+    return out
+
+
+def from_model(config: GPT2Config, tensors: dict) -> dict:
+    """Hugging Face's tensors (in `param_shapes` order) of `model.GPT2`'s parameter Tensors: unread views."""
+    return {name: Reshaped(tensors[name], shape) for name, shape in config.param_shapes().items()}
+
+
+def _model_shape(config: GPT2Config, name: str, shape: tuple) -> tuple:
+    """The model's shape of a parameter of Hugging Face's `shape` (they differ only in grouping of axes)."""
+    H, D = config.n_head, config.head_dim
+    if name.endswith("c_attn.weight"):
+        return (shape[0], 3, H, D)
+    if name.endswith("c_attn.bias"):
+        return (3, H, D)
+    if name.endswith("attn.c_proj.weight"):
+        return (H, D, shape[1])
+    return shape
 
 
 def _same_values(a: FileTensor, b: FileTensor) -> bool:

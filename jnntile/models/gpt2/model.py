@@ -1,12 +1,7 @@
 """GPT-2 on jnntile: Flax NNX modules whose every operation is tiled StarPU tasks.
 
 Parameter names follow Hugging Face GPT-2 (`GPT2Config.param_shapes`); the
-layouts differ where tiling wants more axes, and `to_hf_params` /
-`load_hf_params` convert exactly:
-
-    c_attn.weight  HF (C, 3C)   here (C, 3, H, D)   so q, k and v of a head tile are separate tiles
-    c_attn.bias    HF (3C,)     here (3, H, D)
-    attn.c_proj.weight HF (C, C) here (H, D, C)     contracts the attention output (B, T, H, D) over (H, D)
+layouts differ where tiling wants more axes (`hf.py` lists them and converts).
 
 Activations are (B, T, C) tiled (tile_batch, tile_seq, tile_embd). Dropout
 (when config.dropout > 0 and a seed is given) is applied to the embeddings
@@ -20,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from jnntile import nn, tensorfile
+from jnntile import nn
 from jnntile.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import elementwise as ew
@@ -29,6 +24,7 @@ from jnntile.tensor import Tensor
 
 from jnntile.models import LanguageModel, Tiles, recomputed_blocks, resolve_tiles
 
+from . import hf
 from .config import GPT2Config
 
 
@@ -81,6 +77,8 @@ class Block(nnx.Module):
 class GPT2(LanguageModel):
     """GPT-2 with a tied LM head. Tiles are fixed at construction for (batch_size, seq_len)."""
 
+    hf_layout = hf
+
     def __init__(self, config: GPT2Config, *, batch_size: int, seq_len: int, seed: int = 0):
         if seq_len > config.n_positions:
             raise ValueError(f"seq_len={seq_len} is longer than n_positions={config.n_positions}")
@@ -127,47 +125,3 @@ class GPT2(LanguageModel):
     def head(self, x: Tensor) -> Tensor:
         """Logits (B, T, V) of the last block's output: final layer norm, then the head tied to wte."""
         return self.wte.attend(self.ln_f(x))
-
-    # ---- Hugging Face layout
-
-    def to_hf_params(self) -> dict[str, tensorfile.Reshaped]:
-        """All parameters in Hugging Face names and layouts, unread: np.asarray(value) reads one whole,
-        `save_hf` and checkpoints stream them from the tiles chunk by chunk."""
-        return {name: tensorfile.Reshaped(p.get_value(), _to_hf_shape(name, p.get_value().shape))
-                for name, p in self.named_params().items()}
-
-    def load_hf_params(self, params: dict) -> None:
-        """Overwrites every parameter from a dict in Hugging Face names and layouts: arrays, or the unread
-        tensors of `open_hf`, streamed into the tiles chunk by chunk. Checks every shape before writing."""
-        mine = self.named_params()
-        missing = sorted(set(mine) - set(params))
-        unexpected = sorted(set(params) - set(mine))
-        if missing or unexpected:
-            raise ValueError(f"parameters do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for name, variable in mine.items():
-            expected = _to_hf_shape(name, variable.get_value().shape)
-            if tuple(np.shape(params[name])) != expected:
-                raise ValueError(f"parameter {name} has shape {tuple(np.shape(params[name]))}, expected {expected}")
-        for name, variable in mine.items():
-            variable.set_value(tensorfile.load_into(variable.get_value(), params[name]))
-
-
-def _to_hf_shape(name: str, shape: tuple) -> tuple:
-    """Hugging Face's shape for a parameter of this model (they differ only in grouping of axes)."""
-    if name.endswith("c_attn.weight"):
-        return (shape[0], int(np.prod(shape[1:])))
-    if name.endswith("c_attn.bias"):
-        return (int(np.prod(shape)),)
-    if name.endswith("attn.c_proj.weight"):
-        return (shape[0] * shape[1], shape[2])
-    return tuple(shape)
-
-
-def loss_and_grads(model: GPT2, idx, targets, *, dropout_seed=None):
-    """Loss (a JAX scalar) and gradients (nnx.State of Tensors) for token arrays idx, targets (B, T)."""
-
-    def loss_fn(m: GPT2, idx, targets, dropout_seed):
-        _, loss = m(m.token_tensor(idx), m.token_tensor(targets, allow_ignore=True), dropout_seed=dropout_seed)
-        return loss
-
-    return nn.value_and_grad(loss_fn)(model, idx, targets, dropout_seed)

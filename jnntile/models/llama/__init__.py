@@ -1,8 +1,9 @@
 """The Llama family (Llama 2/3, TinyLlama, SmolLM, Qwen2, Mistral): its configuration (`config`), the tiled
-model (`model`), Hugging Face files (`hf`) and the pure-JAX reference (`reference`, a test oracle). The model's
-API is re-exported here: `llama.Llama`."""
+model (`model`), its layout in Hugging Face files (`hf`) and the pure-JAX reference (`reference`, a test
+oracle). The model's API is re-exported here: `llama.Llama`."""
 
 from .config import PRESETS, LlamaConfig
-from .model import Llama, loss_and_grads
+from . import hf
+from .model import Llama
 
-__all__ = ["Llama", "LlamaConfig", "PRESETS", "loss_and_grads"]
+__all__ = ["Llama", "LlamaConfig", "PRESETS", "hf"]

@@ -1,85 +1,36 @@
-"""Read and write Hugging Face Llama-family checkpoints (config.json + safetensors, one file or shards).
+"""The Llama family's names and layouts in Hugging Face files (`families.HFLayout`; `jnntile.models.hf` does
+the files).
 
-The files are those of `LlamaForCausalLM` (and Mistral's, Qwen2's) `save_pretrained`: tensors in
-float32, bfloat16 or float16 under the names of `LlamaConfig.param_shapes`, in one `model.safetensors` or
-in shards listed by `model.safetensors.index.json`. A tied head's `lm_head.weight`, when a file carries
-one, is skipped (the embeddings serve).
-
-Nothing needs a whole checkpoint in RAM: `open_hf` checks the files and returns the tensors unread
-(`jnntile.tensorfile.FileTensor`); `to_model` describes each parameter of `model.Llama` as the file
-tensors it is made of (`tensorfile.Stacked`: q, k and v for the fused projection, gate and up), which
-`load_into` streams into the tiles chunk by chunk. `save_hf` writes float32 or bfloat16 files in Hugging Face's
-names: a tensor that is a parameter as it is streams from its tiles, one cut from a fused parameter
-(q_proj from qkv_proj) is computed when it is written, one at a time.
+The files are those of `LlamaForCausalLM` (and Mistral's, Qwen2's) `save_pretrained`: tensors under the names of
+`LlamaConfig.param_shapes`. A tied head's `lm_head.weight`, when a file carries one, is skipped (the embeddings
+serve). `to_model` describes each parameter of `model.Llama` as the file tensors it is made of
+(`tensorfile.Stacked`: q, k and v for the fused projection, gate and up), which `load_into` streams into the
+tiles chunk by chunk; `from_model` gives Hugging Face's tensors of the model's: one that is a parameter as it is
+streams from its tiles, one cut from a fused parameter (q_proj from qkv_proj) is computed when it is written,
+one at a time.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 
-from jnntile.tensorfile import (Derived, FileTensor, Reshaped, SafetensorsFile, Stacked, checked_parameters,
-                               write_atomically, write_file)
-
-from jnntile.models import HF_CONFIG_FILE as CONFIG_FILE
-from jnntile.models import config_from_hf
+from jnntile.tensorfile import Derived, Reshaped, Stacked
 
 from .config import LlamaConfig
 
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _LM_HEAD = "lm_head.weight"
 
 
-def read_config(directory, **tiles) -> LlamaConfig:
-    """The LlamaConfig of a Hugging Face checkpoint directory (its config.json), with `tiles` (tile_* sizes)."""
-    return config_from_hf(directory, LlamaConfig, **tiles)
-
-
-def weight_files(directory) -> dict[str, FileTensor]:
-    """Every tensor of a checkpoint's safetensors file or shards, unread, by name (headers checked)."""
-    directory = Path(directory)
-    single, index = directory / WEIGHTS_FILE, directory / INDEX_FILE
-    if single.is_file():
-        return dict(SafetensorsFile(single).items())
-    if not index.is_file():
-        raise FileNotFoundError(f"neither {single} nor {index} exists: a Hugging Face checkpoint needs its weights")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{index} is not a safetensors index with a weight_map ({e!r}): the checkpoint is "
-                         "damaged") from None
-    tensors = {}
-    for shard in sorted(set(weight_map.values())):
-        path = directory / shard
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}, a shard {index} lists, is missing")
-        for name, tensor in SafetensorsFile(path).items():
-            if weight_map.get(name) != shard:
-                raise ValueError(f"{path} holds {name!r}, which {index} places in {weight_map.get(name)!r}")
-            tensors[name] = tensor
-    absent = sorted(set(weight_map) - set(tensors))
-    if absent:
-        raise ValueError(f"{index} lists {absent[:3]} ({len(absent)} in all), which no shard holds")
+def from_files(config: LlamaConfig, tensors: dict, source) -> dict:
+    """The parameters (unchecked) among a file's tensors: a tied head's lm_head.weight dropped."""
+    if config.tie_word_embeddings:
+        return {name: value for name, value in tensors.items() if name != _LM_HEAD}
     return tensors
 
 
-def open_hf(directory, **tiles) -> tuple[LlamaConfig, dict[str, FileTensor]]:
-    """(config, params) of a checkpoint directory, checked and unread: params by Hugging Face name in
-    `config.param_shapes()` order. Raises naming the file and the problem (damaged or truncated file,
-    missing, unexpected or misshapen tensor, a dtype jnntile cannot read) before anything is read."""
-    config = read_config(directory, **tiles)
-    tensors = weight_files(directory)
-    if config.tie_word_embeddings:
-        tensors.pop(_LM_HEAD, None)
-    return config, checked(tensors, config, f"{directory}")
-
-
-def checked(tensors: dict, config: LlamaConfig, source) -> dict:
-    """`tensors` if they are exactly the parameters of `config` (`tensorfile.checked_parameters`), in its order."""
-    return checked_parameters(tensors, config, source, f"a {config.model_type} with these settings")
+def to_files(config: LlamaConfig, params: dict) -> dict:
+    """The file's names of the parameters: their own."""
+    return params
 
 
 def _model_name(hf_name: str) -> str:
@@ -138,19 +89,6 @@ def from_model(config: LlamaConfig, tensors: dict) -> dict:
         else:
             out[name] = Reshaped(tensors[mine], shape)
     return out
-
-
-def save_hf(directory, config: LlamaConfig, tensors: dict, dtype: str = "float32") -> None:
-    """Writes config.json and model.safetensors (in `dtype`, float32 or bfloat16) into directory, creating it; `tensors` as
-    `from_model` gives them. Each file is written under a temporary name and renamed."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    checked(tensors, config, "the params to save")
-    # "format": "pt" is the metadata transformers requires to load the file.
-    write_atomically(directory / WEIGHTS_FILE, lambda path: write_file(path, tensors, metadata={"format": "pt"},
-                                                                      float_dtype=dtype))
-    text = json.dumps({**config.to_hf_dict(), "torch_dtype": dtype}, indent=2) + "\n"
-    write_atomically(directory / CONFIG_FILE, lambda path: Path(path).write_text(text))
 
 
 # ---- LoRA adapters in PEFT's names and layouts ------------------------------------------------------

@@ -18,10 +18,9 @@ and the rotary embedding turns the G query parts and the keys of qkv (the values
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jnntile import nn, tensorfile
+from jnntile import nn
 from jnntile.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import gated
@@ -93,6 +92,8 @@ class Llama(LanguageModel):
     """A Llama-family causal LM, its head tied to the embeddings or not. Tiles are fixed at construction for
     (batch_size, seq_len)."""
 
+    hf_layout = hf
+
     def __init__(self, config: LlamaConfig, *, batch_size: int, seq_len: int, seed: int = 0):
         config.check_sequence_length(seq_len)
         self.config = config
@@ -130,34 +131,3 @@ class Llama(LanguageModel):
         """Logits (B, T, V) of the last layer's output: final RMSNorm, then the (tied) head."""
         table = self.embed_tokens if self.lm_head is None else self.lm_head
         return table.attend(self.norm(x))
-
-    # ---- Hugging Face files
-
-    def to_hf_params(self) -> dict:
-        """Every parameter in Hugging Face names and layouts, unread (`hf.from_model`)."""
-        return hf.from_model(self.config, {name: p.get_value() for name, p in self.named_params().items()})
-
-    def load_hf_params(self, params: dict) -> None:
-        """Overwrites every parameter from Hugging Face tensors by name (arrays, or the unread tensors of
-        `hf.open_hf`, streamed into the tiles chunk by chunk). Checks every shape before writing."""
-        sources = hf.to_model(self.config, hf.checked(params, self.config, "the params to load"))
-        mine = self.named_params()
-        if set(sources) != set(mine):
-            raise ValueError(f"parameters do not match the model: missing {sorted(set(mine) - set(sources))[:5]}, "
-                             f"unexpected {sorted(set(sources) - set(mine))[:5]}")
-        for name, variable in mine.items():
-            if tuple(np.shape(sources[name])) != variable.get_value().shape:
-                raise ValueError(f"parameter {name} comes as shape {tuple(np.shape(sources[name]))}, expected "
-                                 f"{variable.get_value().shape}")
-        for name, variable in mine.items():
-            variable.set_value(tensorfile.load_into(variable.get_value(), sources[name]))
-
-
-def loss_and_grads(model: Llama, idx, targets):
-    """Loss (a JAX scalar) and gradients (nnx.State of Tensors) for token arrays idx, targets (B, T)."""
-
-    def loss_fn(m: Llama, idx, targets):
-        _, loss = m(m.token_tensor(idx), m.token_tensor(targets, allow_ignore=True))
-        return loss
-
-    return nn.value_and_grad(loss_fn)(model, idx, targets)
