@@ -6,7 +6,7 @@
 
 Weights come from a checkpoint of `python -m jnntile.train` (a ckpt-* directory,
 or a training --out directory for its latest checkpoint) or from a Hugging Face
-checkpoint directory of a supported family (GPT-2; Llama, Mistral, Qwen2: its
+checkpoint directory of a supported family (--hf below lists them; its
 config.json's model_type tells), and stay StarPU tiles under the memory limit and swap given
 here, as in training: the model may be larger than RAM. With --dtype bfloat16 the
 projection weights are stored in bfloat16 alone (nothing updates them, so no
@@ -169,21 +169,22 @@ def _check_memory(config, batch: int, length: int, limit_mb: int, swap_mb: int) 
                          + ": raise --memory-limit-mb, or add --swap-dir (and --swap-size-mb)")
 
 
-def _fit_tiles(config, batch: int, length: int, runtime_config) -> tuple[object, str]:
-    """`config` with tiles whose largest tasks fit the memory limits, and a note when automatic ones were shrunk
+def _fit_tiles(config, batch: int, length: int, limits: planning.Limits) -> tuple[object, str]:
+    """`config` with tiles whose largest tasks fit the memory `limits`, and a note when automatic ones were shrunk
     (as train chooses them); raises naming the tile flags when no tiles fit.
 
     Decoding runs the training forward's tasks over the cache's positions. The planner's step, with SGD (whose
     update adds no state), also runs the backward's tasks, which are no smaller: tiles that fit it fit decoding.
     """
     config = dataclasses.replace(config, tile_batch=config.tile_batch or batch)  # the decoder's default batch tile
-    limit_mb, workers = runtime_config.memory_limit_mb, runtime_config.workers
-    gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
-    memory_plan = planning.plan(config, batch, length, "sgd", workers, gpu_mb=gpu_mb)
+    limit_mb, gpu_mb = limits.memory_limit_mb, limits.gpu_mb
+    spec = planning.StepSpec(config, batch, length, optimizer="sgd")
+    memory_plan = planning.plan(spec, workers=limits.workers, gpu_mb=gpu_mb)
     problem = memory_plan.task_fit_problem(limit_mb, gpu_mb)
     if problem is None:
         return config, ""
-    fitted, note = planning.fit_tiles(config, batch, length, limit_mb, gpu_mb, "sgd", workers)
+    fitted, note = planning.fit_tiles(spec, limits)
+    fitted = fitted.config
     if note:
         shrunk = ", ".join(f"{axis} {getattr(memory_plan.tiles, axis)} -> {getattr(fitted, f'tile_{axis}')}"
                            for axis in dataclasses.asdict(memory_plan.tiles)
@@ -210,9 +211,9 @@ def generate(args) -> list[str]:
     settings = flags.runtime_settings(args)
     runtime_config = dataclasses.replace(jnntile.runtime.config(), **settings)
     runtime_config.validate()
-    _check_memory(config, len(prompts), length, runtime_config.memory_limit_mb,
-                  runtime_config.swap_size_mb if runtime_config.swap_dir else 0)
-    config, tiles_note = _fit_tiles(config, len(prompts), length, runtime_config)
+    limits = planning.Limits.of(runtime_config)
+    _check_memory(config, len(prompts), length, limits.memory_limit_mb, limits.swap_mb)
+    config, tiles_note = _fit_tiles(config, len(prompts), length, limits)
     if runtime_config != jnntile.runtime.config():
         jnntile.runtime.stop()
         jnntile.runtime.configure(**settings)

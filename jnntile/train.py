@@ -5,9 +5,9 @@ Python standard library's sources, tokenized on first use) for a few minutes
 and prints samples. Every run writes to --out: metrics.jsonl (one JSON object
 per step), loss.png, and checkpoints (see jnntile/checkpoint.py). --resume
 continues from the latest checkpoint bit-identically: batches and dropout
-masks are pure functions of (seed, step). --model picks a preset of either
+masks are pure functions of (seed, step). --model picks a preset of any
 family (jnntile.models.families); --init-from-hf starts from a Hugging Face
-checkpoint (GPT-2, Llama, Mistral, Qwen2); --data reads a prepared dataset's
+checkpoint of one (both list them below); --data reads a prepared dataset's
 token file (jnntile/data.py, whose --tokenizer uses a model's own tokenizer).
 
 Under an MPI launcher (`mpirun -n N --bind-to none python -m jnntile.train ...`)
@@ -608,20 +608,12 @@ def _train(args, held: contextlib.ExitStack) -> dict:
 
         runtime_settings = flags.runtime_settings(args)
         runtime_config = flags.runtime_config(args)
-        gpu_mb = jnntile.runtime.gpu_memory_mb(runtime_config)
-        update = flags.update_mode(args)
-        config, remat_note = planning.choose_remat(config, batch_size, args.seq_len, runtime_config.memory_limit_mb,
-                                                 args.optimizer, runtime_config.workers, finetune, update,
-                                                 args.grad_accum_steps, gpu_mb)
-        config, tiles_note = planning.fit_tiles(config, batch_size, args.seq_len, runtime_config.memory_limit_mb, gpu_mb,
-                                              args.optimizer, runtime_config.workers, finetune, update)
-        tiles_note = "\n".join(note for note in (remat_note, tiles_note) if note)
-        plan = planning.plan(config, batch_size, args.seq_len, args.optimizer, workers=runtime_config.workers,
-                           grad_accum_steps=args.grad_accum_steps, finetune=finetune, update=update, gpu_mb=gpu_mb)
+        limits = flags.limits(args)
+        spec, tiles_note = planning.fit(flags.step_spec(args, config, batch_size=batch_size, finetune=finetune), limits)
+        config = spec.config
+        plan = planning.plan(spec, workers=limits.workers, gpu_mb=limits.gpu_mb)
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
-        verdict = plan.check(runtime_config.memory_limit_mb,
-                             runtime_config.swap_size_mb if runtime_config.swap_dir else 0, gpu_mb,
-                             cpu_kernels=jnntile.runtime.cpu_kernels_beside_gpu(runtime_config))
+        verdict = plan.check(limits)
         resumed_step = record["step"] if record else 0
         exports = args.export_hf or args.export_lora
         if exports and resumed_step > args.steps:
