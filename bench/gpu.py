@@ -202,12 +202,13 @@ def measure_jnntile_training(p: dict, gpu_memory_fraction: float | None = None) 
     settings = {k: p[k] for k in ("placement", "workers", "fused_attention", "scheduler") if p.get(k) is not None}
     fused_update = p.get("fused_update") or "auto"
     if gpu_memory_fraction is not None:
-        plan = planning.plan(config, B, T)
+        plan = planning.plan(planning.StepSpec(config, B, T))
         gpu_mb = settings["gpu_memory_limit_mb"] = max(1, int((plan.state + plan.activations) * gpu_memory_fraction
                                                               / MB))
         # Automatic tiles shrink where two of a step's largest tasks would not fit the GPU, as jnntile.train does.
-        config, _ = planning.fit_tiles(config, B, T, jnntile.runtime.config().memory_limit_mb, gpu_mb,
-                                     workers=settings.get("workers"))
+        limits = planning.Limits(jnntile.runtime.config().memory_limit_mb, gpu_mb=gpu_mb,
+                                 workers=settings.get("workers"))
+        config = planning.fit_tiles(planning.StepSpec(config, B, T), limits)[0].config
     jnntile.runtime.stop()
     jnntile.runtime.start(**settings)
     step = jnntile_step(config, B, T, fused_update)
@@ -252,21 +253,23 @@ def measure_capacity(p: dict) -> dict:
     config = GPT2Config(n_layer=p["n_layer"], n_head=p["n_head"], n_embd=p["n_embd"], vocab_size=p["vocab_size"],
                         n_positions=p["seq"], dropout=0.0, **p.get("tiles", {}))
     B, T, workers = p["batch"], p["seq"], p.get("workers")
-    plan = planning.plan(config, B, T, workers=workers)
+    plan = planning.plan(planning.StepSpec(config, B, T), workers=workers)
     if not p["full"]:  # a quarter of the state on the GPU, a quarter in RAM, the rest on disk
         quarter_mb = max(16, plan.state // MB // 4)
         p = dict(p, memory_limit_mb=quarter_mb, gpu_memory_limit_mb=quarter_mb if p["gpu"] else None)
     gpu_mb = p.get("gpu_memory_limit_mb") or jnntile.runtime.gpu_memory_mb()
     ram_mb = p["memory_limit_mb"]
-    config, tiles_note = planning.fit_tiles(config, B, T, ram_mb, gpu_mb, workers=workers)  # as jnntile.train does
-    plan = planning.plan(config, B, T, workers=workers)
+    spec, tiles_note = planning.fit_tiles(planning.StepSpec(config, B, T),  # as jnntile.train does
+                                          planning.Limits(ram_mb, gpu_mb=gpu_mb, workers=workers))
+    config = spec.config
+    plan = planning.plan(spec, workers=workers)
     swap_mb = plan.swap_needed_mb(ram_mb, gpu_mb) or jnntile.runtime.MIN_SWAP_MB
     settings = {"memory_limit_mb": ram_mb, "swap_dir": p["swap_dir"], "swap_size_mb": swap_mb}
     if workers is not None:
         settings["workers"] = workers
     if p.get("gpu_memory_limit_mb"):
         settings["gpu_memory_limit_mb"] = p["gpu_memory_limit_mb"]
-    verdict = plan.check(ram_mb, swap_mb, gpu_mb)
+    verdict = plan.check(planning.Limits(ram_mb, swap_mb, gpu_mb))
     jnntile.runtime.stop()
     jnntile.runtime.start(**settings)
     started = time.perf_counter()

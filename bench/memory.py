@@ -145,8 +145,8 @@ def worker_jnntile(spec) -> dict:
         settings.update(swap_dir=spec["swap_dir"], swap_size_mb=spec["swap_mb"],
                         swap_backend=spec.get("swap_backend", jnntile.runtime.config().swap_backend))
     jnntile.runtime.start(**settings)
-    plan = planning.plan(config, B, T)
-    verdict = plan.check(spec["limit_mb"], spec.get("swap_mb", 0))
+    plan = planning.plan(planning.StepSpec(config, B, T))
+    verdict = plan.check(planning.Limits(spec["limit_mb"], spec.get("swap_mb", 0)))
     started = time.perf_counter()
     model = gpt2.GPT2(config, batch_size=B, seq_len=T, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -287,7 +287,7 @@ def table_ab(model, B, T, limit, steps, swap_dir, bandwidth) -> float:
     from jnntile.models.gpt2.config import GPT2Config
     from jnntile.runtime import SWAP_BACKENDS, RuntimeConfig
 
-    plan = planning.plan(GPT2Config(**model), B, T, workers=2)
+    plan = planning.plan(planning.StepSpec(GPT2Config(**model), B, T), workers=2)
     swap_mb = plan.swap_needed_mb(limit) + 256
     _log(f"(a, b) GPT-2 n_layer={model['n_layer']} n_embd={model['n_embd']} vocab={model['vocab_size']}: "
          f"{plan.n_params / 1e6:.1f}M parameters; parameters + gradients + AdamW = {plan.state / MB:.0f} MB "
@@ -302,7 +302,7 @@ def table_ab(model, B, T, limit, steps, swap_dir, bandwidth) -> float:
                                                                     swap_backend=backend)
     runs[f"{limit} MB + swap, {default}, no invalidation"] = dict(base, limit_mb=limit, swap_mb=swap_mb,
                                                                   release=False)
-    if not plan.verdict(limit // 2, swap_mb).startswith("cannot"):
+    if not plan.verdict(planning.Limits(limit // 2, swap_mb)).startswith("cannot"):
         runs[f"{limit // 2} MB + swap, {default}"] = dict(base, limit_mb=limit // 2, swap_mb=swap_mb)
     results = {}
     for name, spec in runs.items():
@@ -439,7 +439,7 @@ def capacity(args, overhead, swap_dir):
     # jnntile's RSS beyond its limit grows with the model (the compiled step, Python
     # objects): ~330 MB for the 51M model of (a), ~550 MB for gpt2-xl.
     jn_limit = args.capacity_limit_mb or budget - CAPACITY_OVERHEAD_MB
-    big_plan = planning.plan(GPT2Config(**big), B, T, workers=2)
+    big_plan = planning.plan(planning.StepSpec(GPT2Config(**big), B, T), workers=2)
     spec = dict(kind="jnntile", config=big, batch=B, seq=T, steps=2, swap_dir=swap_dir, limit_mb=jn_limit,
                 swap_mb=big_plan.swap_needed_mb(jn_limit) + 512)
     _log(f"  jnntile: GPT-2 n_layer={big['n_layer']} n_embd={big['n_embd']}, {big_plan.n_params / 1e6:.0f}M "

@@ -2,7 +2,8 @@
 
 Runtime flags map one to one onto `jnntile.runtime.RuntimeConfig` fields; a flag left out keeps the
 runtime's default (stated in RuntimeConfig). Execution flags map onto the model config's tile_* fields,
-its `dtype` and its `remat`.
+its `dtype` and its `remat`. `step_spec` and `limits` build what the memory planner plans (a StepSpec) and under
+what (Limits) from the flags, for every command.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 
 from jnntile import optim, runtime
 from jnntile.models import COMPUTE_DTYPES, REMAT_CHOICES, TILE_AXES, families
+from jnntile.planning import Limits, StepSpec
 
 # Flag -> RuntimeConfig field, for the flags that set one directly. --swap-size-mb and --swap-backend
 # count only with --swap-dir (runtime_settings); the planner reads --swap-size-mb alone as a what-if.
@@ -236,3 +238,26 @@ def execution_settings(args) -> dict:
         if remat is not None:
             settings["remat"] = remat
     return settings
+
+
+def step_spec(args, config, **fields) -> StepSpec:
+    """The `jnntile.planning.StepSpec` of the step the flags describe on `config`: --batch-size, --seq-len,
+    --grad-accum-steps, --optimizer, what trains (`finetune_settings`) and the update mode (`update_mode`);
+    `fields` replace what the command knows better (this rank's batch_size, a finetune it read already)."""
+    if "finetune" not in fields:
+        fields["finetune"] = finetune_settings(args)
+    return StepSpec(config, **{"batch_size": args.batch_size, "seq_len": args.seq_len,
+                               "grad_accum_steps": args.grad_accum_steps, "optimizer": args.optimizer,
+                               "update": update_mode(args), **fields})
+
+
+def limits(args, what_if: bool = False) -> Limits:
+    """The `jnntile.planning.Limits` of the runtime the runtime flags configure (`runtime_config`). `what_if`, for
+    the planner's command: --swap-size-mb without --swap-dir plans with that much swap, and
+    --gpu-memory-limit-mb with that much GPU memory even where no GPU is."""
+    given = Limits.of(runtime_config(args))
+    if not what_if:
+        return given
+    swap = args.swap_size_mb if args.swap_size_mb is not None else given.swap_mb
+    gpu = 0 if args.cuda_workers == 0 else args.gpu_memory_limit_mb or given.gpu_mb
+    return dataclasses.replace(given, swap_mb=swap, gpu_mb=gpu)

@@ -14,7 +14,7 @@ import sys
 from jnntile import flags, runtime
 from jnntile.models import families
 from jnntile.optim import OPTIMIZER_STATES
-from jnntile.planning import MB, MemoryPlan, choose_remat, fit_tiles, plan
+from jnntile.planning import MB, MemoryPlan, fit, plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,47 +42,20 @@ def config_from_args(args):
 
 
 def plan_from_args(args) -> MemoryPlan:
-    """The plan of the step the flags describe, automatic tiles fitted to the limits (see `fit_tiles`); flags
-    that `python -m jnntile.train` refuses are refused alike (`flags.check_step_flags`)."""
+    """The plan of the step the flags describe, recomputation and automatic tiles fitted to the limits (see
+    `jnntile.planning.fit`); flags that `python -m jnntile.train` refuses are refused alike
+    (`flags.check_step_flags`)."""
     flags.check_step_flags(args)
     args = flags.one_batch_per_step(args)
     config = config_from_args(args)
-    seq_len = args.seq_len if getattr(args, "seq_len", None) is not None else config.max_positions
+    seq_len = args.seq_len if args.seq_len is not None else config.max_positions
     if seq_len > config.max_positions:  # as python -m jnntile.train does: the positions grow to the sequence
         config = dataclasses.replace(config, **families.size_overrides(args.model, max_positions=seq_len))
-    optimizer, workers = getattr(args, "optimizer", "adamw"), getattr(args, "workers", None)
-    limit, _, gpu, _ = limits_from_args(args)
-    finetune = flags.finetune_settings(args) if hasattr(args, "lora_rank") else None
-    update = flags.update_mode(args) if hasattr(args, "fused_update") else "after"
-    config, remat_note = choose_remat(config, args.batch_size, seq_len, limit, optimizer, workers, finetune, update,
-                                      args.grad_accum_steps, gpu)
-    config, note = fit_tiles(config, args.batch_size, seq_len, limit, gpu, optimizer, workers, finetune, update)
-    memory_plan = plan(config, args.batch_size, seq_len, optimizer, workers, args.grad_accum_steps, finetune, update,
-                       gpu)
-    memory_plan.tiles_note = "\n".join(n for n in (note, remat_note) if n)
+    limits = flags.limits(args, what_if=True)
+    spec, note = fit(flags.step_spec(args, config, seq_len=seq_len), limits)
+    memory_plan = plan(spec, workers=limits.workers, gpu_mb=limits.gpu_mb)
+    memory_plan.tiles_note = note
     return memory_plan
-
-
-def limits_from_args(args) -> tuple[int, int, int, bool]:
-    """(memory limit MB, swap MB, GPU MB, CPU kernels) the flags give, runtime defaults filling the gaps; 0 means
-    none. CPU kernels: CPU workers run kernels beside the GPU (see `MemoryPlan.verdict`).
-
-    --swap-size-mb without --swap-dir plans with that much swap, and
-    --gpu-memory-limit-mb with that much GPU memory (what-if); --cuda-workers 0 with none.
-    """
-    config = runtime.config()
-    if getattr(args, "gpu_memory_limit_mb", None):
-        config = dataclasses.replace(config, gpu_memory_limit_mb=args.gpu_memory_limit_mb)
-    limit = args.memory_limit_mb if getattr(args, "memory_limit_mb", None) is not None else config.memory_limit_mb
-    swap = getattr(args, "swap_size_mb", None)
-    if swap is None:
-        swap = config.swap_size_mb if getattr(args, "swap_dir", None) else 0
-    gpu = getattr(args, "gpu_memory_limit_mb", None)
-    if getattr(args, "cuda_workers", None) == 0:
-        gpu = 0  # CPU workers only (--cuda-workers 0): the GPU's memory holds nothing
-    elif gpu is None:
-        gpu = runtime.gpu_memory_mb(config)
-    return limit, swap, gpu, bool(gpu) and runtime.cpu_kernels_beside_gpu(config)
 
 
 def main(argv=None) -> int:
@@ -97,7 +70,8 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
-    limit, swap_mb, gpu_mb, cpu_kernels = limits_from_args(args)
+    limits = flags.limits(args, what_if=True)
+    limit, swap_mb, gpu_mb = limits.memory_limit_mb, limits.swap_mb, limits.gpu_mb
     config = memory_plan.config
     print(f"{config.describe()} ({args.model}), {args.optimizer}")
     if memory_plan.tiles_note:
@@ -105,7 +79,7 @@ def main(argv=None) -> int:
     print(memory_plan.table())
     gpu = f"GPU memory {gpu_mb} MB, " if gpu_mb else ""
     swap = f" and {swap_mb} MB of swap" if swap_mb else ""
-    verdict = memory_plan.verdict(limit, swap_mb, gpu_mb, cpu_kernels)
+    verdict = memory_plan.verdict(limits)
     print(f"{gpu}memory limit {limit} MB{swap}: {verdict}")
     if verdict.startswith("needs"):
         written, read = memory_plan.swap_traffic(limit, args.grad_clip > 0)

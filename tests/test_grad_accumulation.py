@@ -144,8 +144,9 @@ def small_limit_with_swap(tmp_path):
 def test_micro_batches_under_a_small_limit_with_swap(one_big_batch, small_limit_with_swap, monkeypatch):
     from jnntile import planning
 
-    plan = planning.plan(CONFIG, B, T, grad_accum_steps=N)
-    assert plan.peak > 2 * 2**20 and plan.verdict(1, 64).startswith("needs")  # over twice the 1 MB limit
+    plan = planning.plan(planning.StepSpec(CONFIG, B, T, grad_accum_steps=N))
+    assert plan.peak > 2 * 2**20  # over twice the 1 MB limit
+    assert plan.verdict(planning.Limits(1, 64)).startswith("needs")
     clips, clipped = [], optim.clipped
 
     def recorded(opt_state, norm):  # what "auto" decides the next step's update from

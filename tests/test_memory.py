@@ -34,7 +34,7 @@ from jnntile import train as train_mod
 from jnntile.ledger import LEDGER
 from jnntile.models import gpt2
 from jnntile.models.gpt2.config import GPT2Config
-from jnntile.ops import data
+from jnntile.ops import values
 from jnntile.ops import elementwise as ew
 from jnntile.ops import gemm
 from jnntile.ops import loss as loss_ops
@@ -65,9 +65,9 @@ def test_small_limit_with_swap_matches_unlimited_run(tmp_path, restore_runtime, 
     _restart(memory_limit_mb=1024, swap_dir=None)
     losses, params = _train(SWAP_CONFIG, steps=3)
 
-    plan = planning.plan(SWAP_CONFIG, B, T)
+    plan = planning.plan(planning.StepSpec(SWAP_CONFIG, B, T))
     assert plan.state > 2.5 * 16 * 2**20
-    assert plan.verdict(16, 64).startswith("needs")
+    assert plan.verdict(planning.Limits(16, 64)).startswith("needs")
     _restart(memory_limit_mb=16, swap_dir=str(tmp_path), swap_size_mb=64, watchdog_s=60, swap_backend=backend)
     io_before = _io()
     limited_losses, limited_params = _train(SWAP_CONFIG, steps=3)
@@ -119,7 +119,7 @@ def test_activation_read_after_backward_raises_clearly(rng):
     # Parameter gradients stay until an optimizer consumes them.
     assert np.isfinite(jnntile.grad_of(grads["w1"]).numpy()).all()
     # Writing makes the tensor valid again.
-    np.testing.assert_array_equal(data.fill(y, 2.0).numpy(), np.full(y.shape, 2.0, np.float32))
+    np.testing.assert_array_equal(values.fill(y, 2.0).numpy(), np.full(y.shape, 2.0, np.float32))
 
 
 def test_activation_read_after_jitted_backward_raises_clearly(rng):
@@ -202,7 +202,7 @@ def test_planner_counts_what_a_traced_step_creates(restore_runtime, dtype):
 
     _restart(memory_limit_mb=1024, swap_dir=None)
     config = dataclasses.replace(TINY, dtype=dtype)
-    plan = planning.plan(config, 2, 64)
+    plan = planning.plan(planning.StepSpec(config, 2, 64))
     model = gpt2.GPT2(config, batch_size=2, seq_len=64)
     assert plan.n_params == TINY.n_params() and plan.parameters == 4 * plan.n_params
     created = []
@@ -252,7 +252,7 @@ def test_planner_peak_against_the_measured_peak(restore_runtime, clip):
     float(loss)
     jnntile.runtime.wait_all()
     measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
-    plan = planning.plan(SWAP_CONFIG, B, T)
+    plan = planning.plan(planning.StepSpec(SWAP_CONFIG, B, T))
     assert measured <= 1.3 * plan.peak, (plan.peak, measured)
     # The plan counts a gradient whole when its op's backward starts; the runtime allocates it tile by tile as
     # the tasks that write it run, while the tiles of dead tensors go: with a clip the peak may fall short of the
@@ -281,8 +281,8 @@ def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runti
     float(loss)
     jnntile.runtime.wait_all()
     measured = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"][0]["peak_used_bytes"]
-    planned = planning.plan(SWAP_CONFIG, B, T, grad_accum_steps=2)
-    assert planned.peak > planning.plan(SWAP_CONFIG, B, T).peak
+    planned = planning.plan(planning.StepSpec(SWAP_CONFIG, B, T, grad_accum_steps=2))
+    assert planned.peak > planning.plan(planning.StepSpec(SWAP_CONFIG, B, T)).peak
     # The plan counts a gradient whole when its op's backward starts; the runtime allocates it tile by tile as
     # the tasks that write it run (no zero-fill runs ahead of them), while the tiles of dead tensors go: the
     # peak may fall short of the plan by the tiles in flight, at most a task's.
@@ -347,27 +347,27 @@ def test_planner_traces_any_model_built_from_jnntile_modules(restore_runtime):
 
 
 def test_planner_verdicts():
-    plan = planning.plan(TINY, 2, 64, workers=2)
+    plan = planning.plan(planning.StepSpec(TINY, 2, 64), workers=2)
     peak_mb = plan.peak / 2**20
-    assert plan.verdict(peak_mb + 1) == "fits in RAM"
-    assert plan.check(peak_mb + 1) == "fits in RAM"
+    assert plan.verdict(planning.Limits(peak_mb + 1)) == "fits in RAM"
+    assert plan.check(planning.Limits(peak_mb + 1)) == "fits in RAM"
     need = plan.swap_needed_mb(peak_mb / 2)
-    assert need >= 16 and plan.verdict(peak_mb / 2) == f"needs {need} MB of swap"
-    assert plan.verdict(peak_mb / 2, need) == f"needs {need} MB of swap"
+    assert need >= 16 and plan.verdict(planning.Limits(peak_mb / 2)) == f"needs {need} MB of swap"
+    assert plan.verdict(planning.Limits(peak_mb / 2, need)) == f"needs {need} MB of swap"
     with pytest.raises(planning.MemoryPlanError, match="cannot run without swap.*--swap-size-mb"):
-        plan.check(peak_mb / 2)
+        plan.check(planning.Limits(peak_mb / 2))
     with pytest.raises(planning.MemoryPlanError, match="raise --swap-size-mb"):
-        plan.check(peak_mb / 2, need - 1)
+        plan.check(planning.Limits(peak_mb / 2, need - 1))
     task_mb = plan.largest_task / 2**20
-    verdict = plan.verdict(1.5 * task_mb, 4096)  # one task fits, two at once do not
+    verdict = plan.verdict(planning.Limits(1.5 * task_mb, 4096))  # one task fits, two at once do not
     assert verdict.startswith("cannot run: a single task") and "2 workers" in verdict
     with pytest.raises(planning.MemoryPlanError, match="use smaller tiles, e.g. --tile-"):
-        plan.check(0.5 * task_mb, 4096)
+        plan.check(planning.Limits(0.5 * task_mb, 4096))
 
 
 def test_planner_swap_traffic_follows_the_limit_recomputation_and_clipping():
-    plan = planning.plan(TINY, 2, 64, workers=2)
-    recomputed = planning.plan(dataclasses.replace(TINY, remat="block"), 2, 64, workers=2)
+    plan = planning.plan(planning.StepSpec(TINY, 2, 64), workers=2)
+    recomputed = planning.plan(planning.StepSpec(dataclasses.replace(TINY, remat="block"), 2, 64), workers=2)
     peak_mb = plan.peak / 2**20
     assert plan.swap_traffic(peak_mb * 1.01) == (0, 0)
     totals = [sum(plan.swap_traffic(peak_mb * fraction)) for fraction in (0.75, 0.5, 0.25)]
@@ -376,7 +376,7 @@ def test_planner_swap_traffic_follows_the_limit_recomputation_and_clipping():
         assert sum(recomputed.swap_traffic(limit_mb)) < sum(plan.swap_traffic(limit_mb))
     # An update fused into the backward frees each gradient in RAM: when most of the state swaps, fewer bytes
     # move than when the update follows the backward (after a norm that reads them all).
-    state_bound = planning.plan(dataclasses.replace(TINY, remat="block"), 1, 32, workers=2)
+    state_bound = planning.plan(planning.StepSpec(dataclasses.replace(TINY, remat="block"), 1, 32), workers=2)
     limit_mb = state_bound.peak / 2**20 * 0.3
     after = sum(state_bound.swap_traffic(limit_mb))
     fused = sum(state_bound.swap_traffic(limit_mb, clip=False, update="fused"))
@@ -386,14 +386,15 @@ def test_planner_swap_traffic_follows_the_limit_recomputation_and_clipping():
 
 def test_planner_suggestion_makes_the_task_fit():
     config = dataclasses.replace(TINY, vocab_size=32768, tile_vocab=32768, tile_embd=128)
-    plan = planning.plan(config, 2, 64, workers=2)
+    plan = planning.plan(planning.StepSpec(config, 2, 64), workers=2)
     limit = 20
     assert plan.largest_task > limit * 2**20
     hint = plan.suggest_tiles(limit)
     assert "--tile-vocab" in hint
     flags = dict(zip(hint.split()[::2], map(int, hint.split()[1::2])))
     smaller = dataclasses.replace(config, **{f.removeprefix("--").replace("-", "_"): v for f, v in flags.items()})
-    assert not planning.plan(smaller, 2, 64, workers=2).verdict(limit, 4096).startswith("cannot run")
+    verdict = planning.plan(planning.StepSpec(smaller, 2, 64), workers=2).verdict(planning.Limits(limit, 4096))
+    assert not verdict.startswith("cannot run")
 
 
 AUTO = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=64)  # automatic tiles
@@ -403,22 +404,22 @@ AUTO = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=4096, n_positions=
 def test_automatic_tiles_shrink_until_every_task_fits(gpu):
     """Only automatic tiles shrink; RAM holds one task per worker, the GPU two per CUDA worker."""
     # The cross-entropy backward on a (4 x 64, 4096) logits tile and its gradient: 8 MB.
-    task_mb = planning.plan(AUTO, 4, 64, workers=2).largest_task / 2**20
-    limits = dict(memory_limit_mb=4096, gpu_mb=task_mb) if gpu else dict(memory_limit_mb=task_mb)
-    config, note = planning.fit_tiles(AUTO, 4, 64, workers=2, **limits)
-    assert config.tile_vocab == 1024 and note.startswith("automatic tiles shrunk (vocab 4096 -> 1024)")
+    task_mb = planning.plan(planning.StepSpec(AUTO, 4, 64), workers=2).largest_task / 2**20
+    limits = planning.Limits(4096, gpu_mb=task_mb, workers=2) if gpu else planning.Limits(task_mb, workers=2)
+    spec, note = planning.fit_tiles(planning.StepSpec(AUTO, 4, 64), limits)
+    assert spec.config.tile_vocab == 1024 and note.startswith("automatic tiles shrunk (vocab 4096 -> 1024)")
     assert ("GPU memory limit" in note) == gpu
-    fitted = planning.plan(config, 4, 64, workers=2)
-    assert not fitted.verdict(limits["memory_limit_mb"], 4096, limits.get("gpu_mb", 0)).startswith("cannot")
-    assert planning.fit_tiles(config, 4, 64, workers=2, **limits) == (config, "")  # fitted tiles fit as they are
+    swapping = dataclasses.replace(limits, swap_mb=4096)
+    assert not planning.plan(spec, workers=2).verdict(swapping).startswith("cannot")
+    assert planning.fit_tiles(spec, limits) == (spec, "")  # fitted tiles fit as they are
     # A tile given explicitly stays; another axis shrinks instead, or, with none left, the step is refused.
-    config, note = planning.fit_tiles(dataclasses.replace(AUTO, tile_vocab=4096), 4, 64, workers=2, **limits)
-    assert (config.tile_vocab, config.tile_embd, config.tile_seq) == (4096, 64, 32)
+    spec, note = planning.fit_tiles(planning.StepSpec(dataclasses.replace(AUTO, tile_vocab=4096), 4, 64), limits)
+    assert (spec.config.tile_vocab, spec.config.tile_embd, spec.config.tile_seq) == (4096, 64, 32)
     assert "embd 128 -> 64, seq 64 -> 32" in note
-    explicit = dataclasses.replace(AUTO, tile_vocab=4096, tile_embd=128)
-    assert planning.fit_tiles(explicit, 4, 64, workers=2, **limits) == (explicit, "")
+    explicit = planning.StepSpec(dataclasses.replace(AUTO, tile_vocab=4096, tile_embd=128), 4, 64)
+    assert planning.fit_tiles(explicit, limits) == (explicit, "")
     with pytest.raises(planning.MemoryPlanError, match="cannot run: a single task.*e.g. --tile-vocab 1024"):
-        planning.plan(explicit, 4, 64, workers=2).check(limits["memory_limit_mb"], 4096, limits.get("gpu_mb", 0))
+        planning.plan(explicit, workers=2).check(swapping)
 
 
 def test_memory_cli_says_which_tiles_it_chose(capsys):
@@ -461,25 +462,25 @@ def test_memory_cli_plans_one_micro_batch(capsys):
 
 def test_planner_gpu_verdicts():
     """With a GPU, its memory comes first, then host RAM, then swap; a task must fit the GPU twice over."""
-    plan = planning.plan(TINY, 2, 64, workers=2)
+    plan = planning.plan(planning.StepSpec(TINY, 2, 64), workers=2)
     peak_mb = plan.peak / 2**20
     ram_mb = 4 * peak_mb
-    assert plan.verdict(ram_mb, gpu_mb=peak_mb + 1) == "fits on the GPU"
+    assert plan.verdict(planning.Limits(ram_mb, gpu_mb=peak_mb + 1)) == "fits on the GPU"
     host_mb = math.ceil(plan.peak / 2**20 - peak_mb / 2)
-    assert plan.verdict(ram_mb, gpu_mb=peak_mb / 2) == f"fits on the GPU and {host_mb} MB of host RAM"
+    assert plan.verdict(planning.Limits(ram_mb, gpu_mb=peak_mb / 2)) == f"fits on the GPU and {host_mb} MB of host RAM"
     need = plan.swap_needed_mb(host_mb / 2, gpu_mb=peak_mb / 2)
     assert need == max(16, math.ceil(1.1 * plan.host_bytes(peak_mb / 2) / 2**20)), "swap holds what the GPU cannot"
-    assert plan.verdict(host_mb / 2, need, gpu_mb=peak_mb / 2) == f"needs {need} MB of swap"
+    assert plan.verdict(planning.Limits(host_mb / 2, need, gpu_mb=peak_mb / 2)) == f"needs {need} MB of swap"
     task_mb = plan.largest_task / 2**20
     with pytest.raises(planning.MemoryPlanError, match="GPU memory limit.*--gpu-memory-limit-mb"):
-        plan.check(ram_mb, gpu_mb=1.5 * task_mb)
+        plan.check(planning.Limits(ram_mb, gpu_mb=1.5 * task_mb))
 
 
 def test_a_deeper_cuda_pipeline_or_more_workers_per_gpu_hold_more_tasks_on_it(monkeypatch):
     """StarPU's CUDA pipeline (2 tasks) on each CUDA worker of a GPU: what the GPU must hold follows both."""
     for name in ("STARPU_CUDA_PIPELINE", "STARPU_NWORKER_PER_CUDA"):
         monkeypatch.delenv(name, raising=False)
-    plan = planning.plan(TINY, 2, 64, workers=2)
+    plan = planning.plan(planning.StepSpec(TINY, 2, 64), workers=2)
     task_mb = plan.largest_task / 2**20
     assert jnntile.runtime.gpu_tasks_in_flight() == 2 and plan.task_fit_problem(1024, 2.5 * task_mb) is None
     for name, value in (("STARPU_CUDA_PIPELINE", "4"), ("STARPU_NWORKER_PER_CUDA", "2")):
@@ -496,15 +497,16 @@ def test_a_deeper_cuda_pipeline_or_more_workers_per_gpu_hold_more_tasks_on_it(mo
 def test_cpu_kernels_beside_a_limited_gpu_need_ram_for_the_whole_peak_without_swap():
     """Under a GPU memory limit CPU workers run kernels too, and what they write stays in RAM: without swap RAM
     must hold the whole peak, however much the GPU could (tests/test_emulated_gpu.py runs the refused case)."""
-    plan = planning.plan(TINY, 2, 64, workers=2)
+    plan = planning.plan(planning.StepSpec(TINY, 2, 64), workers=2)
     peak_mb = plan.peak / 2**20
-    assert plan.verdict(peak_mb / 2, gpu_mb=peak_mb + 1) == "fits on the GPU"
+    assert plan.verdict(planning.Limits(peak_mb / 2, gpu_mb=peak_mb + 1)) == "fits on the GPU"
     with pytest.raises(planning.MemoryPlanError, match=r"CPU workers run kernels too.*give --swap-dir, raise "
                        rf"--memory-limit-mb to {math.ceil(peak_mb)}, or leave GPU memory unlimited"):
-        plan.check(peak_mb / 2, gpu_mb=peak_mb + 1, cpu_kernels=True)
-    assert plan.check(peak_mb + 1, gpu_mb=peak_mb + 1, cpu_kernels=True) == "fits on the GPU"
-    assert plan.check(peak_mb / 2, 64, gpu_mb=peak_mb + 1, cpu_kernels=True) == "fits on the GPU"
-    assert plan.verdict(peak_mb / 2, cpu_kernels=True) == plan.verdict(peak_mb / 2)  # no GPU: the usual verdict
+        plan.check(planning.Limits(peak_mb / 2, gpu_mb=peak_mb + 1, cpu_kernels=True))
+    assert plan.check(planning.Limits(peak_mb + 1, gpu_mb=peak_mb + 1, cpu_kernels=True)) == "fits on the GPU"
+    assert plan.check(planning.Limits(peak_mb / 2, 64, gpu_mb=peak_mb + 1, cpu_kernels=True)) == "fits on the GPU"
+    no_gpu = planning.Limits(peak_mb / 2)
+    assert plan.verdict(dataclasses.replace(no_gpu, cpu_kernels=True)) == plan.verdict(no_gpu)  # the usual verdict
 
 
 def test_memory_cli_plans_the_tiles_of_the_workers_its_flags_give(capsys, monkeypatch):
@@ -539,11 +541,13 @@ def test_runtime_settings_from_flags():
     memory.add_arguments(parser)
     args = parser.parse_args(["--memory-limit-mb", "64", "--swap-dir", "/tmp/s", "--workers", "1"])
     assert flags.runtime_settings(args) == {"memory_limit_mb": 64, "swap_dir": "/tmp/s", "workers": 1}
-    assert memory.limits_from_args(args) == (64, jnntile.runtime.config().swap_size_mb,
-                                             jnntile.runtime.gpu_memory_mb(), False)
+    assert flags.limits(args, what_if=True) == planning.Limits.of(flags.runtime_config(args)) == planning.Limits(
+        64, jnntile.runtime.config().swap_size_mb, jnntile.runtime.gpu_memory_mb(),
+        jnntile.runtime.cpu_kernels_beside_gpu(flags.runtime_config(args)), 1)
     args = parser.parse_args(["--memory-limit-mb", "64", "--swap-size-mb", "100"])
     assert flags.runtime_settings(args) == {"memory_limit_mb": 64}
-    assert memory.limits_from_args(args) == (64, 100, jnntile.runtime.gpu_memory_mb(), False)
+    assert (flags.limits(args).swap_mb, flags.limits(args, what_if=True).swap_mb) == (0, 100)  # what-if: planned with
+    assert flags.limits(args, what_if=True).memory_limit_mb == 64
     args = parser.parse_args(["--swap-dir", "/tmp/s", "--swap-backend", "unistd_o_direct"])
     assert flags.runtime_settings(args) == {"swap_dir": "/tmp/s", "swap_backend": "unistd_o_direct"}
 
@@ -574,7 +578,7 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
     script = f"""
         import argparse, numpy as np, jnntile
         from flax import nnx
-        from jnntile import memory, optim, planning
+        from jnntile import flags, memory, optim, planning
         from jnntile.models import gpt2, loss_and_grads
         parser = argparse.ArgumentParser()
         memory.add_arguments(parser)
@@ -583,7 +587,7 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
                                  "--workers 2 --remat none --cuda-workers 0"
                                  .split() + ({swap!r} and ["--swap-dir", {str(tmp_path)!r}] or []))
         try:
-            memory.plan_from_args(args).check(*memory.limits_from_args(args))
+            memory.plan_from_args(args).check(flags.limits(args, what_if=True))
         except planning.MemoryPlanError as e:
             print("PLANNER:", e, flush=True)
         # Run anyway, as if the planner had missed it.

@@ -87,7 +87,7 @@ def test_a_bad_remat_is_refused():
 
 def test_the_planner_counts_only_the_blocks_inputs_between_forward_and_backward():
     config = dataclasses.replace(GPT2_CONFIG, n_layer=6, n_embd=64, n_positions=64, dropout=0.0)
-    plans = {remat: planning.plan(dataclasses.replace(config, remat=remat), 4, 64, optimizer="sgd")
+    plans = {remat: planning.plan(planning.StepSpec(dataclasses.replace(config, remat=remat), 4, 64, optimizer="sgd"))
              for remat in ("none", "block")}
     block_input = 4 * 64 * 64 * 4  # (B, T, C) float32
     # A block makes about a dozen activations of that size or more (its MLP's are 4 times as large): with
@@ -106,24 +106,35 @@ def test_the_training_command_with_remat_block_gives_the_same_losses(dataset, tm
     assert recomputed["losses"] == plain["losses"]
 
 
+def _remat_chosen(config, memory_limit_mb: float, gpu_mb: float = 0):
+    """The config `choose_remat` makes of `config` (batch 4 x 64) under the limits, and its note."""
+    limits = planning.Limits(memory_limit_mb, gpu_mb=gpu_mb)
+    spec, note = planning.choose_remat(planning.StepSpec(config, 4, 64), limits)
+    return spec.config, note
+
+
+def _plan(config, **fields):
+    """The plan of `config` with `fields` (batch 4 x 64), without a GPU."""
+    return planning.plan(planning.StepSpec(dataclasses.replace(config, **fields), 4, 64), gpu_mb=0)
+
+
 def test_auto_recomputes_when_the_step_does_not_fit_the_memory_limit():
     config = dataclasses.replace(GPT2_CONFIG, n_layer=6, n_embd=64, n_positions=64, dropout=0.0, remat="auto")
-    plain = planning.plan(dataclasses.replace(config, remat="none"), 4, 64).peak / 2**20
-    fits, note = planning.choose_remat(config, 4, 64, memory_limit_mb=plain + 1, gpu_mb=0)
+    plain = _plan(config, remat="none").peak / 2**20
+    fits, note = _remat_chosen(config, plain + 1)
     assert fits.remat == "none" and note.startswith("--remat auto: none (the step's planned peak")
-    everything = planning.plan(dataclasses.replace(config, remat="block"), 4, 64).peak / 2**20
-    tight, note = planning.choose_remat(config, 4, 64, memory_limit_mb=everything / 2, gpu_mb=0)
+    everything = _plan(config, remat="block").peak / 2**20
+    tight, note = _remat_chosen(config, everything / 2)
     # Nothing fits: all blocks or none, whichever the planner predicts to swap less; here all.
-    traffic = {remat: sum(planning.plan(dataclasses.replace(config, remat=remat), 4, 64).swap_traffic(everything / 2))
-               for remat in ("none", "block")}
+    traffic = {remat: sum(_plan(config, remat=remat).swap_traffic(everything / 2)) for remat in ("none", "block")}
     assert traffic["block"] < traffic["none"]
     assert (tight.remat, tight.remat_blocks) == ("block", 6)
     assert note.startswith("--remat auto: block, all 6 blocks recomputed in the backward (the step swaps either way")
     # Between the two: the fewest blocks that fit.
-    some, note = planning.choose_remat(config, 4, 64, memory_limit_mb=(plain + everything) / 2, gpu_mb=0)
+    some, note = _remat_chosen(config, (plain + everything) / 2)
     assert some.remat == "block" and 0 < some.remat_blocks < 6
-    peak = planning.plan(some, 4, 64).peak / 2**20
-    fewer = planning.plan(dataclasses.replace(some, remat_blocks=some.remat_blocks - 1), 4, 64).peak / 2**20
+    peak = _plan(some).peak / 2**20
+    fewer = _plan(some, remat_blocks=some.remat_blocks - 1).peak / 2**20
     assert peak <= (plain + everything) / 2 < fewer
     with pytest.raises(ValueError, match="remat='auto' is chosen by the memory planner"):
         families.build(config, batch_size=4, seq_len=64)
@@ -133,13 +144,13 @@ def test_auto_counts_what_the_gpu_holds():
     """What GPU memory holds needs no RAM: a step that fits the GPU recomputes nothing under a tiny RAM limit,
     and one that does not fit it recomputes only as much as the host part needs."""
     config = dataclasses.replace(GPT2_CONFIG, n_layer=6, n_embd=64, n_positions=64, dropout=0.0, remat="auto")
-    plain = planning.plan(dataclasses.replace(config, remat="none"), 4, 64, gpu_mb=0).peak / 2**20
-    everything = planning.plan(dataclasses.replace(config, remat="block"), 4, 64, gpu_mb=0).peak / 2**20
-    on_gpu, note = planning.choose_remat(config, 4, 64, memory_limit_mb=1, gpu_mb=plain + 1)
+    plain = _plan(config, remat="none").peak / 2**20
+    everything = _plan(config, remat="block").peak / 2**20
+    on_gpu, note = _remat_chosen(config, 1, gpu_mb=plain + 1)
     assert on_gpu.remat == "none"
     assert note.startswith(f"--remat auto: none (the step's planned peak beyond the GPU's {plain + 1:.0f} MB, 0 MB")
     # GPU and RAM together hold what recomputing some blocks leaves, not the plain step.
     gpu_mb, ram_mb = (plain + everything) / 4, (plain + everything) / 4
-    some, _ = planning.choose_remat(config, 4, 64, memory_limit_mb=ram_mb, gpu_mb=gpu_mb)
-    alone, _ = planning.choose_remat(config, 4, 64, memory_limit_mb=gpu_mb + ram_mb, gpu_mb=0)
+    some, _ = _remat_chosen(config, ram_mb, gpu_mb=gpu_mb)
+    alone, _ = _remat_chosen(config, gpu_mb + ram_mb)
     assert (some.remat, some.remat_blocks) == (alone.remat, alone.remat_blocks) and 0 < some.remat_blocks < 6

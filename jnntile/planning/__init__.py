@@ -24,13 +24,15 @@ watchdog reports it). `fit_tiles` shrinks the automatic tile sizes until
 that holds (and, with a GPU, until a CUDA worker's tasks fit its memory);
 `python -m jnntile.train` and `python -m jnntile.memory` use it.
 
-One concept a file: record.py records a step, timeline.py simulates its memory over time, swap.py models
-StarPU's swap eviction and traffic, plan.py makes the plan (the table and the verdict), search.py chooses
-recomputation and tiles.
+One concept a file: spec.py says what is planned (StepSpec) and under what (Limits), record.py records a step,
+timeline.py simulates its memory over time, swap.py models StarPU's swap eviction and traffic, plan.py makes the
+plan (the table and the verdict), search.py chooses recomputation and tiles (`fit`).
 """
 
 from jnntile.planning.plan import MB, MemoryPlan, MemoryPlanError, plan, plan_model
 from jnntile.planning.record import record_step
-from jnntile.planning.search import choose_remat, fit_tiles
+from jnntile.planning.search import choose_remat, fit, fit_tiles
+from jnntile.planning.spec import Limits, StepSpec
 
-__all__ = ["MB", "MemoryPlan", "MemoryPlanError", "choose_remat", "fit_tiles", "plan", "plan_model", "record_step"]
+__all__ = ["MB", "Limits", "MemoryPlan", "MemoryPlanError", "StepSpec", "choose_remat", "fit", "fit_tiles", "plan",
+           "plan_model", "record_step"]

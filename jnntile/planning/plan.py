@@ -15,6 +15,7 @@ from jnntile.models import Tiles, resolve_tiles
 from jnntile.optim import OPTIMIZER_STATES, UPDATE_MODES
 from jnntile.planning import record, swap, timeline
 from jnntile.planning.record import RecordedStep, T
+from jnntile.planning.spec import Limits, StepSpec
 
 MB = 2 ** 20
 F32 = 4
@@ -131,22 +132,22 @@ class MemoryPlan:
                     "--gpu-memory-limit-mb")
         return None
 
-    def verdict(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0,
-                cpu_kernels: bool = False) -> str:
-        """A short sentence: "fits in RAM", "needs N MB of swap" or "cannot run: ...".
+    def verdict(self, limits: Limits) -> str:
+        """A short sentence under `limits`: "fits in RAM", "needs N MB of swap" or "cannot run: ...".
 
-        With a GPU (gpu_mb: its memory limit, or its memory, in MB): "fits on the
+        With a GPU (limits.gpu_mb: its memory limit, or its memory, in MB): "fits on the
         GPU", "fits on the GPU and N MB of host RAM", or the host verdicts for
-        what the GPU cannot hold. cpu_kernels: CPU workers run kernels beside the
+        what the GPU cannot hold. limits.cpu_kernels: CPU workers run kernels beside the
         GPU (placement "any", what a GPU memory limit resolves "auto" to). What
         they write stays in RAM until a GPU task reads it, and without swap
         nothing takes it back, so RAM must hold the whole peak: a 256 MB GPU
         limit beside 4 MB of RAM stopped on the emulated GPU, unlimited it ran.
         """
+        memory_limit_mb, swap_size_mb, gpu_mb = limits.memory_limit_mb, limits.swap_mb, limits.gpu_mb
         problem = self._task_problem(memory_limit_mb, gpu_mb)
         if problem:
             return problem
-        if gpu_mb and cpu_kernels and not swap_size_mb and self.peak > memory_limit_mb * MB:
+        if gpu_mb and limits.cpu_kernels and not swap_size_mb and self.peak > memory_limit_mb * MB:
             return (f"cannot run: under a GPU memory limit CPU workers run kernels too and keep what they write in "
                     f"RAM, which nothing takes back without swap, and the step's peak of {self.peak / MB:.0f} MB is "
                     f"over the {memory_limit_mb:g} MB memory limit; give --swap-dir, raise --memory-limit-mb to "
@@ -164,16 +165,17 @@ class MemoryPlan:
                     f"{swap_size_mb:g} MB; raise --swap-size-mb or --memory-limit-mb")
         return f"needs {need} MB of swap"
 
-    def check(self, memory_limit_mb: float, swap_size_mb: float = 0, gpu_mb: float = 0,
-              cpu_kernels: bool = False) -> str:
-        """Returns the verdict, or raises MemoryPlanError when the step cannot run (no swap given counts)."""
-        text = self.verdict(memory_limit_mb, swap_size_mb, gpu_mb, cpu_kernels)
+    def check(self, limits: Limits) -> str:
+        """Returns the verdict under `limits`, or raises MemoryPlanError when the step cannot run (no swap given
+        counts)."""
+        text = self.verdict(limits)
         if text.startswith("cannot run"):
             raise MemoryPlanError(text)
-        if text.startswith("needs") and not swap_size_mb:
+        if text.startswith("needs") and not limits.swap_mb:
+            need = self.swap_needed_mb(limits.memory_limit_mb, limits.gpu_mb)
             raise MemoryPlanError(f"cannot run without swap: the step {text} under a memory limit of "
-                                  f"{memory_limit_mb:g} MB (peak {self.peak / MB:.0f} MB); give --swap-dir and "
-                                  f"--swap-size-mb {self.swap_needed_mb(memory_limit_mb, gpu_mb)}, or raise "
+                                  f"{limits.memory_limit_mb:g} MB (peak {self.peak / MB:.0f} MB); give --swap-dir and "
+                                  f"--swap-size-mb {need}, or raise "
                                   "--memory-limit-mb")
         return text
 
@@ -282,9 +284,8 @@ def _tile_str(t: T) -> str:
     return "(" + ", ".join(str(min(a, n)) for a, n in zip(t.tile, t.shape)) + ")"
 
 
-def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", workers: int | None = None,
-         grad_accum_steps: int = 1, finetune=None, update: str = "after", gpu_mb: float | None = None) -> MemoryPlan:
-    """The memory plan of one training step of `config`'s model (its family's) on (batch_size, seq_len) tokens.
+def plan(spec: StepSpec, *, workers: int | None = None, gpu_mb: float | None = None) -> MemoryPlan:
+    """The memory plan of the training step `spec`: its config's model (its family's) on (batch_size, seq_len) tokens.
 
     Tile sizes are the config's (or the automatic ones, for `gpu_mb` of GPU
     memory), as `resolve_tiles` gives them; `workers` and `gpu_mb` default to
@@ -295,6 +296,7 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
     frozen parameters count once, without gradient or optimizer state. `update` is how the optimizer update
     meets the backward (jnntile.optim.UPDATE_MODES).
     """
+    config, batch_size, seq_len, optimizer = spec.config, spec.batch_size, spec.seq_len, spec.optimizer
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
     if seq_len > config.max_positions:
@@ -302,9 +304,9 @@ def plan(config, batch_size: int, seq_len: int, optimizer: str = "adamw", worker
     if workers is None:
         workers = runtime.config().workers
     tiles = resolve_tiles(config, batch_size, seq_len, gpu_mb)
-    return _plan_of(record.trace_step(config, batch_size, seq_len, tiles, finetune), optimizer, workers,
-                    grad_accum_steps, update, batch_size=batch_size, seq_len=seq_len, tiles=tiles, config=config,
-                    finetune=finetune)
+    return _plan_of(record.trace_step(config, batch_size, seq_len, tiles, spec.finetune), optimizer, workers,
+                    spec.grad_accum_steps, spec.update, batch_size=batch_size, seq_len=seq_len, tiles=tiles,
+                    config=config, finetune=spec.finetune)
 
 
 def plan_model(build_model, loss, optimizer: str = "adamw", workers: int | None = None,

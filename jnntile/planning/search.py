@@ -1,41 +1,48 @@
 """The search over recomputation and tiles: `choose_remat` picks how many blocks to recompute under a memory limit,
-`fit_tiles` shrinks the automatic tiles until every task fits the limits."""
+`fit_tiles` shrinks the automatic tiles until every task fits the limits; `fit` does both, as every command plans."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-from jnntile import runtime
 from jnntile.planning.plan import SHRINK_ORDER, MemoryPlan, plan
+from jnntile.planning.spec import Limits, StepSpec
 
 
-def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, optimizer: str = "adamw",
-                 workers: int | None = None, finetune=None, update: str = "after", grad_accum_steps: int = 1,
-                 gpu_mb: float | None = None):
-    """`config` with remat="auto" resolved. "none" when the step fits the memory limit without recomputation
-    (beside `gpu_mb` of GPU memory, default the runtime's: what the GPU holds needs no RAM);
+def fit(spec: StepSpec, limits: Limits) -> tuple[StepSpec, str]:
+    """`spec` with its recomputation chosen (`choose_remat`), then its automatic tiles fitted to `limits`
+    (`fit_tiles`); the note says what was chosen and why, a line each ("" when the spec chose itself)."""
+    spec, remat_note = choose_remat(spec, limits)
+    spec, tiles_note = fit_tiles(spec, limits)
+    return spec, "\n".join(note for note in (remat_note, tiles_note) if note)
+
+
+def choose_remat(spec: StepSpec, limits: Limits) -> tuple[StepSpec, str]:
+    """`spec` with its config's remat="auto" resolved. "none" when the step fits the memory limit without
+    recomputation (beside the GPU memory of `limits`: what the GPU holds needs no RAM);
     else "block" with the fewest blocks recomputed (`remat_blocks`) that make it fit; when even all of them do
     not, all blocks or none, whichever the planner predicts to move fewer bytes to and from swap
-    (`MemoryPlan.swap_traffic`). Returns (config, note); the note says what was chosen and why ("" when the
+    (`MemoryPlan.swap_traffic`). Returns (spec, note); the note says what was chosen and why ("" when the
     config chose itself)."""
+    config = spec.config
     if config.remat != "auto":
-        return config, ""
-    gpu_mb = runtime.gpu_memory_mb() if gpu_mb is None else gpu_mb
+        return spec, ""
+    memory_limit_mb, gpu_mb = limits.memory_limit_mb, limits.gpu_mb
     limit = memory_limit_mb * 2**20
     peak = "planned peak" + (f" beyond the GPU's {gpu_mb:.0f} MB" if gpu_mb else "")
     capacity_mb = memory_limit_mb + gpu_mb  # what swap traffic is predicted against: GPU and RAM together
 
     @functools.cache  # each plan records the whole model
     def plan_with(blocks: int) -> MemoryPlan:
-        chosen = dataclasses.replace(config, remat="block" if blocks else "none", remat_blocks=blocks or None)
-        return plan(chosen, batch_size, seq_len, optimizer, workers, grad_accum_steps, finetune, update, gpu_mb)
+        chosen = spec.with_config(remat="block" if blocks else "none", remat_blocks=blocks or None)
+        return plan(chosen, workers=limits.workers, gpu_mb=gpu_mb)
 
     def peak_with(blocks: int) -> int:  # what host memory must hold
         return plan_with(blocks).host_bytes(gpu_mb)
 
     plain_peak = peak_with(0)
-    plain = dataclasses.replace(config, remat="none", remat_blocks=None)
+    plain = spec.with_config(remat="none", remat_blocks=None)
     if plain_peak <= limit:
         return plain, (f"--remat auto: none (the step's {peak}, {plain_peak / 2**20:.0f} MB, fits the "
                        f"{memory_limit_mb:.0f} MB limit)")
@@ -46,7 +53,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
         if moved[0] <= moved[n_blocks]:
             return plain, (f"--remat auto: none (the step swaps either way, and recomputation would not lower "
                            f"the predicted swap traffic of {_amount(moved[0])} per step)")
-        chosen = dataclasses.replace(config, remat="block", remat_blocks=n_blocks)
+        chosen = spec.with_config(remat="block", remat_blocks=n_blocks)
         return chosen, (f"--remat auto: block, all {n_blocks} blocks recomputed in the backward (the step swaps "
                         f"either way: swap traffic per step predicted {_instead(moved[n_blocks], moved[0])}; {peak} "
                         f"{_instead(all_peak, plain_peak)}, under the {memory_limit_mb:.0f} MB limit)")
@@ -57,7 +64,7 @@ def choose_remat(config, batch_size: int, seq_len: int, memory_limit_mb: float, 
             high = middle
         else:
             low = middle + 1
-    chosen = dataclasses.replace(config, remat="block", remat_blocks=low)
+    chosen = spec.with_config(remat="block", remat_blocks=low)
     return chosen, (f"--remat auto: block, the first {low} of {n_blocks} blocks recomputed in the backward "
                     f"({peak} {peak_with(low) / 2**20:.0f} MB instead of {plain_peak / 2**20:.0f} MB under "
                     f"the {memory_limit_mb:.0f} MB limit)")
@@ -75,27 +82,26 @@ def _instead(chosen: float, without: float) -> str:
             else f"{chosen_text}, about as much as without")
 
 
-def fit_tiles(config, batch_size: int, seq_len: int, memory_limit_mb: float, gpu_mb: float = 0,
-              optimizer: str = "adamw", workers: int | None = None, finetune=None, update: str = "after"):
-    """`config` with its automatic tile sizes shrunk where the largest tasks would not fit the limits.
+def fit_tiles(spec: StepSpec, limits: Limits) -> tuple[StepSpec, str]:
+    """`spec` with its config's automatic tile sizes shrunk where the largest tasks would not fit `limits`.
 
-    Returns (config, note). The note says which tiles were chosen and why, and
+    Returns (spec, note). The note says which tiles were chosen and why, and
     is "" when the automatic tiles fit. Tile sizes the config sets (--tile-*
     flags) never change: when shrinking the automatic ones cannot make every
-    task fit, the config comes back as it was and `plan(...).check` refuses it
+    task fit, the spec comes back as it was and `plan(...).check` refuses it
     with a suggestion.
     """
-    memory_plan = plan(config, batch_size, seq_len, optimizer, workers, finetune=finetune, update=update,
-                       gpu_mb=gpu_mb)
+    config, memory_limit_mb, gpu_mb = spec.config, limits.memory_limit_mb, limits.gpu_mb
+    memory_plan = plan(spec, workers=limits.workers, gpu_mb=gpu_mb)
     problem = memory_plan.task_fit_problem(memory_limit_mb, gpu_mb)
     if problem is None:
-        return config, ""
+        return spec, ""
     automatic = tuple(axis for axis in SHRINK_ORDER if getattr(config, f"tile_{axis}") is None)
     tiles = memory_plan.smaller_tiles(memory_limit_mb, gpu_mb, automatic)
     if tiles is None:
-        return config, ""
+        return spec, ""
     before = dataclasses.asdict(memory_plan.tiles)
     changed = {axis: tiles[axis] for axis in automatic if tiles[axis] != before[axis]}
-    fitted = dataclasses.replace(config, **{f"tile_{axis}": size for axis, size in changed.items()})
+    fitted = spec.with_config(**{f"tile_{axis}": size for axis, size in changed.items()})
     shrunk = ", ".join(f"{axis} {before[axis]} -> {size}" for axis, size in changed.items())
     return fitted, f"automatic tiles shrunk ({shrunk}): with the default ones {problem}"
