@@ -32,7 +32,7 @@ from jnntile import data as data_mod
 from jnntile.models import families, gpt2
 from jnntile.models.gpt2.config import GPT2Config
 from jnntile.models.families import load_hf, open_hf
-from jnntile.ops import data
+from jnntile.ops import values
 
 FIXTURE = Path(__file__).parent / "data" / "hf_tiny_gpt2"
 B, T = 2, 16
@@ -43,7 +43,7 @@ SMALL = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=32
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of at most 256 bytes: every tensor of the small models streams in many pieces."""
-    monkeypatch.setattr(data, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(values, "CHUNK_BYTES", 256)
 
 
 # ---- blocks of tiles and chunks ----------------------------------------------------------------
@@ -57,29 +57,29 @@ def _covers_once(shape, found):
 
 def test_chunks_are_tile_rows_split_on_the_next_axis_while_too_large():
     shape, tiles = (100, 40), (30, 16)
-    assert [c.shape for c in data.chunks(shape, tiles, 4, max_bytes=100 * 40 * 4)] == [(100, 40)]
-    rows = list(data.chunks(shape, tiles, 4, max_bytes=30 * 40 * 4))
+    assert [c.shape for c in values.chunks(shape, tiles, 4, max_bytes=100 * 40 * 4)] == [(100, 40)]
+    rows = list(values.chunks(shape, tiles, 4, max_bytes=30 * 40 * 4))
     assert [c.shape for c in rows] == [(30, 40)] * 3 + [(10, 40)] and _covers_once(shape, rows)
-    single = list(data.chunks(shape, tiles, 4, max_bytes=1))  # down to single tiles
+    single = list(values.chunks(shape, tiles, 4, max_bytes=1))  # down to single tiles
     assert len(single) == 4 * 3 and _covers_once(shape, single)
     assert single[2].start == (0, 32) and single[2].shape == (30, 8) and single[2].tile_hi == (1, 3)
     # A vocabulary in one tile row, an (H, D, C) weight in one tile on H and D: cut on the later axes.
-    vocab = list(data.chunks((50, 12), (50, 4), 4, max_bytes=50 * 4 * 4))
+    vocab = list(values.chunks((50, 12), (50, 4), 4, max_bytes=50 * 4 * 4))
     assert [c.shape for c in vocab] == [(50, 4)] * 3 and _covers_once((50, 12), vocab)
-    hdc = list(data.chunks((3, 4, 10), (3, 4, 5), 4, max_bytes=3 * 4 * 5 * 4))
+    hdc = list(values.chunks((3, 4, 10), (3, 4, 5), 4, max_bytes=3 * 4 * 5 * 4))
     assert [c.start for c in hdc] == [(0, 0, 0), (0, 0, 5)]
-    assert [c.shape for c in data.chunks((), (), 4, max_bytes=1)] == [()]
+    assert [c.shape for c in values.chunks((), (), 4, max_bytes=1)] == [()]
 
 
 def test_blocks_of_tiles_are_read_and_written_in_place(rng):
     a = rng.standard_normal((7, 5, 6)).astype(np.float32)
     t = jnntile.from_array(a, (3, 2, 4))
     fresh = jnntile.zeros(a.shape, tile_shape=(3, 2, 4))
-    pieces = list(data.read_chunks(t, max_bytes=2 * 6 * 4))
+    pieces = list(values.read_chunks(t, max_bytes=2 * 6 * 4))
     assert len(pieces) > 3
     for chunk, block in pieces:
         np.testing.assert_array_equal(block, a[chunk.slices])
-    fresh = data.write_chunks(fresh, lambda chunk: a[chunk.slices], max_bytes=2 * 6 * 4)
+    fresh = values.write_chunks(fresh, lambda chunk: a[chunk.slices], max_bytes=2 * 6 * 4)
     np.testing.assert_array_equal(fresh.numpy(), a)
 
     with pytest.raises(ValueError, match=r"tiles from \(0, 0, 2\) to \(1, 1, 3\) are not a block of tensor"):
@@ -243,7 +243,7 @@ def test_damaged_checkpoint_is_refused_before_anything_is_overwritten(tmp_path, 
     damage(path)
     model = gpt2.GPT2(SMALL, batch_size=B, seq_len=T, seed=3)
     opt_state = tx.init(nnx.state(model, nnx.Param))
-    opt_state = opt_state._replace(mu=jax.tree.map(lambda t: data.fill(t, 0.5), opt_state.mu,
+    opt_state = opt_state._replace(mu=jax.tree.map(lambda t: values.fill(t, 0.5), opt_state.mu,
                                                    is_leaf=lambda x: isinstance(x, jnntile.Tensor)))
     before = {name: np.asarray(value) for name, value in model.to_hf_params().items()}
     with pytest.raises(ValueError, match=message):
@@ -347,7 +347,7 @@ def test_train_checkpoint_resume_export_peak_within_limit(e2e_data, tmp_path):
     out, swap, hf = tmp_path / "out", tmp_path / "swap", tmp_path / "hf"
     config = GPT2Config(n_layer=2, n_head=10, n_embd=1280, n_positions=32,
                         vocab_size=data_mod.TokenDataset(e2e_data).vocab_size)
-    assert planning.plan(config, 2, 32).state > 4 * LIMIT_MB * 2**20
+    assert planning.plan(planning.StepSpec(config, 2, 32)).state > 4 * LIMIT_MB * 2**20
     idle = _peak_rss_mb("idle", str(LIMIT_MB))
     run = ["--data", str(e2e_data), "--out", str(out), "--swap-dir", str(swap), *E2E]
     peaks = {"train + checkpoints": _peak_rss_mb(*run, "--steps", "3", "--checkpoint-interval", "2")}

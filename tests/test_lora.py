@@ -338,8 +338,8 @@ def test_peft_adapters_give_peft_logits_loss_and_gradients(name):
 
 def test_planner_counts_frozen_parameters_once():
     config = families.preset("llama-tiny")
-    full = planning.plan(config, 2, 64)
-    adapters = planning.plan(config, 2, 64, finetune=lora.FineTune(lora=lora.LoRASettings(4, 8.0)))
+    full = planning.plan(planning.StepSpec(config, 2, 64))
+    adapters = planning.plan(planning.StepSpec(config, 2, 64, finetune=lora.FineTune(lora=lora.LoRASettings(4, 8.0))))
     model, _ = lora.FineTune(lora=lora.LoRASettings(4, 8.0)).build(
         lambda: families.build(config, batch_size=2, seq_len=64), config.dtype)
     n_adapter = sum(t.size for t in nn.tensors(nnx.state(model, nnx.LoRAParam)))
@@ -348,7 +348,7 @@ def test_planner_counts_frozen_parameters_once():
     assert adapters.optimizer_state == 2 * adapters.parameters and adapters.gradients == adapters.parameters
     assert adapters.state < full.state / 3
     assert "frozen parameters" in adapters.table()
-    frozen = planning.plan(config, 2, 64, finetune=lora.FineTune(freeze="embed_tokens|lm_head"))
+    frozen = planning.plan(planning.StepSpec(config, 2, 64, finetune=lora.FineTune(freeze="embed_tokens|lm_head")))
     assert frozen.frozen_parameters + frozen.parameters == full.parameters
     assert frozen.peak < full.peak
 

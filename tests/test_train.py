@@ -351,7 +351,7 @@ def test_step_that_cannot_fit_the_memory_limit_is_refused_before_training(datase
     config = train_mod._config(args, data_mod.TokenDataset(dataset).vocab_size)
     assert config.remat == "auto"  # the default under a memory limit; recomputation does not make it fit either
     for remat in ("none", "block"):
-        assert planning.plan(dataclasses.replace(config, remat=remat), 8, 64).peak > 2 * 2**20
+        assert planning.plan(planning.StepSpec(dataclasses.replace(config, remat=remat), 8, 64)).peak > 2 * 2**20
     with pytest.raises(ValueError, match="swap"):
         _run(dataset, tmp_path, "--steps", "1", *bigger)
     assert not (tmp_path / "metrics.jsonl").exists()
