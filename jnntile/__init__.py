@@ -5,7 +5,7 @@
 from jnntile import runtime  # noqa: I001
 from jnntile import distributed  # its check of the ranks at start
 from jnntile.grad import grad, grad_of, remat, value_and_grad, zero_grads
-from jnntile.ops.data import convert, empty, from_array, full, random_normal, random_uniform, to_array, zeros
+from jnntile.ops.values import convert, empty, from_array, full, random_normal, random_uniform, to_array, zeros
 from jnntile.tensor import Tensor, release_traced
 
 __all__ = [

@@ -49,7 +49,7 @@ from jnntile import nn
 from jnntile.ledger import LEDGER
 from jnntile.ops import _ffi
 from jnntile.ops import attention as attention_ops
-from jnntile.ops import data as data_ops
+from jnntile.ops import values as values_ops
 from jnntile.ops import embedding as embedding_ops
 from jnntile.tensor import Tensor, pack
 
@@ -90,12 +90,12 @@ class KVCache:
 
     def ids_tensor(self, ids) -> Tensor:
         """Token ids (B, T) tiled like the activations that meet the cache."""
-        return data_ops.from_array(ids, (self.tile_batch, min(self.tile_seq, ids.shape[1])))
+        return values_ops.from_array(ids, (self.tile_batch, min(self.tile_seq, ids.shape[1])))
 
     def positions(self, ids: Tensor) -> Tensor:
         """The positions pos .. pos + T - 1 of every sequence, tiled like `ids` (B, T)."""
         B, T = ids.shape
-        return data_ops.from_array(jnp.broadcast_to(self.pos + jnp.arange(T, dtype=jnp.int32), (B, T)), ids.tile_shape)
+        return values_ops.from_array(jnp.broadcast_to(self.pos + jnp.arange(T, dtype=jnp.int32), (B, T)), ids.tile_shape)
 
     def attend(self, layer: int, qkv: Tensor) -> Tensor:
         """Writes qkv's keys and values into layer `layer`'s cache and attends over it: (B, T, H, D)."""
@@ -155,7 +155,7 @@ class Decoder:
             out, _ = model(cache.ids_tensor(ids), cache=cache)
             if not logits:
                 return cache.layers
-            values = data_ops.to_array(out)     # (B, T, V)
+            values = values_ops.to_array(out)     # (B, T, V)
             cache.release(after=[_ffi.read_token(values)])
         return cache.layers, values[:, -1]
 
@@ -194,7 +194,7 @@ class Decoder:
             if progress:
                 progress(pos + 1)
         # The caches are dead until the next call writes them from position 0.
-        self.cache.layers = [data_ops.invalidate(c) for c in layers]
+        self.cache.layers = [values_ops.invalidate(c) for c in layers]
         return [t[n:] for t, n in zip(tokens, lengths)]
 
     def prefill_length(self, lengths: Sequence[int]) -> int:

@@ -17,7 +17,7 @@ import jax
 
 from jnntile import tensor as tensor_mod
 from jnntile.ledger import LEDGER
-from jnntile.ops import _ffi, data
+from jnntile.ops import _ffi, values
 from jnntile.ops._ffi import call
 from jnntile.tensor import Gradient, Tensor
 
@@ -160,7 +160,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         out = fun(*args, **kwargs)
         value = out[0] if has_aux else out
         if _is_tensor(value):
-            value = data.to_array(value)
+            value = values.to_array(value)
         return value * scale, (value, out[1] if has_aux else None)
 
     differentiated = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jnntile import jsonfile, nn, tensorfile
 from jnntile.models import families
-from jnntile.ops import data as data_ops
+from jnntile.ops import values as values_ops
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -150,7 +150,7 @@ def save_peft(model, settings: LoRASettings, directory, base_model: str | None =
     hf = _hf_module(model)
     tensors = {}
     for path, module in adapters(model).items():
-        a, b = (np.asarray(data_ops.to_array(p.get_value())) for p in (module.lora_a, module.lora_b))
+        a, b = (np.asarray(values_ops.to_array(p.get_value())) for p in (module.lora_a, module.lora_b))
         for hf_module, (lora_a, lora_b) in hf.lora_to_peft(model.config, path, a, b).items():
             tensors[f"{_PEFT_PREFIX}{hf_module}.lora_A.weight"] = np.ascontiguousarray(lora_a, np.float32)
             tensors[f"{_PEFT_PREFIX}{hf_module}.lora_B.weight"] = np.ascontiguousarray(lora_b, np.float32)

@@ -159,7 +159,7 @@ def _is_tracer(x) -> bool:
 
 @jax.tree_util.register_pytree_node_class
 class Tensor:
-    """A tiled tensor. Create with `jnntile.zeros`, `full`, `from_array`, `random_normal`... (jnntile.ops.data)."""
+    """A tiled tensor. Create with `jnntile.zeros`, `full`, `from_array`, `random_normal`... (jnntile.ops.values)."""
 
     __slots__ = ("token", "handle")
 

@@ -5,7 +5,7 @@ A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
 then the raw little-endian data of every tensor at its offsets, back to back.
 Every tensor thus sits at a known place, and a block of one is written or read
 in place (os.pwrite / os.pread): a tensor larger than RAM passes through one
-host buffer of a chunk of its tiles (`jnntile.ops.data.chunks`), never whole.
+host buffer of a chunk of its tiles (`jnntile.ops.values.chunks`), never whole.
 
 A row-major reshape keeps the bytes, so a tensor stored in another shape of
 the same size (Hugging Face's (C, 3C) for jnntile's (C, 3, H, D)) streams the
@@ -28,7 +28,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jnntile.ops import data as data_ops
+from jnntile.ops import values as values_ops
 from jnntile.tensor import Tensor
 
 # Bytes per element of every safetensors dtype, and the numpy type that reads
@@ -349,7 +349,7 @@ def _blocks(entries, data_start):
             yield array, [(begin, array.size)]
             continue
         itemsize = dtype.itemsize
-        for chunk, block in data_ops.read_chunks(value.tensor):
+        for chunk, block in values_ops.read_chunks(value.tensor):
             yield block.reshape(-1).astype(dtype, copy=False), [
                 (begin + offset * itemsize, length) for offset, length in _runs(value.tensor.shape, chunk.start,
                                                                                 chunk.stop)]
@@ -397,9 +397,9 @@ def load_into(t: Tensor, source) -> Tensor:
     if math.prod(np.shape(source)) != t.size:
         raise ValueError(f"{source!r} cannot fill {t!r}: the sizes differ")
     if isinstance(source, (FileTensor, Stacked)):
-        return data_ops.write_chunks(t, lambda chunk: _finite(source, source.read(t.shape, chunk.start, chunk.stop)))
+        return values_ops.write_chunks(t, lambda chunk: _finite(source, source.read(t.shape, chunk.start, chunk.stop)))
     array = np.asarray(source).reshape(t.shape)
-    return data_ops.write_chunks(t, lambda chunk: array[chunk.slices])
+    return values_ops.write_chunks(t, lambda chunk: array[chunk.slices])
 
 
 def write_atomically(path: Path, write) -> None:

@@ -68,7 +68,7 @@ def causal_attention_reference(qkv):
 
 
 def counter_uniform01(seed: int, counter) -> np.ndarray:
-    """The kernels' uniform in (0, 1) of (seed, counter) (kernels/data.h), in numpy uint64 arithmetic."""
+    """The kernels' uniform in (0, 1) of (seed, counter) (kernels/values.h), in numpy uint64 arithmetic."""
 
     def splitmix64(x):
         x = x + np.uint64(0x9E3779B97F4A7C15)

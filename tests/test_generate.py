@@ -37,7 +37,7 @@ from jnntile.models.gpt2 import reference as ref
 from jnntile.models.gpt2.config import GPT2Config
 from jnntile.models.families import load_hf
 from jnntile.ops import attention
-from jnntile.ops import data as data_ops
+from jnntile.ops import values as values_ops
 from jnntile.tensor import pack
 
 FIXTURE = Path(__file__).parent / "data" / "hf_tiny_gpt2"
@@ -111,7 +111,7 @@ def test_invalidated_cache_is_written_again_from_position_zero():
     first, second = ((2.0 * rng.standard_normal((B, T, 3, H, D))).astype(np.float32) for _ in range(2))
     tiles, cache_tile, chunks = CACHE_TILINGS["unaligned"]
     _, cache = _feed(first, tiles, cache_tile, chunks, jit=False)
-    cache = data_ops.invalidate(cache)
+    cache = values_ops.invalidate(cache)
     pos = 0
     for n in chunks:
         x = jnntile.from_array(second[:, pos:pos + n], tiles)

@@ -277,12 +277,12 @@ def test_an_update_applies_the_clip_without_a_pass_of_its_own(rng):
 
 def _bfloat16_mlp_loss(params, x):
     """mlp_loss computed in bfloat16 on the weights' compute copies (a model with dtype="bfloat16")."""
-    from jnntile.ops import data as data_ops
+    from jnntile.ops import values as values_ops
     from jnntile.ops import elementwise as ew
     from jnntile.ops import gemm
 
     def copy(w):
-        return data_ops.compute_copy(w, "bfloat16")
+        return values_ops.compute_copy(w, "bfloat16")
 
     h = ew.gelu_tanh(gemm.matmul(jnntile.convert(x, "bfloat16"), copy(params["w1"])))
     return jnp.sum(jnntile.to_array(jnntile.convert(gemm.matmul(h, copy(params["w2"])), "float32")) ** 2)

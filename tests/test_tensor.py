@@ -198,12 +198,12 @@ def test_unsupported_dtype():
 
 
 def test_write_of_wrong_shape_is_refused_before_submission():
-    from jnntile.ops import data
+    from jnntile.ops import values
 
     t = jnntile.zeros((3, 3))
     submitted = jnntile.runtime.stats()["tasks_submitted"]
     with pytest.raises(ValueError, match="shape"):
-        data.write(t, np.zeros((3, 4), np.float32))
+        values.write(t, np.zeros((3, 4), np.float32))
     assert jnntile.runtime.stats()["tasks_submitted"] == submitted
 
 

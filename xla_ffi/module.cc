@@ -14,7 +14,7 @@
 #include "kernels/elementwise.h"
 #include "kernels/gemm.h"
 #include "kernels/rotary.h"
-#include "ops/data.h"
+#include "ops/values.h"
 #include "runtime.h"
 #include "task.h"
 #include "tensor.h"

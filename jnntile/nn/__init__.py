@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 import jnntile
-from jnntile.ops import data as data_ops
+from jnntile.ops import values as values_ops
 from jnntile.ops import dropout as dropout_ops
 from jnntile.ops import elementwise as elementwise_ops
 from jnntile.ops import embedding as embedding_ops
@@ -91,8 +91,8 @@ def _param(initial: Callable[[], Tensor], shape, tile_shape, dtype: str = "float
 
 def compute_copy(weight: Tensor, dtype: str) -> Tensor:
     """`weight` itself when it has `dtype`, else its persistent compute copy in `dtype`
-    (`jnntile.ops.data.compute_copy`, differentiable into the master)."""
-    return weight if weight.dtype == dtype else data_ops.compute_copy(weight, dtype)
+    (`jnntile.ops.values.compute_copy`, differentiable into the master)."""
+    return weight if weight.dtype == dtype else values_ops.compute_copy(weight, dtype)
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -187,7 +187,7 @@ class LoRA(nnx.Module):
                    else gemm.matmul(a, b, alpha=self.scale))
         weight = self.base.weight.get_value()
         if weight.dtype != "float32":
-            weight = data_ops.convert(weight, "float32")
+            weight = values_ops.convert(weight, "float32")
         return elementwise_ops.add(weight, product)
 
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jnntile import tensor as tensor_mod
-from jnntile.ops import data
+from jnntile.ops import values
 from jnntile.ops._ffi import call, differentiable, grad_target, release
 from jnntile.tensor import Tensor
 
@@ -45,7 +45,7 @@ def position_ids(batch: int, seq_len: int, tile_shape=None) -> Tensor:
     Blocks while writing; create it once per (batch, seq_len, tiling) and reuse it.
     """
     positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len))
-    return data.from_array(np.ascontiguousarray(positions), tile_shape)
+    return values.from_array(np.ascontiguousarray(positions), tile_shape)
 
 
 def _layout(ids: Tensor, table: Tensor):

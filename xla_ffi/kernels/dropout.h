@@ -5,7 +5,7 @@
 // for any tiling, worker count and device, and the backward recomputes it
 // instead of storing it.
 #pragma once
-#include "kernels/data.h"
+#include "kernels/values.h"
 
 namespace jnntile {
 

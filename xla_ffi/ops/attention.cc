@@ -54,7 +54,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
-#include "ops/data.h"
+#include "ops/values.h"
 #include "task.h"
 
 namespace jnntile {

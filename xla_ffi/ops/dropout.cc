@@ -4,7 +4,7 @@
 // submit time; the rate selects code and is an attribute. The backward
 // recomputes the mask: dx += dy * mask / (1 - rate).
 #include "kernels/dropout.h"
-#include "ops/data.h"
+#include "ops/values.h"
 #include "task.h"
 
 namespace jnntile {

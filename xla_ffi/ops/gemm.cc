@@ -26,9 +26,9 @@
 #include <limits>
 
 #include "kernels/bias.h"
-#include "kernels/data.h"
+#include "kernels/values.h"
 #include "kernels/gemm.h"
-#include "ops/data.h"
+#include "ops/values.h"
 #include "task.h"
 
 namespace jnntile {

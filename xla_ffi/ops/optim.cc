@@ -13,7 +13,7 @@
 #include <cmath>
 
 #include "kernels/optim.h"
-#include "ops/data.h"
+#include "ops/values.h"
 #include "task.h"
 
 namespace jnntile {

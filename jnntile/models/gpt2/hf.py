@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jnntile.ops import data as data_ops
+from jnntile.ops import values as values_ops
 from jnntile.tensorfile import FileTensor, Reshaped, Stacked
 
 from .config import GPT2Config
@@ -85,7 +85,7 @@ def _same_values(a: FileTensor, b: FileTensor) -> bool:
     """Whether two (V, C) tensors of a file hold the same values, compared a block of rows at a time."""
     if a.shape != b.shape:
         return False
-    rows = max(1, data_ops.CHUNK_BYTES * a.shape[0] // max(1, a.nbytes))
+    rows = max(1, values_ops.CHUNK_BYTES * a.shape[0] // max(1, a.nbytes))
     for start in range(0, a.shape[0], rows):
         stop = min(start + rows, a.shape[0])
         block = lambda t: t.read(a.shape, (start,) + (0,) * (len(a.shape) - 1), (stop,) + a.shape[1:])  # noqa: E731

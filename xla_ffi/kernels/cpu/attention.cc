@@ -5,7 +5,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/lanes.h"
-#include "kernels/data.h"
+#include "kernels/values.h"
 #include "kernels/gemm.h"
 
 namespace jnntile {

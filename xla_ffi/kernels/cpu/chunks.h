@@ -8,7 +8,7 @@
 #include <tuple>
 #include <type_traits>
 
-#include "kernels/data.h"
+#include "kernels/values.h"
 
 namespace jnntile {
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kernels/cpu/vectors.h"
-#include "kernels/data.h"
+#include "kernels/values.h"
 
 namespace jnntile {
 namespace {

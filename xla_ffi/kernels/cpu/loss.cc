@@ -6,7 +6,7 @@
 
 #include "kernels/cpu/chunks.h"
 #include "kernels/cpu/vectors.h"
-#include "kernels/data.h"
+#include "kernels/values.h"
 
 namespace jnntile {
 namespace {

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/data.h"
+#include "kernels/values.h"
 
 namespace jnntile::vectors {
 

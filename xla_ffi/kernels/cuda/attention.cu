@@ -5,7 +5,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/cuda/warp.h"
-#include "kernels/data.h"
+#include "kernels/values.h"
 
 namespace jnntile {
 

@@ -1,5 +1,5 @@
 #include "kernels/cuda/context.h"
-#include "kernels/data.h"
+#include "kernels/values.h"
 
 namespace jnntile {
 namespace {

@@ -1,4 +1,4 @@
-#include "kernels/data.h"
+#include "kernels/values.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,5 +1,5 @@
 // Data movement and initialisation: write, read, fill, random, copy.
-#include "ops/data.h"
+#include "ops/values.h"
 
 #include <algorithm>
 

@@ -1,4 +1,5 @@
-"""Creating, filling, writing and reading tensors (gradients flow only through `to_array`)."""
+"""The values of tensors: creating, filling, converting, writing and reading them (gradients flow only through
+`to_array`). Named apart from `jnntile.data`, the token datasets."""
 
 from __future__ import annotations
 

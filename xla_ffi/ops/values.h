@@ -1,10 +1,10 @@
 // Moving data between host arrays and tiled tensors (used by the FFI targets
-// in ops/data.cc and by the direct Python API in module.cc). Both block until
+// in ops/values.cc and by the direct Python API in module.cc). Both block until
 // the copies are done, with the watchdog.
 #pragma once
 #include <cstdint>
 
-#include "kernels/data.h"
+#include "kernels/values.h"
 #include "tensor.h"
 
 namespace jnntile {
