@@ -214,3 +214,99 @@ def test_bad_inputs():
         attention.causal_attention(jnntile.from_array(good, (B, 4, 1, H, 4)))
     with pytest.raises(TypeError, match="jnntile Tensor"):
         attention.causal_attention(good)
+
+
+# ---- packed batches (document masking) ------------------------------------------------------------------
+
+# Examples of different lengths in a row, boundaries inside and across the sequence tiles of TILINGS (4 and 5),
+# then padding (id 0); the second row one long example and a short one.
+SEGMENTS = np.array([[1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 0, 0],
+                     [1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2]], np.int32)
+
+
+def masked_reference(qkv, segments=SEGMENTS):
+    """Softmax attention where query t sees keys s <= t of its own segment, in plain jnp."""
+    groups = qkv.shape[2] - 2
+    q, k, v = qkv[:, :, :groups], qkv[:, :, groups], qkv[:, :, groups + 1]
+    t = qkv.shape[1]
+    same = segments[:, :, None] == segments[:, None, :]  # (B, q, k)
+    mask = (jnp.tril(jnp.ones((t, t), bool))[None] & same)[:, None, None]
+    scores = jnp.einsum("bqghd,bkhd->bghqk", q, k) / np.sqrt(qkv.shape[-1])
+    out = jnp.einsum("bghqk,bkhd->bqghd", jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1), v)
+    return out[:, :, 0] if groups == 1 else out
+
+
+def masked_attention(tiles, segments=SEGMENTS):
+    return lambda x: attention.causal_attention(x, attention.documents(segments, tiles[:2]))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_document_masking_values_and_gradients(tiling, groups):
+    qkv, _ = make_data(seed=7, groups=groups)
+    tiles = TILINGS[tiling]
+    check_op(masked_attention(tiles), masked_reference, [qkv], [tiles], jit=True)
+
+
+@pytest.mark.parametrize("tiling", ["one_tile", "uneven_seq", "batch_uneven_heads_seq"])
+def test_document_masking_bfloat16(tiling):
+    qkv, _ = make_data(seed=8)
+
+    def mixed_reference(z):
+        return masked_reference(z.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    tiles = TILINGS[tiling]
+    check_op(masked_attention(tiles), mixed_reference, [qkv], [tiles], jit=True, dtype="bfloat16",
+             tol=BFLOAT16_TOL)
+
+
+def test_document_masking_segment_starts():
+    np.testing.assert_array_equal(attention.segment_starts(SEGMENTS),
+                                  [[0, 0, 0, 3, 3, 3, 3, 3, 8, 8, 10, 10], [0] * 7 + [7] * 5])
+
+
+def _step_tasks(fn):
+    """The forward and backward step tasks that fn() ran (it blocks until they are done)."""
+    def tasks():
+        codelets = jnntile.runtime.stats()["codelets"]
+        return [codelets.get(name, {}).get("tasks", 0) for name in ("attention_forward_step",
+                                                                      "attention_backward_step")]
+    before = tasks()
+    fn()
+    return [after - b for after, b in zip(tasks(), before)]
+
+
+def test_document_masking_skips_pairs_outside_every_example():
+    """Query tiles 1 and 2 of a row whose second example starts at key tile 1 run no step with key tile 0:
+    4 pairs forward and backward instead of the causal 6. One example per row runs the causal 6, as plain
+    attention does, with the same values bit for bit."""
+    qkv, _ = make_data(seed=9, shape=(1, 12, 2, 8))
+    tiles = (1, 4, 1, 2, 8)
+
+    def run(op):
+        x = jnntile.from_array(qkv, tiles)
+        vg = jnntile.value_and_grad(lambda x: jnp.sum(jnntile.to_array(op(x)) ** 2))
+        result = {}
+
+        def step():
+            value, grad = vg(x)
+            result.update(value=float(value), grad=jnntile.grad_of(grad).numpy())
+        result["tasks"] = _step_tasks(step)
+        return result
+
+    packed = run(masked_attention(tiles, np.array([[1] * 4 + [2] * 8], np.int32)))
+    assert packed["tasks"] == [4, 4]
+    whole = run(masked_attention(tiles, np.ones((1, 12), np.int32)))
+    plain = run(attention.causal_attention)
+    assert whole["tasks"] == plain["tasks"] == [6, 6]
+    assert whole["value"] == plain["value"]
+    np.testing.assert_array_equal(whole["grad"], plain["grad"])
+
+
+def test_document_masking_bad_starts():
+    tiles = TILINGS["seq_tiles"]
+    x = jnntile.from_array(make_data()[0], tiles)
+    with pytest.raises(ValueError, match=r"documents\(segments, \(2, 4\)\)"):
+        attention.causal_attention(x, attention.documents(SEGMENTS, (2, 5)))
+    with pytest.raises(TypeError, match="segments must be an integer"):
+        attention.documents(SEGMENTS.astype(np.float32), (2, 4))

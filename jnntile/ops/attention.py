@@ -13,6 +13,15 @@ sequence tile tt, only one (tt, tt) block of scores exists per task, so memory
 does not grow with T^2, and a task takes the query tiles of a whole group, so
 each key and value tile is read once per group (see xla_ffi/ops/attention.cc).
 
+Packed batches (document masking): `causal_attention(qkv, documents)` with
+`documents(segments, tile_shape)` lets query t attend only to keys s <= t of its
+own example, a run of equal ids in its row of `segments` (B, T) (padding, id 0,
+attends to the padding before it; its outputs are never trained). The op reads
+where each example starts when it submits, as a per-step array, so one compiled
+step serves every batch: a (query tile, key tile) pair wholly outside every
+query's example runs no task, one wholly inside runs as without masking, and
+only a mixed one masks per element.
+
 Incremental decoding (forward only) keeps the keys and values of past
 positions in a cache (B, T_max, 2, H, D) tiled (tb, tc, 1, th, D) (`kv_cache`):
 `cache_write(qkv, cache, pos)` stores the k and v of qkv, whose rows are the
@@ -25,14 +34,48 @@ the cache tiles up to pos + T, so a step costs O(pos).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jnntile import tensor as tensor_mod
+from jnntile.ops import values
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, on_host, release, tile_bytes
 from jnntile.tensor import Tensor
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """Where each position's example starts, for document masking (`documents`): query t of a row sees keys
+    starts[t] .. t. `starts` is the int32 (B, T) Tensor the mixed pairs' tasks read, tiled like qkv's (B, T);
+    `host` the same values as an array the op reads when it submits (to skip and classify pairs)."""
+
+    starts: Tensor
+    host: jax.Array
+
+
+def segment_starts(segments) -> jax.Array:
+    """For int (B, T) segment ids, the first position of each position's example: of the run of equal ids it
+    lies in (traceable)."""
+    segments = jnp.asarray(segments)
+    T = segments.shape[-1]
+    begins = jnp.concatenate([jnp.ones(segments.shape[:-1] + (1,), bool), segments[..., 1:] != segments[..., :-1]],
+                             axis=-1)
+    return jax.lax.cummax(jnp.where(begins, jnp.arange(T, dtype=jnp.int32), 0), axis=segments.ndim - 1)
+
+
+def documents(segments, tile_shape) -> Documents:
+    """The Documents of int (B, T) segment ids (an example is a run of equal ids in a row; the data layer numbers
+    them 1, 2, ... and pads with 0), for a qkv whose (B, T) tiles are `tile_shape` (tb, tt)."""
+    if jnp.ndim(segments) != 2 or not jnp.issubdtype(jnp.result_type(segments), jnp.integer):
+        raise TypeError(f"documents: segments must be an integer (B, T) array, got {jnp.result_type(segments)} "
+                        f"with shape {jnp.shape(segments)}")
+    host = on_host(segment_starts, segments)
+    return Documents(values.from_array(host, tuple(tile_shape)), host)
 
 
 def _check(qkv: Tensor, op: str = "causal_attention") -> None:
@@ -62,17 +105,28 @@ def output_layout(qkv: Tensor) -> tuple[tuple, tuple]:
     return (B, T, P - 2, H, D), (tb, tt, 1, th, D)
 
 
-def _forward(qkv: Tensor, zero_grad: bool):
-    """Submits the forward; returns the output and the residuals (qkv, output, logsumexp per query row)."""
+def _forward(qkv: Tensor, *documents, zero_grad: bool):
+    """Submits the forward; returns the output and the residuals (qkv, output, logsumexp per query row, and
+    the Documents where masked)."""
     shape, tile_shape = output_layout(qkv)
     out = tensor_mod.new_handle(shape, qkv.dtype, tile_shape)
     lse = tensor_mod.new_handle(shape[:-1], "float32", tile_shape[:-1])
-    token = call("attention", [qkv.handle, out, lse], [qkv.token], zero_grads=[out] if zero_grad else [])
-    return Tensor(token, out), (qkv, Tensor(token, out), Tensor(token, lse))
+    handles, tokens, inputs = _masking(documents)
+    token = call("attention", [qkv.handle, out, lse, *handles], [qkv.token, *tokens], inputs=inputs,
+                 zero_grads=[out] if zero_grad else [])
+    return Tensor(token, out), (qkv, Tensor(token, out), Tensor(token, lse), *documents)
+
+
+def _masking(documents):
+    """The starts handle, its token and its host values a masked call adds; nothing for plain causal."""
+    if not documents:
+        return [], [], []
+    (d,) = documents
+    return [d.starts.handle], [d.starts.token], [d.host]
 
 
 def _backward(residuals, g):
-    qkv, out, lse = residuals
+    qkv, out, lse, *documents = residuals
     grad_qkv = grad_target(qkv)
     # A bfloat16 gradient that holds nothing yet is not filled: the first step to touch each of its tiles
     # zeroes the tile's float32 sums. A float32 one keeps its fill, which allocates it whole when the backward
@@ -80,11 +134,15 @@ def _backward(residuals, g):
     # fell 5% short of the plan: tests/test_memory.py).
     (fresh,), written = fresh_targets(grad_qkv) if qkv.dtype == "bfloat16" else ((0,), [])
     # Invariant 1: out.token (the forward, which also wrote lse) orders this call.
+    handles, tokens, inputs = _masking(documents)
     token = call("attention_backward",
-                 [qkv.handle, out.handle, lse.handle, tensor_mod.grad_handle(out.handle), grad_qkv],
-                 [out.token, g.token, qkv.token], writes=written, fresh=fresh)
+                 [qkv.handle, out.handle, lse.handle, tensor_mod.grad_handle(out.handle), grad_qkv, *handles],
+                 [out.token, g.token, qkv.token, *tokens], inputs=inputs, writes=written, fresh=fresh)
     # The backward read out and lse: they, and out's gradient, are dead now.
-    return (qkv.with_token(release(token, out, lse)),)
+    token = release(token, out, lse)
+    # The starts are integers: no gradient (their Tensor's token orders what follows; the array's is float0).
+    return (qkv.with_token(token), *(Documents(d.starts.with_token(token), np.zeros(np.shape(d.host), jax.dtypes.float0))
+                                     for d in documents))
 
 
 def _footprint(name, inputs, outputs, scratch):
@@ -94,7 +152,7 @@ def _footprint(name, inputs, outputs, scratch):
     scratch, the float32 copies of the tiles it reads (q and dout per member, k and v) or the bfloat16 copies of
     the probabilities and their gradient, whichever is larger (ops/attention.cc: step_scratch_floats; the
     float32 copies of out and dout for the row sums fit in it)."""
-    (qkv,), (out,), (lse,) = inputs, outputs, scratch
+    (qkv, *_), (out,), (lse,) = inputs, outputs, scratch
     groups = qkv.shape[2] - 2
     tt, th = qkv.tile_shape[1], qkv.tile_shape[3]
     extra = 0
@@ -107,14 +165,22 @@ def _footprint(name, inputs, outputs, scratch):
 _causal_attention = differentiable(_forward, _backward, name="attention", footprint=_footprint)
 
 
-def causal_attention(qkv: Tensor) -> Tensor:
+def causal_attention(qkv: Tensor, documents: Documents | None = None) -> Tensor:
     """Causal softmax attention with scale 1/sqrt(D): qkv (B, T, G + 2, H, D) -> (B, T, G, H, D)
-    ((B, T, 3, H, D) -> (B, T, H, D) where G = 1).
+    ((B, T, 3, H, D) -> (B, T, H, D) where G = 1); with `documents` (a packed batch) each query attends only
+    to the keys of its own example.
 
     Differentiable in qkv; the backward recomputes the scores tile by tile.
     """
     _check(qkv)
-    return _causal_attention(qkv)
+    if documents is None:
+        return _causal_attention(qkv)
+    B, T, _, _, _ = qkv.shape
+    rows = (qkv.tile_shape[0], qkv.tile_shape[1])
+    if not isinstance(documents, Documents) or documents.starts.shape != (B, T) or documents.starts.tile_shape != rows:
+        raise ValueError(f"causal_attention: documents must come from documents(segments, {rows}) for segments of "
+                         f"shape ({B}, {T}), the batch and sequence tiles of qkv {qkv!r}")
+    return _causal_attention(qkv, documents)
 
 
 # ---- incremental decoding -------------------------------------------------------------

@@ -7,7 +7,8 @@
 //   q, o, do: (nb, nq, nh, d)   k, v: (nb, nk, nh, d)
 // Per-row values (stats, lse, delta) are (nb, nq, nh). q0 and k0 are the
 // sequence positions of the first query and key: key k0 + c is visible to
-// query q0 + r when k0 + c <= q0 + r.
+// query q0 + r when k0 + c <= q0 + r and, in a packed batch (document masking,
+// `starts`), when k0 + c is not before the first position of the query's example.
 //
 // A step works one batch row at a time in a scratch of score blocks, one
 // (nq, nk) block per head: matrix products (BLAS / cuBLAS), then a pass over
@@ -44,6 +45,11 @@ struct AttentionPair {
   // query tile): the step then leaves its output and (m, l) as they were.
   int64_t q0, k0;
   float scale;  // softmax scale, 1 / sqrt(d)
+  // Document masking: (nb, nq) int32 on the step's device, the first position of each query's example (its
+  // segment of a packed row); query r of batch row b sees no key before starts[b * nq + r]. nullptr: every
+  // key up to the query's own position. The steps set it from a task buffer (ops/attention.cc); a row may
+  // then see no key of a pair, even in its first step (its example starts in a later key tile).
+  const int32_t* starts = nullptr;
 };
 
 namespace attention {
@@ -87,16 +93,25 @@ JNNTILE_HD int64_t visible_keys(const AttentionPair& p, int64_t r) {
   return n < p.nk ? n : p.nk;
 }
 
-// Cuts the query rows of one batch row of p into chunks of `chunk_rows` and calls fn(chunk, r0) for each:
-// `chunk` is a pair of one batch row whose queries start at row r0 (its row_index and offsets are relative to
-// that row) and whose keys are the prefix its last row sees, so where the causal mask cuts the pair each
-// chunk multiplies only the keys it may see. A chunk that sees no key is skipped: a step leaves such rows as
-// they were.
+// The first key of the pair that query r of batch row b sees: 0 but where document masking (p.starts) hides
+// the keys before the query's example, the pair's keys up to visible_keys(p, r) then beginning there.
+JNNTILE_HD int64_t first_visible_key(const AttentionPair& p, int64_t b, int64_t r) {
+  if (p.starts == nullptr) return 0;
+  const int64_t first = p.starts[b * p.nq + r] - p.k0;
+  return first > 0 ? first : 0;
+}
+
+// Cuts the query rows of batch row b of p into chunks of `chunk_rows` and calls fn(chunk, r0) for each:
+// `chunk` is a pair of one batch row whose queries start at row r0 (its row_index, offsets and starts are
+// relative to that row) and whose keys are the prefix its last row sees, so where the causal mask cuts the
+// pair each chunk multiplies only the keys it may see. A chunk that sees no key is skipped: a step leaves
+// such rows as they were.
 template <class Fn>
-void for_visible_chunks(const AttentionPair& p, int64_t chunk_rows, Fn fn) {
+void for_visible_chunks(const AttentionPair& p, int64_t b, int64_t chunk_rows, Fn fn) {
   for (int64_t r0 = 0; r0 < p.nq; r0 += chunk_rows) {
     const int64_t rows = p.nq - r0 < chunk_rows ? p.nq - r0 : chunk_rows, keys = visible_keys(p, r0 + rows - 1);
-    if (keys > 0) fn(AttentionPair{1, p.nh, rows, keys, p.d, p.q0 + r0, p.k0, p.scale}, r0);
+    const int32_t* starts = p.starts == nullptr ? nullptr : p.starts + b * p.nq + r0;
+    if (keys > 0) fn(AttentionPair{1, p.nh, rows, keys, p.d, p.q0 + r0, p.k0, p.scale, starts}, r0);
   }
 }
 
@@ -109,20 +124,22 @@ JNNTILE_HD float softmax_grad(float prob, float dprob, float delta) { return pro
 // (m, l) and rescales o by alpha = exp(m_old - m_new), so that o = alpha o + P v
 // (a product after this pass) stays a sum over the keys seen so far with the
 // new max. `first`: stats and o were never written; they start at
-// (-inf, 0) and 0 and o is not read.
+// (-inf, 0) and 0 and o is not read. A row that has seen no key yet (document masking: its example starts
+// in a later key tile) keeps (-inf, 0) and o = 0.
 struct ForwardRow {
   template <class Lanes>
   static JNNTILE_HD void apply(const Lanes& lanes, int64_t row, bool first, const AttentionPair& p, int64_t b,
                                int64_t h0, float* s, float* o, float* stats) {
-    const int64_t h = row / p.nq, r = row % p.nq, n = visible_keys(p, r);
+    const int64_t h = row / p.nq, r = row % p.nq, n = visible_keys(p, r), lo = first_visible_key(p, b, r);
     const int64_t i = row_index(p, b, r, h);
     float* s_row = score_row(p, h0, row, s);
     const float m_old = first ? -INFINITY : stats[2 * i], l_old = first ? 0.0f : stats[2 * i + 1];
-    const float m = fmaxf(m_old, lanes.max_of(n, [&](int64_t c) { return s_row[c]; }));
+    const float m = fmaxf(m_old, lanes.max_of(n, [&](int64_t c) { return c < lo ? -INFINITY : s_row[c]; }));
     // Exponentials first, then their sum: the first loop vectorises on the CPU.
-    for (int64_t c = lanes.lane; c < p.nk; c += lanes.count) s_row[c] = c < n ? exp_approx(s_row[c] - m) : 0.0f;
+    for (int64_t c = lanes.lane; c < p.nk; c += lanes.count)
+      s_row[c] = c >= lo && c < n ? exp_approx(s_row[c] - m) : 0.0f;
     const double sum = lanes.sum_of(n, [&](int64_t c) { return double(s_row[c]); });
-    const float alpha = expf(m_old - m);
+    const float alpha = m == -INFINITY ? 1.0f : expf(m_old - m);
     if (!first) {
       float* o_row = o + i * p.d;
       for (int64_t c = lanes.lane; c < p.d; c += lanes.count) o_row[c] *= alpha;
@@ -161,12 +178,12 @@ struct BackwardRow {
   template <class Lanes>
   static JNNTILE_HD void apply(const Lanes& lanes, int64_t row, const AttentionPair& p, int64_t b, int64_t h0,
                                const float* lse, const float* delta, float* s, float* dp) {
-    const int64_t h = row / p.nq, r = row % p.nq, n = visible_keys(p, r);
+    const int64_t h = row / p.nq, r = row % p.nq, n = visible_keys(p, r), lo = first_visible_key(p, b, r);
     const int64_t i = row_index(p, b, r, h);
     const float row_lse = lse[i], row_delta = delta[i];
     float *s_row = score_row(p, h0, row, s), *dp_row = score_row(p, h0, row, dp);
     for (int64_t c = lanes.lane; c < p.nk; c += lanes.count) {
-      s_row[c] = c < n ? exp_approx(s_row[c] - row_lse) : 0.0f;
+      s_row[c] = c >= lo && c < n ? exp_approx(s_row[c] - row_lse) : 0.0f;
       dp_row[c] = softmax_grad(s_row[c], dp_row[c], row_delta);
     }
   }

@@ -36,6 +36,15 @@
 // copies live during a task or the op only. (Widening and rounding in tasks of their own took 24 convert
 // tasks per layer of SmolLM's shape at 4 x 256, 48 us each and as much submission.)
 //
+// Packed batches (document masking): rows of several examples pass `starts` (B, T) int32, tiled (tb, tt),
+// the first position of each position's example (ops/attention.py derives it from the segments); query t
+// sees keys starts[t] .. t. Its values also come as extra input 0, read on the host when the op submits (as
+// `pos` below; they are data, so one compiled step serves every batch), which classifies each pair of the
+// batch tile: wholly outside every query's example (not submitted: a query tile's steps run from the first key
+// tile any of its queries sees, which is where the `first` of the forward, delta and dq start), wholly inside
+// (the causal steps as they are), or mixed, whose task also reads the starts tile of its queries and masks per
+// element (AttentionPair::starts). Every row sees at least its own key, so no row ends empty.
+//
 // Incremental decoding (no backward): a key/value cache (B, T_max, 2, H, D)
 // tiled (tb, tc, 1, th, D) holds the keys (axis 2 index 0) and values (1) of the
 // positions so far. `attention_cache_write` copies the k and v of qkv, whose
@@ -157,29 +166,39 @@ struct StepArgs {
   int64_t groups;               // G query tiles per key/value tile
   FloatType q_type, kv_type;    // of the q tiles and of the k and v tiles (a cache's are float32); out is q's
   AttentionPair pair;
+  int64_t starts_buffer;        // the buffer of the query tile's starts (document masking), or -1
 };
 
+// The pair of a task, with its starts where the task masks per document (the last buffer, `starts_buffer`).
+AttentionPair task_pair(void** buffers, const AttentionPair& pair, int64_t starts_buffer) {
+  AttentionPair p = pair;
+  if (starts_buffer >= 0) p.starts = tile_ptr<int32_t>(buffers[starts_buffer]);
+  return p;
+}
+
 // buffers: q_g (G), k_j, v_j, out_g (G, float32: the tiles or their sums), stats_g (G), scratch, then in a
-// finishing step lse_g (G) and, where out is bfloat16, the out_g tiles (G).
+// finishing step lse_g (G) and, where out is bfloat16, the out_g tiles (G), then the starts tile where the
+// step masks per document.
 // A finishing step normalises out_g, writes lse_g and rounds a bfloat16 out_g from its float32 sums after its
 // product, in its own task: a finish task per query tile was 12 of GPT-2 124M's tasks per step and, on a GPU,
 // a link of its own in the forward's chain of dependent tasks.
 template <Device D>
 void forward_step_kernel(void** buffers, const StepArgs& a) {
   const int64_t G = a.groups;
+  const AttentionPair pair = task_pair(buffers, a.pair, a.starts_buffer);
   float* scratch = tile_ptr<float>(buffers[3 * G + 2]);
   auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   if (bf16_operands(a.q_type, a.kv_type)) {
     auto bf16 = [&](int64_t index) { return tile_ptr<bfloat16>(buffers[index]); };
     for (int64_t g = 0; g < G; ++g)
-      attention_forward_step_bf16<D>(a.first, a.pair, bf16(g), bf16(G), bf16(G + 1), at(G + 2 + g),
+      attention_forward_step_bf16<D>(a.first, pair, bf16(g), bf16(G), bf16(G + 1), at(G + 2 + g),
                                      at(2 * G + 2 + g), scratch);
   } else {
-    const int64_t q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
-    Widened<D> widen(scratch + attention::forward_scratch_size(a.pair));
+    const int64_t q = query_tile_size(pair), kv = key_tile_size(pair);
+    Widened<D> widen(scratch + attention::forward_scratch_size(pair));
     float *k = widen(buffers[G], a.kv_type, kv), *v = widen(buffers[G + 1], a.kv_type, kv);
     for (int64_t g = 0; g < G; ++g)
-      attention_forward_step<D>(a.first, a.pair, widen(buffers[g], a.q_type, q), k, v, at(G + 2 + g),
+      attention_forward_step<D>(a.first, pair, widen(buffers[g], a.q_type, q), k, v, at(G + 2 + g),
                                 at(2 * G + 2 + g), scratch);
   }
   if (!a.finish) return;
@@ -234,6 +253,7 @@ struct BackwardArgs {
   bool delta;      // the query tile's first step: it computes delta_g first (see backward_step_kernel)
   SumsEnds dq, dkv;
   AttentionPair pair;
+  int64_t starts_buffer;  // as StepArgs'
 };
 
 // Scratch floats the delta of a query tile needs: out and dout widened where they are bfloat16.
@@ -245,27 +265,28 @@ int64_t delta_scratch_floats(const AttentionPair& p, FloatType type) {
 template <Device D>
 void backward_steps(void** buffers, const BackwardArgs& a) {
   const int64_t G = a.groups;
+  const AttentionPair pair = task_pair(buffers, a.pair, a.starts_buffer);
   float* scratch = tile_ptr<float>(buffers[5 * G + 4]);
   auto at = [&](int64_t index) { return tile_ptr<float>(buffers[index]); };
   if (bf16_operands(a.type, a.type)) {
     auto bf16 = [&](int64_t index) { return tile_ptr<bfloat16>(buffers[index]); };
     for (int64_t g = 0; g < G; ++g)
-      attention_backward_step_bf16<D>(a.pair, bf16(g), bf16(G), bf16(G + 1), bf16(G + 2 + g), at(2 * G + 2 + g),
+      attention_backward_step_bf16<D>(pair, bf16(g), bf16(G), bf16(G + 1), bf16(G + 2 + g), at(2 * G + 2 + g),
                                       at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2), at(5 * G + 3), scratch);
     return;
   }
-  const int64_t q = query_tile_size(a.pair), kv = key_tile_size(a.pair);
-  Widened<D> widen(scratch + attention::backward_scratch_size(a.pair));
+  const int64_t q = query_tile_size(pair), kv = key_tile_size(pair);
+  Widened<D> widen(scratch + attention::backward_scratch_size(pair));
   float *k = widen(buffers[G], a.type, kv), *v = widen(buffers[G + 1], a.type, kv);
   for (int64_t g = 0; g < G; ++g)
-    attention_backward_step<D>(a.pair, widen(buffers[g], a.type, q), k, v, widen(buffers[G + 2 + g], a.type, q),
+    attention_backward_step<D>(pair, widen(buffers[g], a.type, q), k, v, widen(buffers[G + 2 + g], a.type, q),
                                at(2 * G + 2 + g), at(3 * G + 2 + g), at(4 * G + 2 + g), at(5 * G + 2),
                                at(5 * G + 3), scratch);
 }
 
 // buffers: q_g (G), k_j, v_j, dout_g (G), lse_g (G), delta_g (G), dq_g (G), dk_j, dv_j (float32: the tiles or
 // their sums), scratch, then the bfloat16 dq_g (G) where a.dq.takes_tiles(), dk_j, dv_j where
-// a.dkv.takes_tiles(), and out_g (G) where a.delta.
+// a.dkv.takes_tiles(), out_g (G) where a.delta, and the starts tile where the step masks per document.
 // The query tile's first step computes delta_g = rowsum(dout_g * out_g) before its product, in its scratch's
 // space (before the step's own use of it): a delta task per query tile was 12 of GPT-2 124M's tasks per step
 // and, on a GPU, a link of its own in the backward's chain of dependent tasks.
@@ -356,10 +377,69 @@ AttentionPair pair_of(const TiledTensor& qkv, const Layout& l, int64_t ib, int64
 
 double pair_flops(const AttentionPair& p) { return double(p.nb) * p.nh * p.nq * p.nk * p.d; }
 
-// ids [qkv, out, lse]
+// Document masking (see the top of the file): which pairs of a batch tile run, which mask per element, and
+// the tiles of the starts they read. Without a starts tensor every pair j <= i runs, unmasked.
+class Documents {
+ public:
+  // starts: call's tensor `index` and extra input 0, where the call has that tensor.
+  Documents(const OpCall& call, size_t index, const TiledTensor& qkv, const Layout& l, const char* op) : l_(l) {
+    if (call.ids.size() <= index) return;
+    starts_ = &call.tensor(index);
+    const int64_t B = qkv.shape[0], T = qkv.shape[1];
+    if (starts_->dtype != DType::I32 || starts_->shape != Index{B, T} ||
+        starts_->tile_shape != Index{qkv.tile_shape[0], qkv.tile_shape[1]})
+      throw std::invalid_argument(std::string(op) + ": the example starts must be int32 (B, T) tiled (tb, tt) like "
+                                  "qkv's rows: " + starts_->describe() + ", qkv " + qkv.describe());
+    if (call.inputs.empty() || call.inputs[0].element_type() != ffi::DataType::S32 ||
+        int64_t(call.inputs[0].element_count()) != B * T)
+      throw std::invalid_argument(std::string(op) + ": the example starts need their values as an int32 (B, T) "
+                                  "extra input");
+    const int32_t* host = static_cast<const int32_t*>(call.inputs[0].untyped_data());
+    // Per query tile of each batch tile, the smallest and largest start of its queries.
+    low_.assign(l.gb * l.gt, T);
+    high_.assign(l.gb * l.gt, 0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const int32_t start = host[b * T + t];
+        if (start < 0 || start > t)
+          throw std::invalid_argument(std::string(op) + ": example start " + std::to_string(start) + " of position " +
+                                      std::to_string(t) + " (batch row " + std::to_string(b) +
+                                      ") must lie in [0, " + std::to_string(t) + "]: an example starts at or "
+                                      "before its positions");
+        const int64_t tile = b / qkv.tile_shape[0] * l.gt + t / l.tt;
+        low_[tile] = std::min<int64_t>(low_[tile], start);
+        high_[tile] = std::max<int64_t>(high_[tile], start);
+      }
+  }
+
+  // The first key tile some query of query tile i sees: the tile's first step.
+  int64_t first(int64_t ib, int64_t i) const { return starts_ ? low_[ib * l_.gt + i] / l_.tt : 0; }
+  // The last query tile whose queries see key tile j: the last step on its dk, dv.
+  int64_t last(int64_t ib, int64_t j) const {
+    int64_t last = j;
+    for (int64_t i = j + 1; i < l_.gt; ++i)
+      if (first(ib, i) <= j) last = i;
+    return last;
+  }
+  // Where pair (i, j) masks per element (some query of tile i starts after key tile j's first key), adds
+  // the starts tile to its buffers and returns its index; else -1.
+  int64_t add_buffer(std::vector<Buffer>& buffers, int64_t ib, int64_t i, int64_t j) const {
+    if (!starts_ || high_[ib * l_.gt + i] <= j * l_.tt) return -1;
+    buffers.push_back({starts_->tile({ib, i}), STARPU_R});
+    return int64_t(buffers.size()) - 1;
+  }
+
+ private:
+  const Layout& l_;
+  const TiledTensor* starts_ = nullptr;
+  std::vector<int64_t> low_, high_;
+};
+
+// ids [qkv, out, lse] or, packed, [qkv, out, lse, starts] with inputs [starts]
 void attention_submit(const OpCall& call) {
   const TiledTensor &qkv = call.tensor(0), &out = call.tensor(1), &lse = call.tensor(2);
   const Layout l = check_layout(qkv, out, lse, "causal_attention");
+  const Documents documents(call, 3, qkv, l, "causal_attention");
   const int64_t G = l.groups;
   const FloatType type = float_type(qkv, "causal_attention");
   Float32Tiles out32(out, Start::Unwritten);  // the first steps write it, the finish tasks round it
@@ -378,9 +458,10 @@ void attention_submit(const OpCall& call) {
           lse_tiles[g] = l.lse_tile(lse, ib, i, g, ih);
           out_coords[g] = l.out_coord(ib, i, g, ih);
         }
-        for (int64_t j = 0; j <= i; ++j) {
+        const int64_t j0 = documents.first(ib, i);
+        for (int64_t j = j0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
-          starpu_data_access_mode mode = j == 0 ? STARPU_W : STARPU_RW;
+          starpu_data_access_mode mode = j == j0 ? STARPU_W : STARPU_RW;
           std::vector<Buffer> buffers;
           for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
           buffers.push_back({qkv.tile({ib, j, G, ih, 0}), STARPU_R});
@@ -390,8 +471,9 @@ void attention_submit(const OpCall& call) {
           starpu_data_handle_t scratch = temporary_vector(step_scratch_floats(p, G, type, type, false), sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
           if (j == i) add_finish_buffers(buffers, out, lse_tiles, out_coords);
+          const int64_t starts = documents.add_buffer(buffers, ib, i, j);
           submit_task(fused_step(p, type, type) ? fused_cl : step_cl, buffers,
-                      StepArgs{j == 0, j == i, G, type, type, p}, 4.0 * G * pair_flops(p));
+                      StepArgs{j == j0, j == i, G, type, type, p, starts}, 4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
         for (starpu_data_handle_t handle : stats) starpu_data_unregister_submit(handle);
@@ -400,14 +482,17 @@ void attention_submit(const OpCall& call) {
 }
 JNNTILE_OP(attention, attention_submit);
 
-// ids [qkv, out, lse, dout, dqkv or -1]: grad(qkv) += the attention backward. Attr fresh: a bfloat16 dqkv holds
+// ids [qkv, out, lse, dout, dqkv or -1] and, packed, starts with inputs [starts]: grad(qkv) += the attention
+// backward. Attr fresh: a bfloat16 dqkv holds
 // nothing yet (its zero-fill was pending), so its float32 sums start at zero, not widened from a fill.
 void attention_backward_submit(const OpCall& call) {
-  if (call.ids.size() != 5) throw std::invalid_argument("causal_attention backward: needs 5 tensor ids");
+  if (call.ids.size() != 5 && call.ids.size() != 6)
+    throw std::invalid_argument("causal_attention backward: needs 5 tensor ids, or 6 with the example starts");
   if (call.ids[4] < 0) return;  // nobody differentiates qkv
   const TiledTensor &qkv = call.tensor(0), &out = call.tensor(1), &lse = call.tensor(2), &dout = call.tensor(3),
                     &dqkv = call.tensor(4);
   const Layout l = check_layout(qkv, out, lse, "causal_attention backward");
+  const Documents documents(call, 5, qkv, l, "causal_attention backward");
   check_same_tiling(out, dout, "causal_attention backward");
   check_same_tiling(qkv, dqkv, "causal_attention backward");
   if (dout.dtype != out.dtype || dqkv.dtype != qkv.dtype)
@@ -420,8 +505,8 @@ void attention_backward_submit(const OpCall& call) {
     throw std::invalid_argument("causal_attention backward: only a bfloat16 dqkv can start fresh (its float32 "
                                 "sums start at zero); a float32 one is accumulated into");
   Float32Tiles dqkv32(dqkv, Start::Unwritten);  // the steps start and round the sums of a bfloat16 dqkv
-  // The steps of query tile i touch dq_i from key tile 0 to i, and dk_j, dv_j in query tiles j to gt - 1. A
-  // float32 dqkv is its own sums, accumulated into.
+  // The steps of query tile i touch dq_i from key tile documents.first(ib, i) to i, and dk_j, dv_j in query
+  // tiles j to documents.last(ib, j). A float32 dqkv is its own sums, accumulated into.
   auto ends = [&](bool first, bool last) {
     if (type != FloatType::BF16) return SumsEnds{};
     return SumsEnds{first ? (fresh ? SumsStart::Zeros : SumsStart::Widened) : SumsStart::Continue, last};
@@ -429,7 +514,9 @@ void attention_backward_submit(const OpCall& call) {
   static starpu_codelet* step_cl = JNNTILE_CODELET(BackwardArgs, backward_step_kernel, "attention_backward_step");
   static starpu_codelet* fused_cl =
       JNNTILE_CODELET(BackwardArgs, fused_backward_step_kernel, "attention_backward_step_fused");
-  for (int64_t ib = 0; ib < l.gb; ++ib)
+  for (int64_t ib = 0; ib < l.gb; ++ib) {
+    std::vector<int64_t> last(l.gt);
+    for (int64_t j = 0; j < l.gt; ++j) last[j] = documents.last(ib, j);
     for (int64_t ih = 0; ih < l.gh; ++ih)
       for (int64_t i = 0; i < l.gt; ++i) {
         const int64_t rows = query_rows(pair_of(qkv, l, ib, ih, i, i));
@@ -438,7 +525,8 @@ void attention_backward_submit(const OpCall& call) {
         std::vector<Index> out_coords(G);
         for (auto& handle : delta) handle = temporary_vector(rows, sizeof(float));
         for (int64_t g = 0; g < G; ++g) out_coords[g] = l.out_coord(ib, i, g, ih);
-        for (int64_t j = 0; j <= i; ++j) {
+        const int64_t j0 = documents.first(ib, i);
+        for (int64_t j = j0; j <= i; ++j) {
           AttentionPair p = pair_of(qkv, l, ib, ih, i, j);
           std::vector<Buffer> buffers;
           for (int64_t g = 0; g < G; ++g) buffers.push_back({qkv.tile({ib, i, g, ih, 0}), STARPU_R});
@@ -446,27 +534,29 @@ void attention_backward_submit(const OpCall& call) {
           buffers.push_back({qkv.tile({ib, j, G + 1, ih, 0}), STARPU_R});
           for (const Index& coord : out_coords) buffers.push_back({dout.tile(coord), STARPU_R});
           for (int64_t g = 0; g < G; ++g) buffers.push_back({l.lse_tile(lse, ib, i, g, ih), STARPU_R});
-          for (int64_t g = 0; g < G; ++g) buffers.push_back({delta[g], j == 0 ? STARPU_W : STARPU_R});
-          const SumsEnds dq = ends(j == 0, j == i), dkv = ends(i == j, i == l.gt - 1);
+          for (int64_t g = 0; g < G; ++g) buffers.push_back({delta[g], j == j0 ? STARPU_W : STARPU_R});
+          const SumsEnds dq = ends(j == j0, j == i), dkv = ends(i == j, i == last[j]);
           for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv32.tile({ib, i, g, ih, 0}), dq.sums_mode()});
           buffers.push_back({dqkv32.tile({ib, j, G, ih, 0}), dkv.sums_mode()});
           buffers.push_back({dqkv32.tile({ib, j, G + 1, ih, 0}), dkv.sums_mode()});
           const int64_t scratch_floats = std::max(step_scratch_floats(p, G, type, type, true),
-                                                  j == 0 ? delta_scratch_floats(p, type) : 0);
+                                                  j == j0 ? delta_scratch_floats(p, type) : 0);
           starpu_data_handle_t scratch = temporary_vector(scratch_floats, sizeof(float));
           buffers.push_back({scratch, STARPU_SCRATCH});
           if (dq.takes_tiles())
             for (int64_t g = 0; g < G; ++g) buffers.push_back({dqkv.tile({ib, i, g, ih, 0}), dq.tiles_mode()});
           if (dkv.takes_tiles())
             for (int64_t x = G; x < G + 2; ++x) buffers.push_back({dqkv.tile({ib, j, x, ih, 0}), dkv.tiles_mode()});
-          if (j == 0)
+          if (j == j0)
             for (const Index& coord : out_coords) buffers.push_back({out.tile(coord), STARPU_R});
+          const int64_t starts = documents.add_buffer(buffers, ib, i, j);
           submit_task(fused_step(p, type, type) ? fused_cl : step_cl, buffers,
-                      BackwardArgs{G, type, j == 0, dq, dkv, p}, 10.0 * G * pair_flops(p));
+                      BackwardArgs{G, type, j == j0, dq, dkv, p, starts}, 10.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }
         for (starpu_data_handle_t handle : delta) starpu_data_unregister_submit(handle);
       }
+  }
   dqkv32.finish();
 }
 JNNTILE_OP(attention_backward, attention_backward_submit);
@@ -614,7 +704,7 @@ void cached_attention_submit(const OpCall& call) {
           buffers.push_back({scratch, STARPU_SCRATCH});
           const bool finish = (j + 1) * l.tc > last;
           if (finish) add_finish_buffers(buffers, out, lse, out_coords);
-          submit_task(step_cl, buffers, StepArgs{j == 0, finish, G, type, FloatType::F32, p},
+          submit_task(step_cl, buffers, StepArgs{j == 0, finish, G, type, FloatType::F32, p, -1},
                       4.0 * G * pair_flops(p));
           starpu_data_unregister_submit(scratch);
         }

@@ -89,7 +89,7 @@ template <class Fn>
 void for_head_chunks(const AttentionPair& p, Fn fn) {
   for (int64_t b = 0; b < p.nb; ++b) {
     const int64_t kb = key_offset(p, b);
-    for_visible_chunks(p, kChunkRows, [&](const AttentionPair& c, int64_t r0) {
+    for_visible_chunks(p, b, kChunkRows, [&](const AttentionPair& c, int64_t r0) {
       const int64_t qb = query_offset(p, b) + r0 * p.nh * p.d, row0 = row_index(p, b, r0, 0);
       for (int64_t h = 0; h < c.nh; ++h) fn(c, h, qb, kb, row0);
     });

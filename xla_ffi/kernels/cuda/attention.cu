@@ -142,7 +142,7 @@ template <class Fn>
 void for_chunks(const AttentionPair& p, Fn fn) {
   for (int64_t b = 0; b < p.nb; ++b) {
     const int64_t kb = key_offset(p, b);
-    for_visible_chunks(p, chunk_rows(p), [&](const AttentionPair& c, int64_t r0) {
+    for_visible_chunks(p, b, chunk_rows(p), [&](const AttentionPair& c, int64_t r0) {
       fn(c, query_offset(p, b) + r0 * p.nh * p.d, kb, row_index(p, b, r0, 0));
     });
   }
@@ -393,14 +393,15 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / cuda::kWarp;
   const int64_t b = blockIdx.z, h = blockIdx.y, q_row0 = int64_t(blockIdx.x) * kRows, ld = p.nh * kD;
   const int64_t qoff = (b * p.nq * p.nh + h) * kD, koff = (b * p.nk * p.nh + h) * kD;  // head h of batch row b
-  // The lane's two query rows (r = 0, 1: rows g and g + 8 of its warp's 16).
+  // The lane's two query rows (r = 0, 1: rows g and g + 8 of its warp's 16), which see keys [lower, visible).
   bool live[2];
-  int64_t index[2], visible[2];
+  int64_t index[2], lower[2], visible[2];
   float m[2], l[2];
   for (int r = 0; r < 2; ++r) {
     const int64_t row = q_row0 + warp * 16 + block_row(2 * r);
     live[r] = row < p.nq;
     index[r] = live[r] ? row_index(p, b, row, h) : 0;
+    lower[r] = live[r] ? first_visible_key(p, b, row) : 0;
     visible[r] = live[r] ? visible_keys(p, row) : 0;
     m[r] = first || !live[r] ? -INFINITY : stats[2 * index[r]];
     l[r] = first || !live[r] ? 0.0f : stats[2 * index[r] + 1];
@@ -421,11 +422,15 @@ __global__ void __launch_bounds__(kThreads)
     Block s;
     rows_times_rows_t(q_s, warp * 16, k_s, s);
     float tile_max[2] = {-INFINITY, -INFINITY};
+    auto seen = [&](int n, int i) {
+      const int64_t key = k0 + block_column(n, i);
+      return key >= lower[i / 2] && key < visible[i / 2];
+    };
 #pragma unroll
     for (int n = 0; n < kTiles; ++n)
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        if (k0 + block_column(n, i) < visible[i / 2]) tile_max[i / 2] = fmaxf(tile_max[i / 2], p.scale * s[n][i]);
+        if (seen(n, i)) tile_max[i / 2] = fmaxf(tile_max[i / 2], p.scale * s[n][i]);
     float alpha[2], sum[2] = {0.0f, 0.0f};
     for (int r = 0; r < 2; ++r) {
       const float m_new = fmaxf(m[r], row_max(tile_max[r]));
@@ -436,7 +441,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int n = 0; n < kTiles; ++n)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float prob = k0 + block_column(n, i) < visible[i / 2] ? expf(p.scale * s[n][i] - m[i / 2]) : 0.0f;
+        const float prob = seen(n, i) ? expf(p.scale * s[n][i] - m[i / 2]) : 0.0f;
         s[n][i] = prob;
         sum[i / 2] += prob;
         acc[n][i] *= alpha[i / 2];
@@ -493,7 +498,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < 4; ++i) {
         const int c = block_column(n, i);
         const int64_t query = q_row0 + c;
-        const bool seen = query < p.nq && key[i / 2] < visible_keys(p, query);
+        const bool seen = query < p.nq && key[i / 2] >= first_visible_key(p, b, query) &&
+                          key[i / 2] < visible_keys(p, query);
         const float prob = seen ? expf(p.scale * s[n][i] - row_lse[c]) : 0.0f;
         s[n][i] = prob;
         ds[n][i] = softmax_grad(prob, ds[n][i], row_delta[c]);
@@ -519,12 +525,13 @@ __global__ void __launch_bounds__(kThreads)
   load_rows(q + qoff, ld, q_row0, p.nq, q_s);
   load_rows(d_o + qoff, ld, q_row0, p.nq, do_s);
   float r_lse[2], r_delta[2];
-  int64_t visible[2];
+  int64_t lower[2], visible[2];  // the keys [lower, visible) the lane's rows see
   for (int r = 0; r < 2; ++r) {
     const int64_t row = q_row0 + warp * 16 + block_row(2 * r);
     const bool live = row < p.nq;
     r_lse[r] = live ? lse[row_index(p, b, row, h)] : 0.0f;
     r_delta[r] = live ? delta[row_index(p, b, row, h)] : 0.0f;
+    lower[r] = live ? first_visible_key(p, b, row) : 0;
     visible[r] = live ? visible_keys(p, row) : 0;
   }
   const int64_t keys = visible_keys(p, last_row(q_row0, p.nq));
@@ -542,8 +549,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int n = 0; n < kTiles; ++n)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
+        const int64_t key = k0 + block_column(n, i);
         const float prob =
-            k0 + block_column(n, i) < visible[i / 2] ? expf(p.scale * s[n][i] - r_lse[i / 2]) : 0.0f;
+            key >= lower[i / 2] && key < visible[i / 2] ? expf(p.scale * s[n][i] - r_lse[i / 2]) : 0.0f;
         s[n][i] = softmax_grad(prob, dp[n][i], r_delta[i / 2]);
       }
     Operands ds;
