@@ -23,10 +23,12 @@ TILINGS = {
 INV_FREQ = LlamaConfig(head_dim=8, hidden_size=32, num_attention_heads=4, rope_theta=100.0).inverse_frequencies()
 
 
-def reference(x, pos, rotated_parts):
-    """The reference's rotation of parts < rotated_parts at positions pos, pos + 1, ...; the others as they are."""
+def reference(x, pos, rotated_parts, positions=None):
+    """The reference's rotation of parts < rotated_parts at positions pos, pos + 1, ... (or `positions` (B, T));
+    the others as they are."""
     B, T, P, H, D = x.shape
-    positions = jnp.broadcast_to(pos + jnp.arange(T), (B, T))
+    if positions is None:
+        positions = jnp.broadcast_to(pos + jnp.arange(T), (B, T))
     turned = ref.rotary(x[:, :, :rotated_parts].reshape(B, T, rotated_parts * H, D), positions, jnp.asarray(INV_FREQ))
     return jnp.concatenate([turned.reshape(B, T, rotated_parts, H, D), x[:, :, rotated_parts:]], axis=2)
 
@@ -113,3 +115,31 @@ def test_widest_head_dim_is_the_native_limit():
     wider = jnntile.zeros((1, 3, 2, 1, D + 2), tile_shape=(1, 3, 1, 1, D + 2))
     with pytest.raises(ValueError, match=f"D={D + 2} must be even and at most {D}"):
         rotary(wider, np.ones((D + 2) // 2), pos=5)
+
+
+# A packed batch: positions restart at 0 with each example, padding at 0; boundaries inside and across tiles.
+PACKED_POSITIONS = np.array([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 0],
+                             [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]], np.int32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_positions_per_row(tiling, dtype):
+    """Each row turned by its own position (a packed batch's), values and gradients, forward and backward."""
+    x_np = np.random.default_rng(4).standard_normal(SHAPE).astype(np.float32)
+    tiles = TILINGS[tiling]
+
+    def op(x):
+        return rotary(x, INV_FREQ, rotated_parts=3, positions=jnntile.from_array(PACKED_POSITIONS, tiles[:2]))
+
+    def mixed_reference(x):
+        return reference(x.astype(jnp.float32), 0, 3, PACKED_POSITIONS).astype(x.dtype)
+
+    check_op(op, mixed_reference, [x_np], [tiles], jit=True, dtype=dtype,
+             tol=BFLOAT16_TOL if dtype == "bfloat16" else 1e-5)
+
+
+def test_positions_must_be_tiled_like_the_rows():
+    x = jnntile.from_array(np.zeros(SHAPE, np.float32), TILINGS["many_tiles"])
+    with pytest.raises(ValueError, match=r"positions must be an int32 Tensor of shape \(2, 12\) tiled \(1, 4\)"):
+        rotary(x, INV_FREQ, positions=jnntile.from_array(PACKED_POSITIONS, (2, 4)))

@@ -3,7 +3,8 @@
 // turns by the angle pos * inv_freq[c], computed in float32 as there.
 //
 // A tile (nb, nt, 1, nh, d) of x (B, T, P, H, D) is nb * nt rows of nh heads of
-// d values; row t of the tile is at sequence position pos0 + t. The tiles of
+// d values; row t of the tile is at sequence position pos0 + t, or, in a packed
+// batch (examples restart at 0), at the position a positions tile gives. The tiles of
 // the parts that are not rotated (the values, in a fused q/k/v tensor) are
 // copied, and their gradient passes unchanged.
 #pragma once
@@ -23,17 +24,25 @@ struct RotaryTile {
   bool rotate;            // false: a part that is copied (forward) or passed on (backward)
   bool overwrite;         // backward: dx holds nothing yet (= instead of +=)
   float inv_freq[kRotaryMaxHalf];
+  // Packed batches: (nb, nt) int32 on the task's device, the position of each row, in place of pos0 + t. The
+  // kernel sets it from the task's buffer (ops/rotary.cc).
+  const int32_t* positions = nullptr;
 };
 
 namespace rotary {
 
 JNNTILE_HD int64_t numel(const RotaryTile& t) { return t.nb * t.nt * t.nh * t.d; }
 
+// The sequence position of row r of batch row b.
+JNNTILE_HD int64_t position(const RotaryTile& t, int64_t b, int64_t r) {
+  return t.positions == nullptr ? t.pos0 + r : t.positions[b * t.nt + r];
+}
+
 // The angle of pair c at the position of element i of the tile (row-major), and the index of its first
 // value: i is any element of the pair.
 JNNTILE_HD float angle(const RotaryTile& t, int64_t i) {
-  const int64_t half = t.d / 2, row = i / (t.nh * t.d) % t.nt, c = i % t.d % half;
-  return float(t.pos0 + row) * t.inv_freq[c];
+  const int64_t half = t.d / 2, rows = i / (t.nh * t.d), c = i % t.d % half;
+  return float(position(t, rows / t.nt, rows % t.nt)) * t.inv_freq[c];
 }
 
 // What a backward adds dy's share to: dx's value, or 0 where dx holds nothing yet.

@@ -6,18 +6,19 @@ namespace jnntile {
 namespace {
 
 // Calls pair(first value's offset, cos, sin) for every pair of the tile, one cosine and sine per sequence
-// row and frequency, shared by the row's batch rows and heads.
+// row and frequency, shared by the row's heads and, unless positions are given per row, its batch rows.
 template <class Pair>
 void for_each_pair(const RotaryTile& t, Pair pair) {
   const int64_t half = t.d / 2;
   std::vector<float> cos_a(half), sin_a(half);
-  for (int64_t r = 0; r < t.nt; ++r) {
-    for (int64_t c = 0; c < half; ++c) {
-      const float a = float(t.pos0 + r) * t.inv_freq[c];
-      cos_a[c] = cosf(a);
-      sin_a[c] = sinf(a);
-    }
-    for (int64_t b = 0; b < t.nb; ++b)
+  for (int64_t r = 0; r < t.nt; ++r)
+    for (int64_t b = 0; b < t.nb; ++b) {
+      if (b == 0 || t.positions != nullptr)
+        for (int64_t c = 0; c < half; ++c) {
+          const float a = float(rotary::position(t, b, r)) * t.inv_freq[c];
+          cos_a[c] = cosf(a);
+          sin_a[c] = sinf(a);
+        }
       for (int64_t h = 0; h < t.nh; ++h) {
         const int64_t head = ((b * t.nt + r) * t.nh + h) * t.d;
         for (int64_t c = 0; c < half; ++c) pair(head + c, head + c + half, cos_a[c], sin_a[c]);
