@@ -228,13 +228,13 @@ def assert_trained_params_close(params: dict, reference: dict, steps: int, lr: f
 
 
 def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0, optimizer: str = "adamw"):
-    """Losses and final parameters of `steps` AdamW (or SGD) steps at TRAIN_STEPS_LR (jnntile.train.make_steps)
+    """Losses and final parameters of `steps` AdamW (or SGD) steps at TRAIN_STEPS_LR (jnntile.step.make_steps)
     of a GPT-2 on random tokens."""
     from flax import nnx
 
     from jnntile import optim
     from jnntile.models import gpt2
-    from jnntile.train import make_steps
+    from jnntile.step import make_steps
 
     model = gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -325,3 +325,55 @@ def placement(request):
     restart_runtime(placement=request.param if runtime.HAS_CUDA else "auto", matmul_precision="highest")
     yield request.param
     restart_runtime(placement=previous.placement, matmul_precision=previous.matmul_precision)
+
+
+# A packed batch of a (2, 12) model: examples of 3, 5 and 2 tokens then 2 of padding, and of 7 and 5, their
+# boundaries inside and across sequence tiles of 4 and 5.
+PACKED_LENGTHS = [[3, 5, 2], [7, 5]]
+PACKED_TILE_SEQS = {"one_tile": 12, "many_tiles": 4, "uneven_tiles": 5}
+
+
+def check_packed_against_alone(make_model, vocab_size, tol=1e-5):
+    """A model's packed batch (PACKED_LENGTHS) against each example alone at the start of a row: the logits of
+    every example's tokens and the gradients of the summed loss over the examples' targets, within `tol`."""
+    import jax.numpy as jnp
+
+    import jnntile
+    from jnntile import nn
+    from jnntile.models import loss_and_grads
+
+    rng = np.random.default_rng(11)
+    B, T = 2, 12
+    examples = [rng.integers(0, vocab_size, n + 1) for row in PACKED_LENGTHS for n in row]  # ids, then the target
+    idx, targets = np.zeros((B, T), np.int32), np.full((B, T), -100, np.int32)
+    segments, positions = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    places, e = [], 0
+    for b, row in enumerate(PACKED_LENGTHS):
+        t = 0
+        for s, n in enumerate(row):
+            idx[b, t:t + n], targets[b, t:t + n] = examples[e][:-1], examples[e][1:]
+            segments[b, t:t + n], positions[b, t:t + n] = s + 1, np.arange(n)
+            places.append((b, t, n))
+            t, e = t + n, e + 1
+    model = make_model(B, T)
+    packed_logits = model(model.token_tensor(idx), packing=model.packing_tensors(segments, positions))[0].numpy()
+    loss, grads = loss_and_grads(model, idx, targets, segments=segments, positions=positions)
+    packed_grads = [float((targets != -100).sum()) * jnntile.grad_of(g).numpy() for g in nn.tensors(grads)]
+    # Alone: example e at the start of row e % B of a batch of its own, the other positions padding.
+    alone_grads = [np.zeros_like(g) for g in packed_grads]
+    for first in range(0, len(examples), B):
+        a_idx, a_targets = np.zeros((B, T), np.int32), np.full((B, T), -100, np.int32)
+        batch = list(enumerate(range(first, min(first + B, len(examples)))))
+        for row, e in batch:
+            n = places[e][2]
+            a_idx[row, :n], a_targets[row, :n] = examples[e][:-1], examples[e][1:]
+        logits = model(model.token_tensor(a_idx))[0].numpy()
+        for row, e in batch:
+            b, t, n = places[e]
+            assert rel_err(packed_logits[b, t:t + n], logits[row, :n]) <= tol, f"logits of example {e}"
+        _, grads = loss_and_grads(model, a_idx, a_targets)
+        for total, g in zip(alone_grads, nn.tensors(grads)):
+            total += float((a_targets != -100).sum()) * jnntile.grad_of(g).numpy()
+    for packed, alone in zip(packed_grads, alone_grads):
+        assert rel_err(packed, alone) <= tol
+    assert jnp.isfinite(loss)

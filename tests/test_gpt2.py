@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import BFLOAT16_MODEL_TOL, rel_err
+from conftest import BFLOAT16_MODEL_TOL, PACKED_TILE_SEQS, check_packed_against_alone, rel_err
 from flax import nnx
 
 import jnntile
@@ -258,3 +258,12 @@ def test_checkpoint_with_missing_or_misshapen_tensor(tmp_path):
     params["wpe.weight"] = params["wpe.weight"][:, :-1]
     with pytest.raises(ValueError, match="wpe.weight"):
         model.load_hf_params(params)
+
+
+@pytest.mark.parametrize("remat", ["none", "block"])
+@pytest.mark.parametrize("tiling", PACKED_TILE_SEQS)
+def test_packed_examples_get_what_they_get_alone(tiling, remat):
+    """Document masking and positions restarting at 0 per example (packing_tensors): every example of a packed
+    batch gets the logits and gradients it gets alone, on one, many and uneven sequence tiles."""
+    config = dataclasses.replace(BASE, n_layer=2, tile_batch=1, tile_seq=PACKED_TILE_SEQS[tiling], remat=remat)
+    check_packed_against_alone(lambda b, t: gpt2.GPT2(config, batch_size=b, seq_len=t), config.vocab_size)

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import BFLOAT16_MODEL_TOL, rel_err
+from conftest import BFLOAT16_MODEL_TOL, PACKED_TILE_SEQS, check_packed_against_alone, rel_err
 from flax import nnx
 
 import jnntile
@@ -241,3 +241,16 @@ def test_a_checkpoint_of_a_llama_with_rope_scaling_resumes(tmp_path):
     again = families.from_hf(directory, batch_size=B, seq_len=T, tile_seq=8)
     _, record = checkpoint.restore(path, model=again, opt_state=tx.init(nnx.state(again, nnx.Param)))
     assert record["step"] == 1
+
+
+@pytest.mark.parametrize("tiling", PACKED_TILE_SEQS)
+@pytest.mark.parametrize("name", FIXTURES)
+def test_packed_examples_get_what_they_get_alone(name, tiling):
+    """Document masking and rotary positions restarting at 0 per example (packing_tensors), grouped-query
+    attention: every example of a packed batch gets the logits and gradients it gets alone, on one, many and
+    uneven sequence tiles."""
+    directory, _, _ = _fixture(name)
+
+    def make_model(b, t):
+        return families.from_hf(directory, batch_size=b, seq_len=t, tile_batch=1, tile_seq=PACKED_TILE_SEQS[tiling])
+    check_packed_against_alone(make_model, 320)

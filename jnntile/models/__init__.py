@@ -15,6 +15,7 @@ from flax import nnx
 import jnntile
 from jnntile import nn, runtime, tensorfile
 from jnntile.decoding import KVCache
+from jnntile.ops import attention as attention_ops
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import loss as loss_ops
 from jnntile.models import hf
@@ -173,6 +174,16 @@ def recomputed_blocks(config) -> int:
     return config.n_blocks if config.remat_blocks is None else min(config.remat_blocks, config.n_blocks)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """A packed batch's layout as tensors (`LanguageModel.packing_tensors`): `documents` for the attention's
+    document masking, `positions` int32 (B, T), the position of every token within its example."""
+
+    documents: attention_ops.Documents
+    positions: Tensor
+
+
 class LanguageModel(nnx.Module):
     """What every family's causal LM shares (`families.Model`): built for (batch_size, seq_len) token ids with
     `tiles`; its `config` is a `families.ModelConfig`, its class's `hf_layout` its family's `families.HFLayout`."""
@@ -200,11 +211,35 @@ class LanguageModel(nnx.Module):
         return jnntile.from_array(jnp.asarray(ids, jnp.int32) if isinstance(ids, jax.Array) else
                                   np.asarray(ids, np.int32), (self.tiles.batch, self.tiles.seq))
 
-    def loss(self, idx, targets, dropout_seed=None) -> Tensor:
+    def packing_tensors(self, segments, positions) -> Packing:
+        """The Packing of a packed batch's int32 (B, T) arrays: `segments`, the example of each token in its row
+        (1, 2, ...; 0 for padding), and `positions`, each token's position in its example (0 at its first
+        token). Under jit, writes each call."""
+        for name, array in (("segments", segments), ("positions", positions)):
+            if tuple(np.shape(array)) != (self.batch_size, self.seq_len):
+                raise ValueError(f"{name} of shape {tuple(np.shape(array))}; this model was built for "
+                                 f"(batch_size, seq_len) = ({self.batch_size}, {self.seq_len})")
+        if not isinstance(positions, jax.core.Tracer) and not 0 <= np.min(positions) <= np.max(positions) < \
+                self.max_positions:
+            raise ValueError(f"positions must lie in [0, {self.max_positions}) (the model's max_positions), got "
+                             f"{int(np.min(positions))} .. {int(np.max(positions))}")
+        rows = (self.tiles.batch, self.tiles.seq)
+        return Packing(attention_ops.documents(jnp.asarray(segments, jnp.int32), rows),
+                       jnntile.from_array(jnp.asarray(positions, jnp.int32), rows))
+
+    @staticmethod
+    def check_packing(packing: Packing | None, cache) -> None:
+        if packing is not None and cache is not None:
+            raise ValueError("a packed batch (packing) cannot be decoded with a key/value cache: decode one "
+                             "sequence per row, without packing")
+
+    def loss(self, idx, targets, dropout_seed=None, segments=None, positions=None) -> Tensor:
         """The mean cross-entropy (a scalar Tensor) of token arrays idx, targets (B, T) (targets may hold -100,
-        ignored), with dropout where the config has some and `dropout_seed` is given."""
+        ignored), with dropout where the config has some and `dropout_seed` is given. A packed batch also gives
+        its `segments` and `positions` (packing_tensors)."""
+        packing = None if segments is None else self.packing_tensors(segments, positions)
         _, loss = self(self.token_tensor(idx), self.token_tensor(targets, allow_ignore=True),
-                       dropout_seed=dropout_seed)
+                       dropout_seed=dropout_seed, packing=packing)
         return loss
 
     def kv_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -253,7 +288,8 @@ class LanguageModel(nnx.Module):
             variable.set_value(tensorfile.load_into(variable.get_value(), sources[name]))
 
 
-def loss_and_grads(model: LanguageModel, idx, targets, *, dropout_seed=None):
-    """Loss (a JAX scalar) and gradients (nnx.State of Tensors) of `model.loss` for token arrays idx, targets."""
-    return nn.value_and_grad(lambda m, idx, targets, seed: m.loss(idx, targets, seed))(model, idx, targets,
-                                                                                        dropout_seed)
+def loss_and_grads(model: LanguageModel, idx, targets, *, dropout_seed=None, segments=None, positions=None):
+    """Loss (a JAX scalar) and gradients (nnx.State of Tensors) of `model.loss` for token arrays idx, targets
+    (and a packed batch's segments and positions)."""
+    return nn.value_and_grad(lambda m, idx, targets, seed: m.loss(idx, targets, seed, segments, positions))(
+        model, idx, targets, dropout_seed)

@@ -22,7 +22,7 @@ from jnntile.ops import elementwise as ew
 from jnntile.ops import embedding as embedding_ops
 from jnntile.tensor import Tensor
 
-from jnntile.models import LanguageModel, Tiles, recomputed_blocks, resolve_tiles
+from jnntile.models import LanguageModel, Packing, Tiles, recomputed_blocks, resolve_tiles
 
 from . import hf
 from .config import GPT2Config
@@ -37,11 +37,14 @@ class CausalSelfAttention(nnx.Module):
         self.c_proj = nn.Linear((H, D), (C,), in_tiles=(tiles.heads, D), out_tiles=(tiles.embd,), seed=seed,
                                 name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer), dtype=config.dtype)
 
-    def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, residual: Tensor | None = None):
+    def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, residual: Tensor | None = None,
+                 packing: Packing | None = None):
         """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it;
-        `residual` is added to the output (by the projection's tasks)."""
+        `residual` is added to the output (by the projection's tasks); with a packing, each token attends only
+        within its example."""
         qkv = self.c_attn(x)                            # (B, T, 3, H, D)
-        y = attention_ops.causal_attention(qkv) if cache is None else cache.attend(layer, qkv)  # (B, T, H, D)
+        documents = None if packing is None else packing.documents
+        y = attention_ops.causal_attention(qkv, documents) if cache is None else cache.attend(layer, qkv)
         return self.c_proj(y, residual)                 # (B, T, C)
 
 
@@ -68,9 +71,10 @@ class Block(nnx.Module):
         self.attn_dropout = nn.Dropout(config.dropout, site=2 * index + 1)
         self.mlp_dropout = nn.Dropout(config.dropout, site=2 * index + 2)
 
-    def __call__(self, x: Tensor, dropout_seed, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+    def __call__(self, x: Tensor, dropout_seed, packing: Packing | None = None, cache: KVCache | None = None,
+                 layer: int = 0) -> Tensor:
         # Each residual addition is the branch's last projection's (without dropout): no task of its own.
-        x = self.attn_dropout.residual(x, lambda r: self.attn(self.ln_1(x), cache, layer, r), dropout_seed)
+        x = self.attn_dropout.residual(x, lambda r: self.attn(self.ln_1(x), cache, layer, r, packing), dropout_seed)
         return self.mlp_dropout.residual(x, lambda r: self.mlp(self.ln_2(x), r), dropout_seed)
 
 
@@ -98,22 +102,29 @@ class GPT2(LanguageModel):
     # ---- forward
 
     def __call__(self, idx: Tensor, targets: Tensor | None = None, *, dropout_seed=None,
-                 ignore_index: int = -100, cache: KVCache | None = None):
+                 ignore_index: int = -100, cache: KVCache | None = None, packing: Packing | None = None):
         """idx, targets: int32 (B, T) Tensors. Returns (logits (B, T, V) Tensor, loss scalar Tensor or None).
 
         With a key/value cache (`kv_cache`, jnntile.decoding), idx holds the tokens at the cache's positions
         pos .. pos + T - 1, every layer writes its keys and values there and attends over the cache; a cache
-        that reads no logits (a prefill) skips the head and returns (None, None).
+        that reads no logits (a prefill) skips the head and returns (None, None). With a packing
+        (`packing_tensors`: a packed batch) each example gets what it would alone: its positions restart at 0
+        and its tokens attend only within it.
         """
+        self.check_packing(packing, cache)
         B, T = idx.shape
-        positions = (embedding_ops.position_ids(B, T, (self.tiles.batch, self.tiles.seq)) if cache is None
-                     else cache.positions(idx))
+        if packing is not None:
+            positions = packing.positions
+        elif cache is None:
+            positions = embedding_ops.position_ids(B, T, (self.tiles.batch, self.tiles.seq))
+        else:
+            positions = cache.positions(idx)
         x = self.embd_dropout(self.embed(idx, positions), dropout_seed)
         for layer, block in enumerate(self.h):
             if cache is None and layer < self.recomputed_blocks:
-                x = nn.recomputed(block, x, dropout_seed)
+                x = nn.recomputed(block, x, dropout_seed, packing)
             else:
-                x = block(x, dropout_seed, cache, layer)
+                x = block(x, dropout_seed, packing, cache, layer)
             if cache is not None:
                 cache.block_done(layer, x)
         return self.logits_and_loss(x, targets, ignore_index, cache)
