@@ -9,7 +9,7 @@ APT_PACKAGES := libstarpu-dev libopenblas-dev pkg-config openmpi-bin libopenmpi-
 STAMP := $(VENV)/.jnntile-installed
 NATIVE_SOURCES := $(shell find xla_ffi -name '*.cc' -o -name '*.h' -o -name '*.cu') CMakeLists.txt pyproject.toml
 # What the package and its tests import; the GPU machines have them preinstalled.
-PYTHON_DEPS := jax flax optax numpy safetensors tokenizers tqdm matplotlib pytest nanobind scikit-build-core cmake ninja
+PYTHON_DEPS := jax flax optax numpy safetensors tokenizers jinja2 tqdm matplotlib pytest nanobind scikit-build-core cmake ninja
 
 .PHONY: setup system-packages build train test bench bench-torch bench-memory cuda cuda-python-deps test-gpu \
 	emulated-gpu test-emulated-gpu clean

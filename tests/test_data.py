@@ -1,19 +1,10 @@
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-# Load jnntile/data.py as a standalone module rather than `import jnntile.data`:
-# the package __init__ imports the native StarPU extension, which need not be
-# built to test the pure-Python data pipeline.
-_DATA_PY = Path(__file__).resolve().parents[1] / "jnntile" / "data.py"
-_spec = importlib.util.spec_from_file_location("jnntile_data", _DATA_PY)
-data = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = data
-_spec.loader.exec_module(data)
+from jnntile import data
 
 VOCAB_SIZE = 300  # small: the test corpora are too small to learn many merges
 

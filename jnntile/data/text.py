@@ -1,4 +1,4 @@
-"""Token datasets for training (GPT-2 and Llama-family models): preparation, a built-in corpus, and batching.
+"""Text datasets (documents trained on every token): preparation, the built-in corpus, and batching.
 
 A prepared dataset is a directory in the layout nanoGPT uses, plus two small
 JSON files::
@@ -28,16 +28,10 @@ drops lib2to3's deliberately broken test data), ``idlelib`` and
 ``DEFAULT_STDLIB_MAX_BYTES`` bytes. The result depends only on the Python
 version, so the prepared dataset is cached per version and vocabulary size
 (see ``default_dataset_dir``).
-
-Command line::
-
-    python -m jnntile.data [INPUT] [--out DIR] [--vocab-size N]
-                           [--val-fraction F] [--glob PATTERN] [--max-bytes N]
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -45,7 +39,6 @@ import platform
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -76,6 +69,8 @@ TRAIN_FILE = "train.bin"
 VAL_FILE = "val.bin"
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "meta.json"
+# meta.json's "kind" of a dataset of examples with loss masks (jnntile.data.examples); text datasets have none.
+EXAMPLES_KIND = "examples"
 
 BATCH_ORDERS = ("sequential", "random")
 # Documents tokenized per call, so the progress bar moves while the
@@ -517,6 +512,17 @@ def _read_meta(meta_path: Path) -> dict:
                                 damaged="prepare the dataset again with `python -m jnntile.data`, or remove the file")
 
 
+def check_batch_args(step: int, batch_size: int, seq_len: int, order: str) -> None:
+    """Refuses what no batch can be drawn with (both kinds of dataset)."""
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step={step!r} must be a non-negative integer")
+    if order not in BATCH_ORDERS:
+        raise ValueError(f"order={order!r} is not one of {', '.join(map(repr, BATCH_ORDERS))}")
+
+
 class TokenDataset:
     """A uint16 token file (memory-mapped) and, if one is beside it, its tokenizer.
 
@@ -536,6 +542,10 @@ class TokenDataset:
             )
         meta_path = path.parent / META_FILE
         self.meta = _read_meta(meta_path) if meta_path.is_file() else {}
+        if self.meta.get("kind") == EXAMPLES_KIND and type(self) is TokenDataset:
+            raise ValueError(f"{path.parent} holds fine-tuning examples (meta.json's kind is {EXAMPLES_KIND!r}), whose "
+                             "tokens train only where their loss mask says; open it with data.open_dataset or "
+                             "data.ExampleDataset")
         dtype_name = self.meta.get("dtype", "uint16")
         if dtype_name not in TOKEN_DTYPES:
             raise ValueError(f"{meta_path} gives dtype={dtype_name!r}; token files are {' or '.join(TOKEN_DTYPES)}; "
@@ -641,13 +651,7 @@ class TokenDataset:
         with (seed, step), so the batch for a step is the same in every run, which
         makes resumed runs see exactly the batches they would have seen.
         """
-        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative integer")
-        if order not in BATCH_ORDERS:
-            raise ValueError(f"order={order!r} is not one of {', '.join(map(repr, BATCH_ORDERS))}")
+        check_batch_args(step, batch_size, seq_len, order)
 
         needed = batch_size * seq_len + 1 if order == "sequential" else seq_len + 1
         if len(self) < needed:
@@ -668,90 +672,3 @@ class TokenDataset:
 
         windows = np.asarray(self.tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
         return windows[:, :-1], windows[:, 1:]
-
-
-# --------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------
-
-
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m jnntile.data",
-        description=(
-            "Tokenize text into a nanoGPT-style dataset (train.bin, val.bin, tokenizer.json, meta.json). "
-            "With no INPUT, prepare the built-in corpus (the Python standard library's .py sources) "
-            "into the default cache directory, or reuse it if it is already there."
-        ),
-    )
-    parser.add_argument("input", nargs="?", metavar="INPUT", help="a text file, or a folder searched recursively")
-    parser.add_argument("--out", metavar="DIR", help="output directory (required with INPUT)")
-    parser.add_argument(
-        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, metavar="N",
-        help=f"BPE vocabulary size, {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE} (default {DEFAULT_VOCAB_SIZE})",
-    )
-    parser.add_argument(
-        "--tokenizer", metavar="DIR",
-        help="a model directory whose tokenizer.json to use (e.g. a Hugging Face Llama checkpoint) instead of "
-             "training a BPE tokenizer; --vocab-size is then the tokenizer's",
-    )
-    parser.add_argument(
-        "--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
-        help=f"fraction of tokens, taken from the end, held out for validation (default {DEFAULT_VAL_FRACTION})",
-    )
-    parser.add_argument(
-        "--glob", metavar="PATTERN",
-        help=f"which files of an INPUT folder to read (default {DEFAULT_GLOB!r})",
-    )
-    parser.add_argument(
-        "--max-bytes", type=int, metavar="N",
-        help=(
-            "read at most N bytes of text "
-            f"(default: all of INPUT; {DEFAULT_STDLIB_MAX_BYTES} for the built-in corpus)"
-        ),
-    )
-    args = parser.parse_args(argv)
-    if args.input is None and args.glob is not None:
-        parser.error("--glob applies only to an INPUT folder")
-    if args.input is not None and args.out is None:
-        parser.error("--out DIR is required when INPUT is given")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    args = _parse_args(argv)
-    started = time.perf_counter()
-    try:
-        if args.input is None:
-            out_dir = ensure_default_dataset(
-                args.vocab_size,
-                max_bytes=args.max_bytes if args.max_bytes is not None else DEFAULT_STDLIB_MAX_BYTES,
-                val_fraction=args.val_fraction,
-                out_dir=args.out,
-            )
-        else:
-            out_dir = prepare_dataset(
-                args.input,
-                args.out,
-                vocab_size=args.vocab_size,
-                val_fraction=args.val_fraction,
-                glob=args.glob or DEFAULT_GLOB,
-                max_bytes=args.max_bytes,
-                tokenizer=args.tokenizer,
-            )
-    except (FileNotFoundError, ValueError) as error:
-        # These carry a message meant for the user; a traceback would bury it.
-        raise SystemExit(f"python -m jnntile.data: error: {error}") from error
-    elapsed = time.perf_counter() - started
-
-    meta = json.loads((out_dir / META_FILE).read_text())
-    print(f"source:     {meta['source']}")
-    print(f"tokens:     {meta['train_tokens']} train, {meta['val_tokens']} val")
-    print(f"vocab size: {meta['vocab_size']}")
-    for name in (TRAIN_FILE, VAL_FILE, TOKENIZER_FILE, META_FILE):
-        print(f"file:       {out_dir / name}")
-    print(f"time:       {elapsed:.1f} s")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,3 @@
+from jnntile.data.cli import main
+
+main()
