@@ -22,6 +22,8 @@ Needs torch and transformers, which the project venv does not have; use a venv o
   /tmp/hfvenv/bin/python tools/make_hf_fixtures.py
 
 The output is deterministic for a given torch version (fixed seed, CPU, float32).
+Run tools/make_chat_fixtures.py after it: it gives the Llama and Qwen2 tokenizers their chat templates and
+special tokens.
 """
 
 import json
