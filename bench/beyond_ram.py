@@ -76,10 +76,11 @@ def worker_train(spec: dict) -> dict:
     """`python -m jnntile.train` with each step's time and swap bytes measured (and its save, when it saves)."""
     import jnntile
     from jnntile import checkpoint, train
+    from jnntile import step as step_mod
 
     started = time.perf_counter()
     steps, init = [], {}
-    make_steps = train.make_steps
+    make_steps = step_mod.make_steps
 
     def measured_make_steps(*args, **kwargs):
         train_step, eval_step = make_steps(*args, **kwargs)
@@ -105,7 +106,7 @@ def worker_train(spec: dict) -> dict:
 
         return step, eval_step
 
-    train.make_steps = measured_make_steps
+    step_mod.make_steps = measured_make_steps
     if spec["save"]:
         result = bench_checkpoint.worker(spec["argv"])  # times checkpoint.save and its peak RSS on its own
     else:

@@ -134,7 +134,7 @@ def worker_jnntile(spec) -> dict:
     from jnntile import optim, planning
     from jnntile.models import gpt2
     from jnntile.ops import _ffi
-    from jnntile.train import make_steps
+    from jnntile.step import make_steps
 
     _ffi.RELEASE = spec.get("release", True)
     _ffi.LAZY_ZERO = spec.get("release", True)

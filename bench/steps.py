@@ -22,7 +22,7 @@ from jnntile import distributed, optim
 from jnntile.models import families, gpt2, llama
 from jnntile.models.gpt2 import reference as gpt2_reference
 from jnntile.models.llama import reference as llama_reference
-from jnntile.train import make_steps
+from jnntile.step import make_steps
 
 LEARNING_RATE = 1e-4
 MAX_NORM = 1.0
@@ -40,7 +40,7 @@ def random_batch(config, batch_size: int, seq_len: int, seed: int = 0):
 
 def jnntile_step(config, batch_size: int, seq_len: int, fused_update: str = "auto"):
     """One jnntile training step per call (`.model` holds the model, for its tiles); `fused_update` as
-    `jnntile.train.make_steps` takes it.
+    `jnntile.step.make_steps` takes it.
 
     In a distributed run each rank trains on its rows of the batch and the loss is the mean over the ranks.
     """

@@ -83,7 +83,7 @@ def mark_computed(grads):
     """Tells the ledger that `grads`, returned by a compiled program that just ran, hold their values.
 
     The ledger learns what a program does to the tiles only while JAX traces it: a compiled program that
-    runs again tells it nothing. A program traced after one that ran compiled (jnntile.train.make_steps'
+    runs again tells it nothing. A program traced after one that ran compiled (jnntile.step.make_steps'
     last micro-batch, traced anew under "auto" after a step that clipped) would otherwise find these
     gradients as the last trace left them, consumed by the update of the step before, and refuse to
     accumulate into them.

@@ -71,7 +71,7 @@ def _grad_values(g: Tensor):
 def _require_summed(grad_leaves, name: str) -> None:
     if runtime.world_size() > 1 and not all(getattr(g, "summed", False) for g in grad_leaves):
         raise ValueError(f"{name}: in a distributed run the gradients must be summed over the ranks first: chain "
-                         f"jnntile.optim.allreduce_sum() before {name} (jnntile.train.make_steps does)")
+                         f"jnntile.optim.allreduce_sum() before {name} (jnntile.step.make_steps does)")
 
 
 def _clip_operands(g: Tensor) -> tuple[list, list, float]:
@@ -258,7 +258,7 @@ def allreduce_sum(ownership: distributed.DataParallel = distributed.DEFAULT_OWNE
         grad_leaves = _leaves(grads)
         if any(getattr(g, "summed", False) for g in grad_leaves):
             raise ValueError("allreduce_sum: these gradients are summed over the ranks already; chain it once "
-                             "(jnntile.train.make_steps adds it: give make_steps the transformation of one process)")
+                             "(jnntile.step.make_steps adds it: give make_steps the transformation of one process)")
         values = [grad_of(g) for g in grad_leaves]  # clipped ones scaled first
         roots = ownership.reduction_roots(sum(math.prod(g.grid) for g in grad_leaves), size)
         token = call("allreduce", [v.handle for v in values], [v.token for v in values], roots=roots,
@@ -573,7 +573,7 @@ def clipped(opt_state, norm: Tensor) -> bool | None:
 
     A speculative update that clips costs more than the update after the backward (it reads the old
     parameter and moments again and writes the new ones twice), and a norm that clipped once tends to clip
-    again: under "auto", `jnntile.train.make_steps` runs the step after one that clipped with the update
+    again: under "auto", `jnntile.step.make_steps` runs the step after one that clipped with the update
     after the backward (the same bits either way).
     """
     rule = _chain_rule(opt_state)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import fcntl
 import json
 import math
@@ -34,18 +33,15 @@ import zlib
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from tqdm import tqdm
 
 import jnntile
 from jnntile import checkpoint, decoding, distributed, flags, lora, nn, optim, planning
+from jnntile import step as step_mod
 from jnntile import data as data_mod
-from jnntile.grad import mark_computed
 from jnntile.models import families
-from jnntile.tensor import pack
 
 DEFAULTS = dict(model="tiny", batch_size=8, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
                 weight_decay=0.1, optimizer="adamw", seed=0, eval_interval=100, eval_batches=4,
@@ -357,132 +353,6 @@ def _make_optimizer(args) -> optax.GradientTransformation:
     return optim.chain(main), schedule
 
 
-# ---- the step --------------------------------------------------------------------
-
-def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "auto"):
-    """The training and evaluation steps over (params, opt_state), the trained parameters' state.
-
-    `train_step(params, opt_state, idx, targets, dropout_seeds, frozen)` takes the
-    token ids of a whole step, shaped (grad_accum_steps, B, T), one dropout
-    seed per micro-batch, and the frozen parameters' state (None when
-    everything trains): those are read, never differentiated. Each micro-batch adds its gradients, scaled by
-    1/grad_accum_steps, into the tiled gradients (the first starts them at
-    zero); the last one also applies `tx`, so clipping and the update see the
-    mean gradient of the whole batch. Returns the new (params, opt_state) and
-    the mean loss of the micro-batches; nothing blocks until the caller reads
-    the loss.
-
-    With `tx` an `optax.chain` of jnntile's (an optional clip, then adamw or sgd),
-    the parameters are updated in the last micro-batch's backward as soon as
-    their gradients are final, so those gradients never reach swap
-    (`jnntile.optim.FusedUpdate`), when `fused_update` ("auto", "on", "off":
-    `jnntile.optim.update_mode`) says so; under "auto", a step after one whose
-    norm clipped updates after the backward. Every mode gives the same bits.
-
-    In a distributed run (`jnntile.runtime.world_size()` N > 1) each rank
-    passes its own rows of the step's batch (`jnntile.distributed.local_rows`)
-    and its own dropout seeds: the gradients are scaled by 1/N more and summed
-    over the ranks (`jnntile.optim.allreduce_sum`) before `tx`, so every rank
-    applies the update of the whole batch. The loss returned is this rank's;
-    `jnntile.distributed.mean_and_any` averages it over the ranks.
-    """
-    scale = 1.0 / (grad_accum_steps * jnntile.runtime.world_size())
-    summed = optim.allreduce_sum()
-
-    def gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=None):
-        return jnntile.value_and_grad(lambda p: _merged(graphdef, p, frozen).loss(idx, targets, dropout_seed),
-                                      accumulate=grads, scale=scale, on_final=on_final)(params)
-
-    # The parameters, the optimizer state and the frozen weights cross each jitted call packed behind one
-    # token (jnntile.tensor.Packed: JAX's dispatch would take 40-50 ms per step over their leaves).
-
-    # The micro-batches before the last: compiled twice, without earlier gradients and with them.
-    @jax.jit
-    def add_gradients(packed, grads, idx, targets, dropout_seed):
-        params, _, frozen = packed.unpack()
-        return gradients(params, grads, idx, targets, dropout_seed, frozen)
-
-    # The last micro-batch and the update in one program: a step without accumulation stays the one
-    # program it was, and the update's tasks are submitted right after the last backward's (or in it).
-    @functools.partial(jax.jit, static_argnames="setting")
-    def last_and_update(packed, grads, idx, targets, dropout_seed, setting):
-        params, opt_state, frozen = packed.unpack()
-        fused = optim.fused_update(opt_state, params, setting)
-        on_final = fused if fused is not None and fused.mode != "after" else None
-        loss, grads = gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=on_final)
-        if fused is None:
-            grads, _ = summed.update(grads, summed.init(params), params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return pack((optax.apply_updates(params, updates), opt_state)), loss, None
-        updates, opt_state = fused.finish(grads)
-        return pack((optax.apply_updates(params, updates), opt_state)), loss, fused.norm
-
-    # The global norm of the step before: under "auto", a step after one whose norm clipped updates after the
-    # backward instead of speculating (the same bits; a speculative update that clips moves more bytes, and
-    # a norm that clipped tends to clip again: jnntile.optim.clipped).
-    last_norm = [None]
-
-    def train_step(params, opt_state, idx, targets, dropout_seeds, frozen=None):
-        grads, losses = None, []
-        state = pack((params, opt_state, frozen))  # every micro-batch's program takes the same state
-        for k in range(grad_accum_steps - 1):
-            loss, grads = add_gradients(state, grads, idx[k], targets[k], dropout_seeds[k])
-            # Run compiled, it told the ledger nothing: a trace of last_and_update made now (a setting not
-            # compiled yet) would find these gradients consumed by the update of the step before.
-            mark_computed(grads)
-            losses.append(loss)
-        setting = fused_update
-        if setting == "auto" and last_norm[0] is not None and optim.speculates(opt_state, setting):
-            setting = "off" if optim.clipped(opt_state, last_norm[0]) else setting
-        packed, loss, last_norm[0] = last_and_update(state, grads, idx[-1], targets[-1], dropout_seeds[-1],
-                                                     setting)
-        params, opt_state = packed.unpack()
-        losses.append(loss)
-        return params, opt_state, losses[0] if grad_accum_steps == 1 else jnp.mean(jnp.stack(losses))
-
-    @jax.jit
-    def eval_packed(packed, idx, targets):
-        params, frozen = packed.unpack()
-        return jnntile.to_array(_merged(graphdef, params, frozen).loss(idx, targets))
-
-    def eval_step(params, idx, targets, frozen=None):
-        return eval_packed(pack((params, frozen)), idx, targets)
-
-    return train_step, eval_step
-
-
-def _split(model, finetune):
-    """(graphdef, trained parameters, frozen parameters or None when everything trains)."""
-    graphdef, params, frozen = nnx.split(model, finetune.filter(), nnx.Param)
-    return graphdef, params, None if finetune.trains_everything else frozen
-
-
-def _merged(graphdef, params, frozen):
-    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-
-
-def step_batch(dataset, step: int, args):
-    """Token ids and targets of training step `step`, shaped (grad_accum_steps, batch_size, seq_len).
-
-    Micro-batch k holds rows k*batch_size ... of the step's whole batch, so N
-    micro-batches of B sequences see exactly what one batch of N*B would, in
-    both data orders, and a resumed run sees what it would have seen.
-    """
-    n, b = args.grad_accum_steps, args.batch_size
-    idx, targets = dataset.batch(step, n * b, args.seq_len, args.data_order, seed=args.seed)
-    return idx.reshape(n, b, args.seq_len), targets.reshape(n, b, args.seq_len)
-
-
-def _dropout_seeds(seed: int, step: int, micro_batches: int) -> list:
-    # Ranks drop different units of their rows (a single process keeps its seeds).
-    rank, ranks = jnntile.runtime.rank(), jnntile.runtime.world_size()
-    return [_dropout_seed(seed, (step * micro_batches + k) * ranks + rank) for k in range(micro_batches)]
-
-
-def _dropout_seed(seed: int, step: int):
-    return jnp.asarray((seed * 1_000_003 + step) % (2**31 - 1), jnp.int32)
-
-
 def _memory_in_use_mb() -> float:
     ram = [n for n in jnntile.runtime.stats()["nodes"] if n["kind"] == "RAM"]
     return ram[0]["used_bytes"] / 2**20 if ram else 0.0
@@ -650,20 +520,20 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                   file=sys.stderr, flush=True)
         lora.load_peft(model, args.init_lora)
     tx, schedule = _make_optimizer(args)
-    graphdef, params, frozen = _split(model, finetune)
+    graphdef, params, frozen = step_mod.split(model, finetune)
     opt_state = tx.init(params)
     start_step = 0
     metrics_path = out / "metrics.jsonl"
     if resume_from is not None:
         opt_state, record = checkpoint.restore(resume_from, model=model, opt_state=opt_state, finetune=finetune)
-        graphdef, params, frozen = _split(model, finetune)
+        graphdef, params, frozen = step_mod.split(model, finetune)
         start_step = record["step"]
         if lead:
             _truncate_metrics(metrics_path, start_step)
     elif lead:
         _remove_run(out)
 
-    train_step, eval_step = make_steps(graphdef, tx, args.grad_accum_steps, args.fused_update)
+    train_step, eval_step = step_mod.make_steps(graphdef, tx, args.grad_accum_steps, args.fused_update)
     if lead:
         if tiles_note:
             print(tiles_note, flush=True)
@@ -681,11 +551,12 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     def save(step):
         state = {"data_position": step * tokens_per_step, "data_order": args.data_order,
                  "rng": {"seed": args.seed,
-                         "dropout_seed_of_next_step": int(_dropout_seed(args.seed, step * args.grad_accum_steps))},
+                         "dropout_seed_of_next_step":
+                             int(step_mod.dropout_seed(args.seed, step * args.grad_accum_steps))},
                  "args": {k: v for k, v in vars(args).items() if k != "quiet"}, "base": base}
         with _signals_deferred(stop_requested, f"the checkpoint of step {step}"):
-            return checkpoint.save(out, model=_merged(graphdef, params, frozen), opt_state=opt_state, step=step,
-                                   state=state, finetune=finetune)
+            return checkpoint.save(out, model=step_mod.merged(graphdef, params, frozen), opt_state=opt_state,
+                                   step=step, state=state, finetune=finetune)
 
     losses = []
     step = start_step
@@ -706,11 +577,13 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         with (metrics_path if lead else Path(os.devnull)).open("a") as metrics:
             stopping = False
             while step < args.steps and not stopping:
-                idx, targets = (distributed.local_rows(a, axis=1) for a in step_batch(train_data, step, args))
+                idx, targets = (distributed.local_rows(a, axis=1) for a in step_mod.step_batch(
+                    train_data, step, batch_size=args.batch_size, grad_accum_steps=args.grad_accum_steps,
+                    seq_len=args.seq_len, order=args.data_order, seed=args.seed))
                 swapped_before = jnntile.runtime.swap_bytes() if swapping else None
                 started = time.perf_counter()
-                params, opt_state, loss = train_step(params, opt_state, idx, targets,
-                                                     _dropout_seeds(args.seed, step, args.grad_accum_steps), frozen)
+                seeds = step_mod.dropout_seeds(args.seed, step, args.grad_accum_steps)
+                params, opt_state, loss = train_step(params, opt_state, idx, targets, seeds, frozen)
                 # The one blocking read of the step; with several ranks, the mean of theirs (and whether
                 # any rank was asked to stop, so that all stop after the same step).
                 loss, stopping = distributed.mean_and_any(float(loss), bool(stop_requested), "the loss")
@@ -761,7 +634,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     path = save(step) if trained else resume_from
     if trained:
         plot_losses(metrics_path, out / "loss.png")
-    final_model = _merged(graphdef, params, frozen)
+    final_model = step_mod.merged(graphdef, params, frozen)
     if args.export_lora:
         _export(args.export_lora, out, step, lambda d: lora.save_peft(final_model, lora_settings, d,
                                                                       base_model=args.init_from_hf or args.model))

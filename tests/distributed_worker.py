@@ -36,7 +36,7 @@ def train(steps: int, before_step=lambda step: None):
     from jnntile import distributed, optim
     from jnntile.models import gpt2
     from jnntile.models.gpt2.config import GPT2Config
-    from jnntile.train import make_steps
+    from jnntile.step import make_steps
 
     ranks = jnntile.runtime.world_size()
     model = gpt2.GPT2(GPT2Config(**CONFIG), batch_size=BATCH // ranks, seq_len=SEQ, seed=3)

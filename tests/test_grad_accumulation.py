@@ -2,7 +2,7 @@
 
 * `jnntile.value_and_grad(..., accumulate=grads, scale=s)` adds s * the
   gradient to the earlier gradients, in place, under jit; bad uses are refused.
-* N micro-batches of B rows through `jnntile.train.make_steps` give the losses
+* N micro-batches of B rows through `jnntile.step.make_steps` give the losses
   and parameters of one step on the N*B batch, with clipping and AdamW, also
   under a small memory limit with disk swap.
 """
@@ -19,7 +19,7 @@ from flax import nnx
 
 import jnntile
 from jnntile import optim
-from jnntile import train as train_mod
+from jnntile import step as step_mod
 from jnntile.models import gpt2
 from jnntile.models.gpt2.config import GPT2Config
 
@@ -82,7 +82,7 @@ def test_accumulating_into_consumed_or_foreign_gradients_is_refused(rng):
         jnntile.value_and_grad(mlp_loss, accumulate=grads)(params, x)
 
 
-# ---- GPT-2 through jnntile.train.make_steps ------------------------------------------------
+# ---- GPT-2 through jnntile.step.make_steps ------------------------------------------------
 
 CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=512, n_positions=32, tile_batch=1, tile_seq=16,
                     tile_embd=32, tile_heads=2, tile_hidden=128, tile_vocab=256)
@@ -99,7 +99,7 @@ def _train(micro_batches, config=CONFIG):
     opt_state = tx.init(params)
     # "auto": the clipped update runs after the backward without swap; with swap it speculates in the last
     # backward, and after a step that clipped runs after the backward again (its program traced then).
-    train_step, _ = train_mod.make_steps(graphdef, tx, micro_batches, "auto")
+    train_step, _ = step_mod.make_steps(graphdef, tx, micro_batches, "auto")
     losses = []
     for step_rows in rows:
         idx, targets = (a.reshape(micro_batches, -1, T) for a in (step_rows[:, :-1], step_rows[:, 1:]))

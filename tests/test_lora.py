@@ -27,6 +27,7 @@ from flax import nnx
 import jnntile
 from jnntile import checkpoint, lora, nn, planning, tensorfile
 from jnntile import generate as generate_mod
+from jnntile import step as step_mod
 from jnntile import train as train_mod
 from jnntile.models import families
 
@@ -248,7 +249,7 @@ def test_lora_base_in_bfloat16_stays_bitwise_unchanged(dataset, tmp_path):
     tx = jnntile.optim.adamw(1e-2)
     finetune = lora.FineTune(lora=lora.LoRASettings(2, 4.0))
     graphdef, params, frozen = nnx.split(model, finetune.filter(), nnx.Param)
-    step, _ = train_mod.make_steps(graphdef, tx)
+    step, _ = step_mod.make_steps(graphdef, tx)
     opt_state = tx.init(params)
     ids = np.random.default_rng(0).integers(0, 300, (1, 2, 16)).astype(np.int32)
     for _ in range(2):

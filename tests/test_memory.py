@@ -235,14 +235,14 @@ def test_planner_peak_against_the_measured_peak(restore_runtime, clip):
     a gradient tile final early in the backward may be updated, and freed, before the backward ends, as the
     schedule allows: the plan is then an upper bound (measured 0.94-0.99 of it with StarPU 1.4, once AdamW's
     loop vectorised and ran three times faster)."""
-    from jnntile import train as train_mod
+    from jnntile import step as step_mod
 
     _restart(memory_limit_mb=1024, swap_dir=None)
     model = gpt2.GPT2(SWAP_CONFIG, batch_size=B, seq_len=T)
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)) if clip else optim.adamw(1e-2)
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)
-    train_step, _ = train_mod.make_steps(graphdef, tx)
+    train_step, _ = step_mod.make_steps(graphdef, tx)
     jnntile.runtime.wait_all()
     jnntile.runtime.reset_peaks()
     rng = np.random.default_rng(0)
@@ -265,14 +265,14 @@ def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runti
     """Gradients held between micro-batches are in the plan of a micro-batch (activations are one micro-batch's).
     With a clip, as above: no update frees a gradient before the last micro-batch's backward ends."""
 
-    from jnntile import train as train_mod
+    from jnntile import step as step_mod
 
     _restart(memory_limit_mb=1024, swap_dir=None)
     model = gpt2.GPT2(SWAP_CONFIG, batch_size=B, seq_len=T)
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)
-    train_step, _ = train_mod.make_steps(graphdef, tx, grad_accum_steps=2)
+    train_step, _ = step_mod.make_steps(graphdef, tx, grad_accum_steps=2)
     jnntile.runtime.wait_all()
     jnntile.runtime.reset_peaks()
     ids = np.random.default_rng(0).integers(0, SWAP_CONFIG.vocab_size, (2, B, T)).astype(np.int32)

@@ -324,7 +324,7 @@ def test_an_update_writes_the_compute_copy_and_the_next_forward_converts_nothing
 
 # ---- the update fused into the backward (jnntile.optim.FusedUpdate) --------------------------------------
 #
-# jnntile.train.make_steps with an optax.chain of jnntile's updates each parameter inside the backward, as soon as
+# jnntile.step.make_steps with an optax.chain of jnntile's updates each parameter inside the backward, as soon as
 # its gradient is final (after the backward of every op that read it; a recomputed block counts as one).
 # Without a clip that is the same update, earlier. With one it is speculative (written apart, unclipped) and
 # committed once the norm is known; when the norm clips, the clipped step is rebuilt from the moments before
@@ -351,7 +351,7 @@ def _train_gpt2(fuse, max_norm, optimizer="adamw", micro_batches=1, config=None,
     from flax import nnx
 
     from jnntile.models import families
-    from jnntile.train import make_steps
+    from jnntile.step import make_steps
 
     config = config or _fused_config()
     batch = 2

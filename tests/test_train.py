@@ -20,6 +20,7 @@ from conftest import rel_err
 
 from jnntile import data as data_mod
 from jnntile import memory, planning
+from jnntile import step as step_mod
 from jnntile import train as train_mod
 from jnntile.models.families import load_hf
 
@@ -54,7 +55,7 @@ def test_training_writes_metrics_curve_checkpoint_and_samples(dataset, tmp_path,
 
 def _ctrl_c_in_step(monkeypatch, step: int, times: int = 1) -> None:
     """Ctrl-C arrives `times` times while step `step` (counted from 0 in this run) runs."""
-    make_steps = train_mod.make_steps
+    make_steps = step_mod.make_steps
 
     def interrupting_make_steps(graphdef, tx, grad_accum_steps, fused_update):
         train_step, eval_step = make_steps(graphdef, tx, grad_accum_steps, fused_update)
@@ -68,20 +69,20 @@ def _ctrl_c_in_step(monkeypatch, step: int, times: int = 1) -> None:
 
         return run_step, eval_step
 
-    monkeypatch.setattr(train_mod, "make_steps", interrupting_make_steps)
+    monkeypatch.setattr(step_mod, "make_steps", interrupting_make_steps)
 
 
 def test_resume_after_ctrl_c_is_bit_identical(dataset, tmp_path, monkeypatch, capsys):
     args = ["--steps", "6", "--eval-interval", "0", "--samples", "0", "--dropout", "0.1"]
     _run(dataset, tmp_path / "straight", *args)
 
-    make_steps = train_mod.make_steps
+    make_steps = step_mod.make_steps
     _ctrl_c_in_step(monkeypatch, 2)
     summary = _run(dataset, tmp_path / "resumed", *args)
     assert summary["interrupted"] and summary["step"] == 3
     assert "continue with --resume" in capsys.readouterr().out
     assert (tmp_path / "resumed" / "latest").read_text() == "ckpt-0000003"
-    monkeypatch.setattr(train_mod, "make_steps", make_steps)
+    monkeypatch.setattr(step_mod, "make_steps", make_steps)
     _run(dataset, tmp_path / "resumed", *args, "--resume")
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
 
@@ -140,9 +141,8 @@ def test_micro_batches_see_the_rows_of_the_whole_batch(dataset, tmp_path, order)
     assert state["data_position"] == 3 * 4 * 16
     for row in map(json.loads, (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines()):
         assert row["tokens_per_s"] * row["seconds"] == pytest.approx(4 * 16), "a step's tokens: every micro-batch"
-    args = train_mod.parse_args(["--batch-size", "2", "--grad-accum-steps", "3", "--seq-len", "16",
-                                 "--data-order", order])
-    idx, targets = train_mod.step_batch(data_mod.TokenDataset(dataset), 5, args)
+    idx, targets = step_mod.step_batch(data_mod.TokenDataset(dataset), 5, batch_size=2, grad_accum_steps=3, seq_len=16,
+                                       order=order, seed=0)
     whole = data_mod.TokenDataset(dataset).batch(5, 6, 16, order, seed=0)
     np.testing.assert_array_equal(idx.reshape(6, 16), whole[0])
     np.testing.assert_array_equal(targets.reshape(6, 16), whole[1])
