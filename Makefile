@@ -32,7 +32,7 @@ $(PY):
 $(STAMP): $(PY) $(NATIVE_SOURCES) | system-packages
 	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.10" cmake ninja
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
-	# oneMKL on Intel CPUs: faster float32 products than OpenBLAS, and bfloat16 ones on AMX (jnntile/_blas.py).
+	# oneMKL on Intel CPUs: faster float32 products than OpenBLAS, and bfloat16 ones on AMX (jnntile/core/_blas.py).
 	if grep -q GenuineIntel /proc/cpuinfo; then $(PY) -m pip install -q mkl; fi
 	touch $(STAMP)
 

@@ -75,8 +75,9 @@ def _progress(*parts) -> None:
 def worker_train(spec: dict) -> dict:
     """`python -m jnntile.train` with each step's time and swap bytes measured (and its save, when it saves)."""
     import jnntile
-    from jnntile import checkpoint, train
-    from jnntile import step as step_mod
+    from jnntile.training import checkpoint
+    from jnntile import train
+    from jnntile.training import step as step_mod
 
     started = time.perf_counter()
     steps, init = [], {}
@@ -119,7 +120,7 @@ def worker_generate(spec: dict) -> dict:
     """`python -m jnntile.generate` with the weights' load and the decoding timed apart."""
     import jnntile
     from jnntile import generate
-    from jnntile import decoding
+    from jnntile.models import decoding
     from jnntile.models import families
 
     load, gen = {}, {}

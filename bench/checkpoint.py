@@ -60,7 +60,8 @@ def _reset_peak_rss() -> None:
 
 def worker(argv: list[str]) -> dict:
     """Runs the training CLI with its checkpoint calls timed; returns what was measured."""
-    from jnntile import checkpoint, train
+    from jnntile.training import checkpoint
+    from jnntile import train
     from jnntile.models import families
 
     calls, depth = [], []

@@ -348,8 +348,8 @@ def gpu_summary() -> dict:
 
 
 def main(argv=None) -> int:
-    from jnntile.optim import FUSED_UPDATE_CHOICES
-    from jnntile.runtime import SCHEDULERS
+    from jnntile.training.optim import FUSED_UPDATE_CHOICES
+    from jnntile.core.runtime import SCHEDULERS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/gpu/report.json")

@@ -131,10 +131,11 @@ def worker_jnntile(spec) -> dict:
     from flax import nnx
 
     import jnntile
-    from jnntile import optim, planning
+    from jnntile.training import optim
+    from jnntile import planning
     from jnntile.models import gpt2
     from jnntile.ops import _ffi
-    from jnntile.step import make_steps
+    from jnntile.training.step import make_steps
 
     _ffi.RELEASE = spec.get("release", True)
     _ffi.LAZY_ZERO = spec.get("release", True)
@@ -285,7 +286,7 @@ def table_ab(model, B, T, limit, steps, swap_dir, bandwidth) -> float:
     """
     from jnntile import planning
     from jnntile.models.gpt2.config import GPT2Config
-    from jnntile.runtime import SWAP_BACKENDS, RuntimeConfig
+    from jnntile.core.runtime import SWAP_BACKENDS, RuntimeConfig
 
     plan = planning.plan(planning.StepSpec(GPT2Config(**model), B, T), workers=2)
     swap_mb = plan.swap_needed_mb(limit) + 256

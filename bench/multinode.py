@@ -49,7 +49,7 @@ def _thread_cpu_s() -> dict[str, float]:
 def measure(workers: int, schedule: str, steps: int) -> dict:
     """Runs on every rank: this rank's numbers for `steps` steps after two warm-up steps."""
     import jnntile
-    from jnntile import distributed
+    from jnntile.core import distributed
     from jnntile.models.gpt2.config import GPT2Config
     from steps import jnntile_step, step_seconds
 

@@ -18,11 +18,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jnntile import distributed, optim
+from jnntile.core import distributed
+from jnntile.training import optim
 from jnntile.models import families, gpt2, llama
 from jnntile.models.gpt2 import reference as gpt2_reference
 from jnntile.models.llama import reference as llama_reference
-from jnntile.step import make_steps
+from jnntile.training.step import make_steps
 
 LEARNING_RATE = 1e-4
 MAX_NORM = 1.0

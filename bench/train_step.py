@@ -21,7 +21,7 @@ the last two under each row.
 
 jnntile's matrix products (and attention's) run oneMKL on Intel CPUs where the
 `mkl` package is installed (`make setup` installs it there), else OpenBLAS
-(jnntile/_blas.py); XLA runs its own. The report names the BLAS (`blas`:
+(jnntile/core/_blas.py); XLA runs its own. The report names the BLAS (`blas`:
 "oneMKL", or OpenBLAS's kernel family; --profile prints it under each row).
 """
 

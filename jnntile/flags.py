@@ -12,7 +12,8 @@ import argparse
 import dataclasses
 import math
 
-from jnntile import optim, runtime
+from jnntile.training import optim
+from jnntile.core import runtime
 from jnntile.models import COMPUTE_DTYPES, REMAT_CHOICES, TILE_AXES, families
 from jnntile.planning import Limits, StepSpec
 
@@ -207,7 +208,7 @@ def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
 
 def finetune_settings(args):
     """The `jnntile.lora.FineTune` the flags ask for."""
-    from jnntile import lora
+    from jnntile.training import lora
 
     settings = None
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None

@@ -33,7 +33,9 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, decoding, flags, lora, nn, planning
+from jnntile.training import checkpoint, lora
+from jnntile.models import decoding
+from jnntile import flags, nn, planning
 from jnntile import data as data_mod
 from jnntile.models import families
 

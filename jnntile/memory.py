@@ -11,9 +11,10 @@ import argparse
 import dataclasses
 import sys
 
-from jnntile import flags, runtime
+from jnntile import flags
+from jnntile.core import runtime
 from jnntile.models import families
-from jnntile.optim import OPTIMIZER_STATES
+from jnntile.training.optim import OPTIMIZER_STATES
 from jnntile.planning import MB, MemoryPlan, fit, plan
 
 

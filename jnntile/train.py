@@ -3,7 +3,7 @@
 With no arguments it trains the `tiny` preset on the built-in corpus (the
 Python standard library's sources, tokenized on first use) for a few minutes
 and prints samples. Every run writes to --out: metrics.jsonl (one JSON object
-per step), loss.png, and checkpoints (see jnntile/checkpoint.py). --resume
+per step), loss.png, and checkpoints (see jnntile/training/checkpoint.py). --resume
 continues from the latest checkpoint bit-identically: batches and dropout
 masks are pure functions of (seed, step). --model picks a preset of any
 family (jnntile.models.families); --init-from-hf starts from a Hugging Face
@@ -38,8 +38,11 @@ import optax
 from tqdm import tqdm
 
 import jnntile
-from jnntile import checkpoint, decoding, distributed, flags, lora, nn, optim, planning
-from jnntile import step as step_mod
+from jnntile.training import checkpoint, lora, optim
+from jnntile.models import decoding
+from jnntile.core import distributed
+from jnntile import flags, nn, planning
+from jnntile.training import step as step_mod
 from jnntile import data as data_mod
 from jnntile.models import families
 

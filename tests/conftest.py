@@ -17,7 +17,7 @@ REFERENCE_MATMUL_PRECISION = "highest"
 def pytest_configure(config):
     import jax
 
-    from jnntile import runtime
+    from jnntile.core import runtime
 
     jax.config.update("jax_default_matmul_precision", REFERENCE_MATMUL_PRECISION)
     runtime.configure(**SUITE_RUNTIME)
@@ -232,9 +232,9 @@ def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0
     of a GPT-2 on random tokens."""
     from flax import nnx
 
-    from jnntile import optim
+    from jnntile.training import optim
     from jnntile.models import gpt2
-    from jnntile.step import make_steps
+    from jnntile.training.step import make_steps
 
     model = gpt2.GPT2(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -255,7 +255,7 @@ def train_steps(config, steps: int, batch_size: int, seq_len: int, seed: int = 0
 
 def cuda_skip_reason() -> str | None:
     """Why CUDA kernels cannot run here, or None when a GPU can run them."""
-    from jnntile import runtime
+    from jnntile.core import runtime
 
     if not runtime.HAS_CUDA:
         return "jnntile is built against a StarPU without CUDA (`make test-gpu` builds one with CUDA)"
@@ -297,7 +297,7 @@ def restart_runtime(**settings) -> None:
     """Restarts the runtime with `settings` changed (nothing happens when they are already in force)."""
     import dataclasses
 
-    from jnntile import runtime
+    from jnntile.core import runtime
 
     if dataclasses.replace(runtime.config(), **settings) == runtime.config():
         return
@@ -314,7 +314,7 @@ def placement(request):
     ones; CUDA products run in FP32 (matmul_precision="highest") for that. Without
     a GPU the "cuda" half is skipped with the reason.
     """
-    from jnntile import runtime
+    from jnntile.core import runtime
 
     if request.param == "cuda" and cuda_skip_reason():
         pytest.skip(cuda_skip_reason())

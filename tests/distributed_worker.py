@@ -33,10 +33,11 @@ def train(steps: int, before_step=lambda step: None):
     from flax import nnx
 
     import jnntile
-    from jnntile import distributed, optim
+    from jnntile.core import distributed
+    from jnntile.training import optim
     from jnntile.models import gpt2
     from jnntile.models.gpt2.config import GPT2Config
-    from jnntile.step import make_steps
+    from jnntile.training.step import make_steps
 
     ranks = jnntile.runtime.world_size()
     model = gpt2.GPT2(GPT2Config(**CONFIG), batch_size=BATCH // ranks, seq_len=SEQ, seed=3)
@@ -60,7 +61,7 @@ def train(steps: int, before_step=lambda step: None):
 def _misuse_errors() -> list[str]:
     """What adamw says to gradients of this rank alone, and allreduce_sum to gradients summed already."""
     import jnntile
-    from jnntile import optim
+    from jnntile.training import optim
     from jnntile.ops import elementwise as ew
 
     w = jnntile.from_array(np.ones((4, 4), np.float32), (2, 2))

@@ -27,7 +27,9 @@ from conftest import emulated_gpu
 from flax import nnx
 
 import jnntile
-from jnntile import checkpoint, optim, planning, tensorfile
+from jnntile.training import checkpoint, optim
+from jnntile import planning
+from jnntile.io import tensorfile
 from jnntile import data as data_mod
 from jnntile.models import families, gpt2
 from jnntile.models.gpt2.config import GPT2Config

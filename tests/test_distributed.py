@@ -20,7 +20,8 @@ from conftest import assert_trained_params_close, rel_err
 
 import distributed_worker
 import jnntile
-from jnntile import distributed, optim
+from jnntile.core import distributed
+from jnntile.training import optim
 from jnntile import train as train_mod
 
 MPIRUN = shutil.which("mpirun")

@@ -31,14 +31,14 @@ import jnntile
 from jnntile import data as data_mod
 from jnntile import generate as generate_mod
 from jnntile import train as train_mod
-from jnntile import decoding
+from jnntile.models import decoding
 from jnntile.models import gpt2
 from jnntile.models.gpt2 import reference as ref
 from jnntile.models.gpt2.config import GPT2Config
 from jnntile.models.families import load_hf
 from jnntile.ops import attention
 from jnntile.ops import values as values_ops
-from jnntile.tensor import pack
+from jnntile.core.tensor import pack
 
 FIXTURE = Path(__file__).parent / "data" / "hf_tiny_gpt2"
 ROOT = Path(__file__).resolve().parent.parent

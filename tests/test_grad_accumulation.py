@@ -18,8 +18,8 @@ from conftest import assert_trained_params_close, mlp_loss, mlp_params, mlp_prob
 from flax import nnx
 
 import jnntile
-from jnntile import optim
-from jnntile import step as step_mod
+from jnntile.training import optim
+from jnntile.training import step as step_mod
 from jnntile.models import gpt2
 from jnntile.models.gpt2.config import GPT2Config
 

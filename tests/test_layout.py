@@ -101,3 +101,14 @@ def test_the_native_runtime_includes_nothing_above_it():
     for name in runtime:
         included = set(re.findall(r'^#include "([^"]+)"', (native / name).read_text(), re.MULTILINE))
         assert included <= allowed, f"xla_ffi/{name} includes {sorted(included - allowed)}"
+
+
+def test_public_module_names_are_their_layers_modules():
+    """Users import the short names (`import jnntile.optim`, `from jnntile.runtime import configure`): each is the
+    module of its layer's folder, one object under both names."""
+    import importlib
+
+    for name, module in jnntile.PUBLIC_MODULES.items():
+        assert importlib.import_module(f"jnntile.{name}") is module
+        assert getattr(jnntile, name) is module
+        assert module.__name__.count(".") == 2, f"jnntile.{name} is {module.__name__}, not a module of a layer"

@@ -23,9 +23,9 @@ from conftest import BFLOAT16_MODEL_TOL, PACKED_TILE_SEQS, check_packed_against_
 from flax import nnx
 
 import jnntile
-from jnntile import checkpoint, optim
+from jnntile.training import checkpoint, optim
 from jnntile import data as data_mod
-from jnntile import decoding
+from jnntile.models import decoding
 from jnntile import generate as generate_mod
 from jnntile import train as train_mod
 from jnntile.models import families, loss_and_grads

@@ -25,9 +25,11 @@ from conftest import BFLOAT16_TOL
 from flax import nnx
 
 import jnntile
-from jnntile import checkpoint, lora, nn, planning, tensorfile
+from jnntile.training import checkpoint, lora
+from jnntile import nn, planning
+from jnntile.io import tensorfile
 from jnntile import generate as generate_mod
-from jnntile import step as step_mod
+from jnntile.training import step as step_mod
 from jnntile import train as train_mod
 from jnntile.models import families
 

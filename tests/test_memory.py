@@ -29,9 +29,10 @@ from flax import nnx
 from conftest import train_steps
 
 import jnntile
-from jnntile import flags, memory, optim, planning
+from jnntile import flags, memory, planning
+from jnntile.training import optim
 from jnntile import train as train_mod
-from jnntile.ledger import LEDGER
+from jnntile.core.ledger import LEDGER
 from jnntile.models import gpt2
 from jnntile.models.gpt2.config import GPT2Config
 from jnntile.ops import values
@@ -174,7 +175,7 @@ def test_optimizer_consumes_gradients(rng):
 
 
 def test_reading_a_tensor_nothing_wrote_raises_clearly():
-    from jnntile import tensor as tensor_mod
+    from jnntile.core import tensor as tensor_mod
 
     handle = tensor_mod.new_handle((4, 4), "float32", (2, 2))
     with pytest.raises(ValueError, match="before anything wrote it"):
@@ -198,7 +199,7 @@ TINY = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=2048, n_positions=
 def test_planner_counts_what_a_traced_step_creates(restore_runtime, dtype):
     """The planner's activations are exactly the tensors a jitted step of jnntile/models/gpt2/model.py creates,
     in bytes of their dtypes (bfloat16: the activations and weight copies; the parameters stay float32)."""
-    from jnntile import tensor as tensor_mod
+    from jnntile.core import tensor as tensor_mod
 
     _restart(memory_limit_mb=1024, swap_dir=None)
     config = dataclasses.replace(TINY, dtype=dtype)
@@ -235,7 +236,7 @@ def test_planner_peak_against_the_measured_peak(restore_runtime, clip):
     a gradient tile final early in the backward may be updated, and freed, before the backward ends, as the
     schedule allows: the plan is then an upper bound (measured 0.94-0.99 of it with StarPU 1.4, once AdamW's
     loop vectorised and ran three times faster)."""
-    from jnntile import step as step_mod
+    from jnntile.training import step as step_mod
 
     _restart(memory_limit_mb=1024, swap_dir=None)
     model = gpt2.GPT2(SWAP_CONFIG, batch_size=B, seq_len=T)
@@ -265,7 +266,7 @@ def test_planner_peak_with_micro_batches_against_the_measured_peak(restore_runti
     """Gradients held between micro-batches are in the plan of a micro-batch (activations are one micro-batch's).
     With a clip, as above: no update frees a gradient before the last micro-batch's backward ends."""
 
-    from jnntile import step as step_mod
+    from jnntile.training import step as step_mod
 
     _restart(memory_limit_mb=1024, swap_dir=None)
     model = gpt2.GPT2(SWAP_CONFIG, batch_size=B, seq_len=T)
@@ -578,7 +579,8 @@ def test_task_larger_than_the_limit_is_refused_then_caught_by_the_watchdog(tmp_p
     script = f"""
         import argparse, numpy as np, jnntile
         from flax import nnx
-        from jnntile import flags, memory, optim, planning
+        from jnntile import flags, memory, planning
+        from jnntile.training import optim
         from jnntile.models import gpt2, loss_and_grads
         parser = argparse.ArgumentParser()
         memory.add_arguments(parser)

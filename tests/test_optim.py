@@ -8,7 +8,7 @@ import pytest
 from conftest import mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err
 
 import jnntile
-from jnntile import optim
+from jnntile.training import optim
 
 # Every test runs with the CPU kernels, then with the CUDA ones where a GPU is present.
 pytestmark = pytest.mark.usefixtures("placement")
@@ -297,7 +297,7 @@ def test_an_update_writes_the_compute_copy_and_the_next_forward_converts_nothing
     import ml_dtypes
     import numpy as np
 
-    from jnntile import tensorfile
+    from jnntile.io import tensorfile
 
     arrays, _, params, x, state, step = _mlp_training(rng, tx, _bfloat16_mlp_loss)
 
@@ -351,7 +351,7 @@ def _train_gpt2(fuse, max_norm, optimizer="adamw", micro_batches=1, config=None,
     from flax import nnx
 
     from jnntile.models import families
-    from jnntile.step import make_steps
+    from jnntile.training.step import make_steps
 
     config = config or _fused_config()
     batch = 2
@@ -453,7 +453,7 @@ def test_the_fused_update_that_clips_in_bfloat16_with_micro_batches_and_on_llama
 @pytest.mark.parametrize("clip", ["clips", "does-not-clip"])
 def test_the_fused_update_under_a_small_memory_limit_with_swap(clip, placement, tmp_path, restore_runtime):
     """Shadows, exchanged tiles and the commit's invalidations through StarPU's eviction to disk."""
-    from jnntile import runtime
+    from jnntile.core import runtime
 
     losses, params, _, _ = _train_gpt2(False, FUSED_CLIPS[clip])
     runtime.stop()
@@ -488,7 +488,7 @@ def test_only_a_chain_of_jnntile_transformations_fuses_and_auto_speculates_only_
 
 def test_auto_does_not_speculate_right_after_a_step_that_clipped(tmp_path, restore_runtime):
     """With disk swap and a clip, "auto" speculates unless the last step's norm clipped; "on" always does."""
-    from jnntile import runtime
+    from jnntile.core import runtime
 
     runtime.stop()
     jnntile.release_traced()

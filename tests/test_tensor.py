@@ -113,7 +113,7 @@ def test_packed_tensors_cross_jit_as_one_token(rng):
     inside see every Tensor's tiles written before the call, the tree comes back with its handles, and the
     program compiles once for the same Tensors."""
     from jnntile.ops import elementwise
-    from jnntile.tensor import pack
+    from jnntile.core.tensor import pack
 
     a_np, b_np = rng.standard_normal((5, 6)).astype(np.float32), rng.standard_normal((5, 6)).astype(np.float32)
     # Eager writes, maybe still pending when packed: pack waits for their tokens.
@@ -135,7 +135,7 @@ def test_packed_tensors_cross_jit_as_one_token(rng):
 
 
 def test_pack_needs_a_tensor():
-    from jnntile.tensor import pack
+    from jnntile.core.tensor import pack
 
     with pytest.raises(ValueError, match="holds no Tensor"):
         pack({"count": jnp.int32(0)})
@@ -155,7 +155,7 @@ def test_empty_tensor_holds_nothing_until_written(rng):
     with pytest.raises(ValueError, match="read before anything wrote it"):
         t.numpy()
     array = rng.standard_normal((6, 12)).astype(np.float32)
-    from jnntile import tensorfile
+    from jnntile.io import tensorfile
 
     np.testing.assert_array_equal(tensorfile.load_into(t, array).numpy(), array)
 

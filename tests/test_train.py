@@ -20,7 +20,7 @@ from conftest import rel_err
 
 from jnntile import data as data_mod
 from jnntile import memory, planning
-from jnntile import step as step_mod
+from jnntile.training import step as step_mod
 from jnntile import train as train_mod
 from jnntile.models.families import load_hf
 

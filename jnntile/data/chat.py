@@ -28,7 +28,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from jnntile import jsonfile
+from jnntile.io import jsonfile
 
 ROLES = ("system", "user", "assistant")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

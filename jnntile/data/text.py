@@ -46,7 +46,7 @@ import numpy as np
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
-from jnntile import jsonfile
+from jnntile.io import jsonfile
 
 END_OF_TEXT = "<|endoftext|>"
 # Token ids are stored as uint16, as nanoGPT's files, where the vocabulary allows; a pretrained tokenizer of

@@ -12,14 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jnntile
-from jnntile import nn, runtime, tensorfile
-from jnntile.decoding import KVCache
+from jnntile import nn
+from jnntile.core import runtime
+from jnntile.io import tensorfile
+from jnntile.models.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import loss as loss_ops
+from jnntile.ops import values as values_ops
 from jnntile.models import hf
-from jnntile.tensor import FLOAT_DTYPES, Tensor
+from jnntile.core.tensor import FLOAT_DTYPES, Tensor
 
 # The logical axes a model cuts into tiles, each with a tile_<axis> field on its config (None: automatic).
 # tile_heads counts heads per tile; tile_hidden is the MLP's hidden axis.
@@ -208,7 +210,7 @@ class LanguageModel(nnx.Module):
             if allow_ignore:
                 checked = checked[checked != ignore_index]
             embedding_ops.check_ids(checked, self.config.vocab_size)
-        return jnntile.from_array(jnp.asarray(ids, jnp.int32) if isinstance(ids, jax.Array) else
+        return values_ops.from_array(jnp.asarray(ids, jnp.int32) if isinstance(ids, jax.Array) else
                                   np.asarray(ids, np.int32), (self.tiles.batch, self.tiles.seq))
 
     def packing_tensors(self, segments, positions) -> Packing:
@@ -225,7 +227,7 @@ class LanguageModel(nnx.Module):
                              f"{int(np.min(positions))} .. {int(np.max(positions))}")
         rows = (self.tiles.batch, self.tiles.seq)
         return Packing(attention_ops.documents(jnp.asarray(segments, jnp.int32), rows),
-                       jnntile.from_array(jnp.asarray(positions, jnp.int32), rows))
+                       values_ops.from_array(jnp.asarray(positions, jnp.int32), rows))
 
     @staticmethod
     def check_packing(packing: Packing | None, cache) -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jnntile import jsonfile
-from jnntile.tensorfile import FileTensor, SafetensorsFile, checked_parameters, write_atomically, write_file
+from jnntile.io import jsonfile
+from jnntile.io.tensorfile import FileTensor, SafetensorsFile, checked_parameters, write_atomically, write_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

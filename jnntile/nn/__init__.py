@@ -38,14 +38,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-import jnntile
+from jnntile.core import grad as grad_mod
+from jnntile.core.tensor import FLOAT_DTYPES
 from jnntile.ops import values as values_ops
 from jnntile.ops import dropout as dropout_ops
 from jnntile.ops import elementwise as elementwise_ops
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import gemm
 from jnntile.ops import layernorm as layernorm_ops
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 _initialize = True
@@ -74,8 +75,8 @@ def base_dtype(dtype: str):
     (`trainable`), which no optimizer updates, so it needs no float32 master. Initial values are the float32
     ones rounded (drawn tile by tile); a loader writes the file's values rounded."""
     global _linear_weight_dtype
-    if dtype not in jnntile.tensor.FLOAT_DTYPES:
-        raise ValueError(f"base_dtype: {dtype!r} is not one of {jnntile.tensor.FLOAT_DTYPES}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"base_dtype: {dtype!r} is not one of {FLOAT_DTYPES}")
     saved, _linear_weight_dtype = _linear_weight_dtype, dtype
     try:
         yield
@@ -86,7 +87,7 @@ def base_dtype(dtype: str):
 def _param(initial: Callable[[], Tensor], shape, tile_shape, dtype: str = "float32",
            kind: type = nnx.Param) -> nnx.Param:
     """A `kind` parameter holding `initial()` (of `dtype`), or an empty one inside `uninitialized()`."""
-    return kind(initial() if _initialize else jnntile.empty(shape, dtype, tile_shape=tile_shape))
+    return kind(initial() if _initialize else values_ops.empty(shape, dtype, tile_shape=tile_shape))
 
 
 def compute_copy(weight: Tensor, dtype: str) -> Tensor:
@@ -117,10 +118,10 @@ class Linear(nnx.Module):
         self.weight_out_first = weight_out_first
         shape = out_shape + in_shape if weight_out_first else in_shape + out_shape
         weight_tiles = tuple(out_tiles) + tuple(in_tiles) if weight_out_first else tuple(in_tiles) + tuple(out_tiles)
-        self.weight = _param(lambda: jnntile.random_normal(shape, param_seed(seed, name + ".weight"), std=std,
+        self.weight = _param(lambda: values_ops.random_normal(shape, param_seed(seed, name + ".weight"), std=std,
                                                            tile_shape=weight_tiles, dtype=_linear_weight_dtype),
                              shape, weight_tiles, _linear_weight_dtype)
-        self.bias = _param(lambda: jnntile.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
+        self.bias = _param(lambda: values_ops.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
                            tuple(out_tiles)) if use_bias else None
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
@@ -160,10 +161,10 @@ class LoRA(nnx.Module):
             a_shape, a_tiles = (*in_shape, rank), (*in_tiles, rank)
             b_shape, b_tiles = (rank, *out_shape), (rank, *out_tiles)
         bound = 1.0 / float(np.sqrt(np.prod(in_shape)))
-        self.lora_a = _param(lambda: jnntile.random_uniform(a_shape, param_seed(seed, name + ".lora_A"), -bound,
+        self.lora_a = _param(lambda: values_ops.random_uniform(a_shape, param_seed(seed, name + ".lora_A"), -bound,
                                                             bound, tile_shape=a_tiles),
                              a_shape, a_tiles, kind=nnx.LoRAParam)
-        self.lora_b = _param(lambda: jnntile.zeros(b_shape, tile_shape=b_tiles), b_shape, b_tiles,
+        self.lora_b = _param(lambda: values_ops.zeros(b_shape, tile_shape=b_tiles), b_shape, b_tiles,
                              kind=nnx.LoRAParam)
 
     @property
@@ -225,8 +226,8 @@ class LayerNorm(nnx.Module):
 
     def __init__(self, features: int, *, tile: int, eps: float = 1e-5):
         self.eps = float(eps)
-        self.weight = _param(lambda: jnntile.full((features,), 1.0, tile_shape=(tile,)), (features,), (tile,))
-        self.bias = _param(lambda: jnntile.zeros((features,), tile_shape=(tile,)), (features,), (tile,))
+        self.weight = _param(lambda: values_ops.full((features,), 1.0, tile_shape=(tile,)), (features,), (tile,))
+        self.bias = _param(lambda: values_ops.zeros((features,), tile_shape=(tile,)), (features,), (tile,))
 
     def __call__(self, x: Tensor) -> Tensor:
         return layernorm_ops.layer_norm(x, self.weight.get_value(), self.bias.get_value(), self.eps)
@@ -237,7 +238,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, features: int, *, tile: int, eps: float = 1e-6):
         self.eps = float(eps)
-        self.weight = _param(lambda: jnntile.full((features,), 1.0, tile_shape=(tile,)), (features,), (tile,))
+        self.weight = _param(lambda: values_ops.full((features,), 1.0, tile_shape=(tile,)), (features,), (tile,))
 
     def __call__(self, x: Tensor) -> Tensor:
         return layernorm_ops.rms_norm(x, self.weight.get_value(), self.eps)
@@ -249,7 +250,7 @@ class Embedding(nnx.Module):
     def __init__(self, num_embeddings: int, features: int, *, tiles, seed: int, name: str, std: float = 0.02,
                  dtype: str = "float32"):
         self.dtype = dtype
-        self.weight = _param(lambda: jnntile.random_normal((num_embeddings, features),
+        self.weight = _param(lambda: values_ops.random_normal((num_embeddings, features),
                                                            param_seed(seed, name + ".weight"), std=std,
                                                            tile_shape=tuple(tiles)),
                              (num_embeddings, features), tuple(tiles))
@@ -301,7 +302,7 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False, *, keep_activations
         def pure(params, *args, **kwargs):  # the rest (frozen parameters) gets no gradient companion at all
             return loss_fn(nnx.merge(graphdef, params, rest), *args, **kwargs)
 
-        return jnntile.value_and_grad(pure, has_aux=has_aux, keep_activations=keep_activations,
+        return grad_mod.value_and_grad(pure, has_aux=has_aux, keep_activations=keep_activations,
                                       accumulate=accumulate, scale=scale)(params, *args, **kwargs)
 
     return wrapped
@@ -311,7 +312,7 @@ def recomputed(module: nnx.Module, *args):
     """`module(*args)` (one output Tensor) recomputed in the backward pass (`jnntile.remat`): between the
     forward and the backward only its input and output live, not its activations."""
     graphdef, state = nnx.split(module)
-    return jnntile.remat(lambda state, *args: nnx.merge(graphdef, state)(*args))(state, *args)
+    return grad_mod.remat(lambda state, *args: nnx.merge(graphdef, state)(*args))(state, *args)
 
 
 def tensors(state) -> list[Tensor]:

@@ -54,9 +54,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jnntile import tensor as tensor_mod
-from jnntile.ledger import LEDGER
-from jnntile.tensor import Tensor, _Handle
+from jnntile.core import tensor as tensor_mod
+from jnntile.core.ledger import LEDGER
+from jnntile.core.tensor import Tensor, _Handle
 
 TOKEN = jax.ShapeDtypeStruct((), jnp.float32)
 

@@ -41,10 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops import values
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, on_host, release, tile_bytes
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 @jax.tree_util.register_dataclass

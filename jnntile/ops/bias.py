@@ -7,9 +7,9 @@ here sums a bias's gradient where those tasks cannot (a frozen weight).
 
 from __future__ import annotations
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 def _check(x: Tensor, b: Tensor):

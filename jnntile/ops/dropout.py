@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops._ffi import call, differentiable, grad_target, release
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 def _forward(x, seed, rate, zero_grad):

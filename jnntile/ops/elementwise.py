@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from jnntile import _xla_ffi
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops._ffi import accumulate, call, differentiable, fresh_targets, grad_target, release, tile_bytes
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 # name (a member of _xla_ffi.Unary): jnp reference
 UNARY = {

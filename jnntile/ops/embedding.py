@@ -18,10 +18,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops import values
 from jnntile.ops._ffi import call, differentiable, grad_target, release
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 def check_ids(ids, vocab_size: int) -> None:

@@ -8,9 +8,9 @@ both, and they are separate tiles) and returns silu(gate) * up, (..., I) tiled
 
 from __future__ import annotations
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release, tile_bytes
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 def _forward(x, zero_grad):

@@ -9,10 +9,10 @@ by the product's own tasks.
 
 from __future__ import annotations
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops import bias as bias_ops
 from jnntile.ops._ffi import accumulate, call, differentiable, fresh_targets, grad_target, release
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 def layout(a: Tensor, b: Tensor, trans_a, trans_b, ndim, batch_ndim):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release, tile_bytes
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 def _check(op: str, x: Tensor, params: dict, eps: float):

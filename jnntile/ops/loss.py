@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release, tile_bytes
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 def _check(logits: Tensor, targets: Tensor, ignore_index) -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops._ffi import call, differentiable, grad_target, release
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 def _forward(x, take_sqrt, zero_grad):

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jnntile import _xla_ffi
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target, release
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 MAX_HEAD_DIM = _xla_ffi.rotary_max_head_dim  # kernels/rotary.h: the frequencies travel with each task
 

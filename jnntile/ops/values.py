@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jnntile import _xla_ffi
-from jnntile import tensor as tensor_mod
-from jnntile.ledger import LEDGER
+from jnntile.core import tensor as tensor_mod
+from jnntile.core.ledger import LEDGER
 from jnntile.ops import _ffi
 from jnntile.ops._ffi import after, call, differentiable, grad_target, join, release
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 
 def dtype_name(dtype) -> str:

@@ -10,9 +10,9 @@ import dataclasses
 import functools
 import math
 
-from jnntile import runtime
+from jnntile.core import runtime
 from jnntile.models import Tiles, resolve_tiles
-from jnntile.optim import OPTIMIZER_STATES, UPDATE_MODES
+from jnntile.training.optim import OPTIMIZER_STATES, UPDATE_MODES
 from jnntile.planning import record, swap, timeline
 from jnntile.planning.record import RecordedStep, T
 from jnntile.planning.spec import Limits, StepSpec

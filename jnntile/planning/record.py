@@ -10,7 +10,7 @@ import math
 import numpy as np
 from flax import nnx
 
-from jnntile import tensor as tensor_mod
+from jnntile.core import tensor as tensor_mod
 from jnntile.models import TILE_AXES, families
 from jnntile.ops import _ffi
 

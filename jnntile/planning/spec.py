@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jnntile import runtime
+from jnntile.core import runtime
 
 
 @dataclasses.dataclass(frozen=True)

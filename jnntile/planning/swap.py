@@ -7,7 +7,7 @@ import collections
 import dataclasses
 import heapq
 
-from jnntile.optim import OPTIMIZER_STATES
+from jnntile.training.optim import OPTIMIZER_STATES
 from jnntile.planning.record import Op, RecordedStep, T
 from jnntile.planning import timeline
 

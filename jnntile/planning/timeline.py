@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 
-from jnntile.optim import OPTIMIZER_STATES
+from jnntile.training.optim import OPTIMIZER_STATES
 from jnntile.planning.record import RecordedStep
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from jnntile.ops import values as values_ops
-from jnntile.tensorfile import FileTensor, Reshaped, Stacked
+from jnntile.io.tensorfile import FileTensor, Reshaped, Stacked
 
 from .config import GPT2Config
 

@@ -16,11 +16,11 @@ import numpy as np
 from flax import nnx
 
 from jnntile import nn
-from jnntile.decoding import KVCache
+from jnntile.models.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import elementwise as ew
 from jnntile.ops import embedding as embedding_ops
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 from jnntile.models import LanguageModel, Packing, Tiles, recomputed_blocks, resolve_tiles
 

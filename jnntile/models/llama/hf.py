@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jnntile.tensorfile import Derived, Reshaped, Stacked
+from jnntile.io.tensorfile import Derived, Reshaped, Stacked
 
 from .config import LlamaConfig
 

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jnntile import nn
-from jnntile.decoding import KVCache
+from jnntile.models.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import gated
 from jnntile.ops import rotary as rotary_ops
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 from jnntile.models import LanguageModel, Packing, Tiles, recomputed_blocks, resolve_tiles
 

@@ -23,7 +23,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 
-from jnntile import _blas
+from jnntile.core import _blas
 
 _blas.configure_openblas()  # must run before the native module loads OpenBLAS
 _blas.configure_mkl()
@@ -458,7 +458,7 @@ def describe() -> str:
 
 
 def blas_core() -> str:
-    """The CPU BLAS in use: "oneMKL", or the OpenBLAS kernel family (see jnntile/_blas.py)."""
+    """The CPU BLAS in use: "oneMKL", or the OpenBLAS kernel family (see jnntile/core/_blas.py)."""
     return _xla_ffi.blas_core()
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jnntile import jsonfile, nn, tensorfile
+from jnntile.io import jsonfile, tensorfile
+from jnntile import nn
 from jnntile.models import families
 from jnntile.ops import values as values_ops
 

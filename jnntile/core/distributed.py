@@ -21,7 +21,8 @@ import json
 import os
 import struct
 
-from jnntile import _xla_ffi, runtime
+from jnntile import _xla_ffi
+from jnntile.core import runtime
 
 
 @dataclasses.dataclass(frozen=True)

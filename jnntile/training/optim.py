@@ -32,14 +32,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import jnntile
-from jnntile import distributed, runtime
-from jnntile import tensor as tensor_mod
-from jnntile.grad import grad_of
-from jnntile.ledger import LEDGER
+from jnntile.core import distributed, runtime
+from jnntile.core import tensor as tensor_mod
+from jnntile.core.grad import grad_of
+from jnntile.core.ledger import LEDGER
 from jnntile.ops import _ffi
+from jnntile.ops import values as values_ops
 from jnntile.ops._ffi import call
-from jnntile.tensor import Gradient, Tensor
+from jnntile.core.tensor import Gradient, Tensor
 
 
 def _is_tensor(x) -> bool:
@@ -159,7 +159,7 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
     state_type = _declared(AdamWState, rule)
 
     def init(params):
-        zeros = lambda p: jnntile.zeros(p.shape, tile_shape=p.tile_shape)  # noqa: E731
+        zeros = lambda p: values_ops.zeros(p.shape, tile_shape=p.tile_shape)  # noqa: E731
         return state_type(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params, is_leaf=_is_tensor),
                           nu=jax.tree.map(zeros, params, is_leaf=_is_tensor))
 

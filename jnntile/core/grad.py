@@ -15,11 +15,11 @@ from typing import Callable, Sequence
 
 import jax
 
-from jnntile import tensor as tensor_mod
-from jnntile.ledger import LEDGER
+from jnntile.core import tensor as tensor_mod
+from jnntile.core.ledger import LEDGER
 from jnntile.ops import _ffi, values
 from jnntile.ops._ffi import call
-from jnntile.tensor import Gradient, Tensor
+from jnntile.core.tensor import Gradient, Tensor
 
 
 def _is_tensor(x) -> bool:

@@ -46,12 +46,12 @@ import numpy as np
 from flax import nnx
 
 from jnntile import nn
-from jnntile.ledger import LEDGER
+from jnntile.core.ledger import LEDGER
 from jnntile.ops import _ffi
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import values as values_ops
 from jnntile.ops import embedding as embedding_ops
-from jnntile.tensor import Tensor, pack
+from jnntile.core.tensor import Tensor, pack
 
 DEFAULT_PREFILL_CHUNK = 32
 

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import jnntile
-from jnntile import optim
-from jnntile.grad import mark_computed
-from jnntile.tensor import pack
+from jnntile.core import runtime
+from jnntile.training import optim
+from jnntile.core.grad import mark_computed, value_and_grad
+from jnntile.core.tensor import pack
+from jnntile.ops import values
 
 
 def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "auto"):
@@ -39,18 +40,18 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     `jnntile.optim.update_mode`) says so; under "auto", a step after one whose
     norm clipped updates after the backward. Every mode gives the same bits.
 
-    In a distributed run (`jnntile.runtime.world_size()` N > 1) each rank
+    In a distributed run (`runtime.world_size()` N > 1) each rank
     passes its own rows of the step's batch (`jnntile.distributed.local_rows`)
     and its own dropout seeds: the gradients are scaled by 1/N more and summed
     over the ranks (`jnntile.optim.allreduce_sum`) before `tx`, so every rank
     applies the update of the whole batch. The loss returned is this rank's;
     `jnntile.distributed.mean_and_any` averages it over the ranks.
     """
-    scale = 1.0 / (grad_accum_steps * jnntile.runtime.world_size())
+    scale = 1.0 / (grad_accum_steps * runtime.world_size())
     summed = optim.allreduce_sum()
 
     def gradients(params, grads, idx, targets, dropout_seed, frozen, on_final=None):
-        return jnntile.value_and_grad(lambda p: merged(graphdef, p, frozen).loss(idx, targets, dropout_seed),
+        return value_and_grad(lambda p: merged(graphdef, p, frozen).loss(idx, targets, dropout_seed),
                                       accumulate=grads, scale=scale, on_final=on_final)(params)
 
     # The parameters, the optimizer state and the frozen weights cross each jitted call packed behind one
@@ -103,7 +104,7 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     @jax.jit
     def eval_packed(packed, idx, targets):
         params, frozen = packed.unpack()
-        return jnntile.to_array(merged(graphdef, params, frozen).loss(idx, targets))
+        return values.to_array(merged(graphdef, params, frozen).loss(idx, targets))
 
     def eval_step(params, idx, targets, frozen=None):
         return eval_packed(pack((params, frozen)), idx, targets)
@@ -137,7 +138,7 @@ def dropout_seeds(seed: int, step: int, micro_batches: int) -> list:
     """The dropout seed of each micro-batch of training step `step`: pure functions of (seed, step), so a resumed
     run draws the masks it would have drawn. Ranks drop different units of their rows (a single process keeps
     its seeds)."""
-    rank, ranks = jnntile.runtime.rank(), jnntile.runtime.world_size()
+    rank, ranks = runtime.rank(), runtime.world_size()
     return [dropout_seed(seed, (step * micro_batches + k) * ranks + rank) for k in range(micro_batches)]
 
 

@@ -43,9 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jnntile import jsonfile, lora, tensorfile
+from jnntile.io import jsonfile, tensorfile
+from jnntile.training import lora
 from jnntile.models import families
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 LATEST = "latest"
 STATE_FILE = "state.json"

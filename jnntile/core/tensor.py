@@ -17,13 +17,12 @@ import itertools
 import math
 import typing
 import weakref
-from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jnntile import _xla_ffi, runtime
+from jnntile import _xla_ffi
+from jnntile.core import runtime
 
 # The native registry's dtypes (xla_ffi/tensor.h), name -> enum member.
 DTYPES = _xla_ffi.DType.__members__

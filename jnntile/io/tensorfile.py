@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from jnntile.ops import values as values_ops
-from jnntile.tensor import Tensor
+from jnntile.core.tensor import Tensor
 
 # Bytes per element of every safetensors dtype, and the numpy type that reads
 # it where jnntile can read it (bfloat16, which numpy lacks, is widened to float32).

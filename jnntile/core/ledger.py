@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 
-from jnntile import runtime
+from jnntile.core import runtime
 
 
 class _Entry:
