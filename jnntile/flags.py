@@ -17,40 +17,31 @@ from jnntile.core import runtime
 from jnntile.models import COMPUTE_DTYPES, REMAT_CHOICES, TILE_AXES, families
 from jnntile.planning import Limits, StepSpec
 
-# Flag -> RuntimeConfig field, for the flags that set one directly. --swap-size-mb and --swap-backend
-# count only with --swap-dir (runtime_settings); the planner reads --swap-size-mb alone as a what-if.
-_RUNTIME_FIELDS = ("workers", "memory_limit_mb", "gpu_memory_limit_mb", "cuda_workers", "matmul_precision",
-                   "fused_attention")
+# --swap-size-mb and --swap-backend count only with --swap-dir (runtime_settings); the planner reads --swap-size-mb
+# alone as a what-if.
+_SWAP_FIELDS = ("swap_dir", "swap_size_mb", "swap_backend")
+
+
+def _runtime_flag_fields() -> list[dataclasses.Field]:
+    """The RuntimeConfig fields that are flags (`jnntile.runtime.setting(..., flag=help)`), in their order."""
+    return [f for f in dataclasses.fields(runtime.RuntimeConfig) if f.metadata.get("flag")]
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
-    defaults = runtime.RuntimeConfig
-    parser.add_argument("--workers", type=int, help="StarPU CPU workers (default: every core less one per GPU, "
-                                                    f"at most {runtime.MAX_CPU_WORKERS} with this StarPU)")
-    parser.add_argument("--memory-limit-mb", type=int,
-                        help="RAM for tiles; beyond it tiles go to --swap-dir (default: half of the RAM available)")
-    parser.add_argument("--swap-dir", help="directory for tiles evicted from RAM (created if missing; a private "
-                                           "subdirectory is made in it and removed at exit)")
-    parser.add_argument("--swap-size-mb", type=int,
-                        help=f"disk swap size with --swap-dir (default: {defaults.swap_size_mb}); its file system "
-                             "must have that much free")
-    parser.add_argument("--swap-backend", choices=sorted(runtime.SWAP_BACKENDS),
-                        help="how tiles go to --swap-dir: unistd_o_direct bypasses the page cache, unistd goes "
-                             f"through it (default: {defaults.swap_backend})")
-    parser.add_argument("--gpu-memory-limit-mb", type=int,
-                        help="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the free memory "
-                             "of the GPU with the least of it, less 5%%)")
-    parser.add_argument("--cuda-workers", type=int, help="GPUs to use (default: all; 0: CPU only)")
-    parser.add_argument("--matmul-precision", choices=runtime.MATMUL_PRECISIONS,
-                        help="float32 products on the GPU: highest (FP32) or tf32 (default: tf32 on a GPU, as JAX)")
-    parser.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=None,
-                        help="bfloat16 attention (head_dim 64) on the GPU in fused kernels, or in cuBLAS products "
-                             "through float32 score blocks (default: fused)")
+    """A flag --<field> for every RuntimeConfig field that declares one, with the help written beside its default."""
+    types = {"int": int, "float": float, "str": str, "str | None": str}
+    for field in _runtime_flag_fields():
+        name, kind = "--" + field.name.replace("_", "-"), str(field.type)
+        if kind == "bool":
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None, help=field.metadata["flag"])
+        else:
+            parser.add_argument(name, type=types[kind], choices=field.metadata["choices"], help=field.metadata["flag"])
 
 
 def runtime_settings(args) -> dict:
     """The `jnntile.runtime.configure(**settings)` the flags ask for (only those given)."""
-    settings = {name: getattr(args, name) for name in _RUNTIME_FIELDS if getattr(args, name, None) is not None}
+    settings = {f.name: getattr(args, f.name) for f in _runtime_flag_fields()
+                if f.name not in _SWAP_FIELDS and getattr(args, f.name, None) is not None}
     if getattr(args, "swap_dir", None):
         settings["swap_dir"] = args.swap_dir
         for name in ("swap_size_mb", "swap_backend"):

@@ -112,22 +112,44 @@ def _default_workers() -> int:
     return max(1, min(cores, MAX_CPU_WORKERS))
 
 
+def setting(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, flag: str | None = None,
+            choices=None):
+    """A RuntimeConfig field; with `flag` (its help text) also the command-line flag --<field name> of every command
+    (`choices`: the values the flag accepts)."""
+    metadata = {"flag": flag, "choices": choices} if flag else {}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
 @dataclasses.dataclass
 class RuntimeConfig:
     """How StarPU runs. Every default is stated; the GPU ones matter only with `make cuda` and a GPU."""
 
-    workers: int = dataclasses.field(default_factory=_default_workers)  # CPU workers
-    cuda_workers: int = -1 if HAS_CUDA else 0  # -1: one per GPU found; 0: none
+    # A setting with `flag(...)` is also a flag of every command (jnntile.flags.add_runtime_flags), whose help
+    # is written here, beside its default.
+    workers: int = setting(default_factory=_default_workers,  # CPU workers
+                           flag=f"StarPU CPU workers (default: every core less one per GPU, at most {MAX_CPU_WORKERS} "
+                                "with this StarPU)")
+    cuda_workers: int = setting(-1 if HAS_CUDA else 0,  # -1: one per GPU found; 0: none
+                                flag="GPUs to use (default: all; 0: CPU only)")
     scheduler: str = "auto"  # a StarPU scheduler, or "auto": see resolved_scheduler
-    memory_limit_mb: int = dataclasses.field(default_factory=_default_memory_limit_mb)
-    gpu_memory_limit_mb: int = 0  # per GPU; 0: StarPU's default (nearly all of it); beyond it tiles go to RAM
-    swap_dir: str | None = None  # where tiles go when RAM is over the limit; None: no swap
-    swap_size_mb: int = 16384
+    memory_limit_mb: int = setting(default_factory=_default_memory_limit_mb,
+                                   flag="RAM for tiles; beyond it tiles go to --swap-dir (default: half of the RAM "
+                                        "available)")
+    gpu_memory_limit_mb: int = setting(0,  # per GPU; 0: StarPU's default (nearly all of it); beyond it tiles go to RAM
+                                       flag="GPU memory for tiles, per GPU; beyond it tiles go to RAM (default: the "
+                                            "free memory of the GPU with the least of it, less 5%%)")
+    swap_dir: str | None = setting(None,  # where tiles go when RAM is over the limit; None: no swap
+                                   flag="directory for tiles evicted from RAM (created if missing; a private "
+                                        "subdirectory is made in it and removed at exit)")
+    swap_size_mb: int = setting(16384, flag="disk swap size with --swap-dir (default: 16384); its file system must "
+                                            "have that much free")
     # Direct I/O by default, so that a run under memory_limit_mb uses about that much RAM. Through the
     # page cache (bench/memory.py, 51M-parameter GPT-2 under a 256 MB limit on a machine with RAM to
     # spare) steps ran 1.6-1.7x faster, but the cache held 1.3 GB of swap: 1.8 GB of RAM in use against
     # 0.6 GB, more than the same run without a limit (1.6 GB). Choose "unistd" where RAM is to spare.
-    swap_backend: str = "unistd_o_direct"
+    swap_backend: str = setting("unistd_o_direct", choices=sorted(SWAP_BACKENDS),
+                                flag="how tiles go to --swap-dir: unistd_o_direct bypasses the page cache, unistd goes "
+                                     "through it (default: unistd_o_direct)")
     watchdog_s: float = 120.0  # a wait with no task completing for this long is an error
     # Where tasks of kernels that have a CPU and a CUDA version run: "any", wherever the scheduler chooses;
     # "cpu" or "cuda", only there (tests compare one with the other); "auto", "cuda" when there is a GPU
@@ -139,11 +161,14 @@ class RuntimeConfig:
     # float32 matrix products on the GPU: "highest" (FP32) or "tf32" (tensor
     # cores); "default" is JAX's default on GPUs jnntile builds for (sm_80 and
     # newer): tf32. CPU kernels always compute in FP32.
-    matmul_precision: str = "default"
+    matmul_precision: str = setting("default", choices=MATMUL_PRECISIONS,
+                                    flag="float32 products on the GPU: highest (FP32) or tf32 (default: tf32 on a GPU, "
+                                         "as JAX)")
     # bfloat16 attention with head_dim 64 on the GPU in fused kernels (scores in registers, tensor cores)
     # instead of cuBLAS products through float32 score blocks in memory. On an H200, GPT-2 124M 8 x 1024: 66
     # ms per step against 92 with cuBLAS (attention 11 ms against 38).
-    fused_attention: bool = True
+    fused_attention: bool = setting(True, flag="bfloat16 attention (head_dim 64) on the GPU in fused kernels, or in "
+                                               "cuBLAS products through float32 score blocks (default: fused)")
     pin_host_memory: bool = True  # page-lock RAM tiles when a GPU is used: asynchronous copies
     perf_model_dir: str | None = None  # StarPU's performance models; None: under STARPU_HOME
     # One of several processes (MPI ranks, e.g. under mpirun) training one model; see docs/distributed.md.
