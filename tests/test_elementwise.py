@@ -111,3 +111,19 @@ def test_add_backward_hands_its_output_gradient_over(rng, keep_activations):
     np.testing.assert_allclose(float(value), float(np.sum(2 * x * weights)), rtol=1e-5)
     accumulated = jnntile.runtime.stats()["codelets"]["accumulate"]["tasks"] - before
     assert accumulated == 4 * (1 if not keep_activations else 2), "one accumulate task per tile and target"
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("start, size", [(0, 2), (2, 1), (3, 2)])
+def test_add_part(rng, jit, start, size):
+    # x (4, 5, 6) tiled (1, 2, 4); y fills x's rows [start, start + size) of axis 0 (whole tiles of x).
+    x = rng.standard_normal((5, 4, 6)).astype(np.float32)
+    y = rng.standard_normal((size, 4, 6)).astype(np.float32)
+    expected = lambda a, b: jnp.asarray(a).at[start:start + size].add(b)  # noqa: E731
+    check_op(lambda a, b: ew.add_part(a, b, 0, start), expected, [x, y], [(1, 2, 4), (1, 2, 4)], jit=jit)
+
+
+def test_add_part_needs_whole_tiles():
+    x, y = jnntile.zeros((4, 6), tile_shape=(2, 6)), jnntile.zeros((2, 6), tile_shape=(2, 6))
+    with pytest.raises(ValueError, match="not a part of whole tiles"):
+        ew.add_part(x, y, 0, 1)

@@ -125,6 +125,47 @@ def add(x: Tensor, y: Tensor) -> Tensor:
     return axpby(1.0, x, 1.0, y)
 
 
+# ---- a part: out = x with y added to its part of x along one axis ---------------------------------------
+
+def _add_part_forward(x, y, axis, offset, zero_grad):
+    out = _new_like(x)
+    token = call("axpby", [x.handle, out], [x.token], zero_grads=[out] if zero_grad else [], a=1.0)
+    token = call("accumulate_part", [y.handle, out], [token, y.token], axis=axis, offset=offset, alpha=1.0, fresh=0,
+                 into_part=0)
+    return Tensor(token, out), (x, y, Tensor(token, out))
+
+
+def _add_part_backward(axis, offset, residuals, g):
+    x, y, out = residuals
+    grad_out = tensor_mod.grad_handle(out.handle)
+    token, grad_y = g.token, grad_target(y)
+    if grad_y is not None:
+        (fresh,), written = fresh_targets(grad_y)
+        token = call("accumulate_part", [grad_out, grad_y], [out.token, token, y.token], writes=written, axis=axis,
+                     offset=offset, alpha=1.0, fresh=fresh, into_part=1)
+    token = accumulate(grad_out, [grad_target(x)], [out.token, token, x.token], [1.0], source_dies=True)
+    token = release(token, out)
+    return x.with_token(token), y.with_token(token)
+
+
+_add_part = differentiable(_add_part_forward, _add_part_backward, nondiff_argnums=(2, 3), name="add_part")
+
+
+def add_part(x: Tensor, y: Tensor, axis: int, start: int) -> Tensor:
+    """x with y added to its part that starts at index `start` of `axis` (and spans y's extent there), as a new
+    tensor. y is tiled as x and its part is whole tiles of x (`start` and y's extent multiples of x's tile along
+    `axis`): the adapter of one part of a fused projection adds into that part of the product."""
+    _require_float(x, y)
+    axis = axis % x.ndim
+    tile = x.tile_shape[axis]
+    others = [d for d in range(x.ndim) if d != axis]
+    if y.ndim != x.ndim or [y.shape[d] for d in others] != [x.shape[d] for d in others] or \
+            y.tile_shape != x.tile_shape or start % tile or not 0 <= start <= x.shape[axis] - y.shape[axis] or \
+            (y.shape[axis] % tile and start + y.shape[axis] != x.shape[axis]):
+        raise ValueError(f"add_part: {y!r} is not a part of whole tiles of {x!r} along axis {axis} at {start}")
+    return _add_part(x, y, axis, start // tile)
+
+
 def scale(a: float, x: Tensor) -> Tensor:
     """a * x as a new tensor."""
     _require_float(x)

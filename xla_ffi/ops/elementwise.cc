@@ -130,5 +130,42 @@ void accumulate_submit(const OpCall& call) {
 }
 JNNTILE_OP(accumulate, accumulate_submit);
 
+// ids [src, dst], attrs axis, offset, alpha, fresh, into_part: one of the two is a part of the other along
+// `axis` (the part: dst where into_part is 1, else src), made of whole tiles of the same tiling that start
+// `offset` tiles into the whole; dst += alpha * src over the part's tiles alone (dst = alpha * src where
+// fresh is 1). A LoRA adapter of one part of a fused projection adds its update into that part's tiles of
+// the product, and its gradient is read from them.
+void accumulate_part_submit(const OpCall& call) {
+  const TiledTensor &src = call.tensor(0), &dst = call.tensor(1);
+  const bool into_part = attr<int64_t>(call.attrs, "into_part") != 0;
+  const TiledTensor &part = into_part ? dst : src, &whole = into_part ? src : dst;
+  const int64_t axis = attr<int64_t>(call.attrs, "axis"), offset = attr<int64_t>(call.attrs, "offset");
+  if (part.ndim() != whole.ndim() || axis < 0 || axis >= part.ndim() || part.tile_shape != whole.tile_shape ||
+      offset < 0 || offset + part.grid[axis] > whole.grid[axis])
+    throw std::invalid_argument("accumulate_part: " + part.describe() + " is not a part of " + whole.describe() +
+                                " along axis " + std::to_string(axis) + " at tile " + std::to_string(offset));
+  for (int d = 0; d < part.ndim(); ++d)
+    if (d != axis && part.shape[d] != whole.shape[d])
+      throw std::invalid_argument("accumulate_part: " + part.describe() + " and " + whole.describe() +
+                                  " differ outside axis " + std::to_string(axis));
+  const float alpha = float(attr<double>(call.attrs, "alpha"));
+  const bool overwrite = attr<int64_t>(call.attrs, "fresh") != 0;
+  const FloatType src_type = float_type(src, "accumulate_part"), dst_type = float_type(dst, "accumulate_part");
+  static starpu_codelet* cl = JNNTILE_CODELET(AccumulateArgs, accumulate_kernel, "accumulate");
+  for (int64_t t = 0; t < part.num_tiles(); ++t) {
+    Index coord = part.tile_coord(t);
+    const Index extent = part.tile_extent(coord);
+    coord[axis] += offset;
+    if (whole.tile_extent(coord) != extent)
+      throw std::invalid_argument("accumulate_part: the tiles of " + part.describe() + " are not whole tiles of " +
+                                  whole.describe());
+    starpu_data_handle_t whole_tile = whole.tile(coord), part_tile = part.tiles[t];
+    starpu_data_handle_t from = into_part ? whole_tile : part_tile, to = into_part ? part_tile : whole_tile;
+    submit_task(cl, {{from, STARPU_R}, {to, overwrite ? STARPU_W : STARPU_RW}},
+                AccumulateArgs{src_type, dst_type, part.tile_numel(t), alpha, overwrite}, 2.0 * part.tile_numel(t));
+  }
+}
+JNNTILE_OP(accumulate_part, accumulate_part_submit);
+
 }  // namespace
 }  // namespace jnntile
