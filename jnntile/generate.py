@@ -3,6 +3,7 @@
     python -m jnntile.generate --checkpoint out --prompt "def main(" --max-new-tokens 100
     python -m jnntile.generate --hf gpt2_dir --prompt "Hello" --prompt "Tiles are" --temperature 0
     python -m jnntile.generate --hf llama_dir --lora adapter_dir --prompt "Hello"
+    python -m jnntile.generate --hf llama_dir --system "Answer briefly." --chat "What is a tile?"
 
 Weights come from a checkpoint of `python -m jnntile.train` (a ckpt-* directory,
 or a training --out directory for its latest checkpoint) or from a Hugging Face
@@ -15,6 +16,11 @@ a LoRA run's checkpoint, or PEFT's save_pretrained) unmerged. The prompts are de
 together with a key/value cache (jnntile.decoding). The texts
 (prompt and continuation) go to stdout; progress and speed go to stderr.
 
+--chat MESSAGE is a conversation of one user message (with --system's before it),
+rendered with the model's chat template and its generation prompt and tokenized
+as python -m jnntile.data tokenizes conversations; its reply stops at the
+template's end-of-turn token, and only the reply is printed.
+
 The tokenizer is the training data's for a checkpoint, the directory's own
 (tokenizer.json, or vocab.json and merges.txt) for --hf, or --tokenizer.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import signal
 import sys
@@ -33,6 +40,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from tqdm import tqdm
 
 import jnntile
+from jnntile.data import chat
 from jnntile.training import checkpoint, lora
 from jnntile.models import decoding
 from jnntile import flags, nn, planning
@@ -52,8 +60,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"safetensors weights) of {families.TITLES}")
     p.add_argument("--lora", metavar="DIR", help="apply the LoRA adapters of a PEFT directory (adapter_config.json, "
                    "adapter_model.safetensors) to the model, unmerged; a LoRA run's --out: its latest checkpoint's")
-    p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
-                   help="text to continue; repeat for several prompts, decoded as one batch")
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="text to continue; repeat for several prompts, decoded as one batch")
+    inputs.add_argument("--chat", action="append", metavar="MESSAGE",
+                        help="a user message to reply to with the model's chat template; repeat for several "
+                             "conversations, decoded as one batch; each reply ends at the end-of-turn token")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each user message")
+    chat.add_chat_template_flag(p)
     p.add_argument("--tokenizer", metavar="PATH",
                    help="tokenizer.json, or a directory with tokenizer.json or vocab.json and merges.txt")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"], help="tokens per prompt")
@@ -63,7 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     flags.add_runtime_flags(p)
     flags.add_execution_flags(p, training=False)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.chat is None and (args.system is not None or args.chat_template is not None):
+        p.error("--system and --chat-template apply to conversations: give --chat MESSAGE, not --prompt")
+    return args
 
 
 # ---- where the weights and the tokenizer are -------------------------------------------
@@ -132,6 +149,78 @@ def load_tokenizer(args, weights: Path):
                             "pass --tokenizer PATH")
 
 
+# ---- what the model is fed --------------------------------------------------------------
+
+@dataclasses.dataclass
+class Prompts:
+    """The prompts' token ids, their flags as messages name them (--prompt 'text'), and the ids a continuation
+    stops at (a chat template's end of turn; none for --prompt)."""
+
+    ids: list[list[int]]
+    labels: list[str]
+    stop: frozenset[int] = frozenset()
+
+
+def _template_dirs(args, weights: Path) -> list[Path]:
+    """Where the chat template may be: the tokenizer's directory, then a checkpoint's base model (--init-from-hf)."""
+    dirs = [path if path.is_dir() else path.parent for path in _tokenizer_candidates(args, weights)]
+    if args.checkpoint:
+        base = checkpoint.read_state(weights).get("args", {}).get("init_from_hf")
+        dirs += [Path(base)] if base else []
+    return dirs
+
+
+def load_template(args, weights: Path) -> chat.ChatTemplate:
+    """The chat template --chat renders with (--chat-template's, else the model's); raises naming the flag."""
+    dirs = _template_dirs(args, weights)
+    for path in dirs:
+        template = chat.load_chat_template(path, args.chat_template)
+        if template is not None:
+            return template
+    raise ValueError(f"--chat needs a chat template, and {', '.join(map(str, dirs))} has none "
+                     f"({chat.CHAT_TEMPLATE_FILE}, or {chat.TOKENIZER_CONFIG_FILE}'s chat_template): give one with "
+                     "--chat-template FILE, or continue text with --prompt")
+
+
+def _eos_ids(path: Path) -> list[int]:
+    """generation_config.json's eos_token_id (an id, or a list of them) in `path`, if any."""
+    try:
+        value = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
+
+
+def end_of_turn_ids(template: chat.ChatTemplate, tokenizer, dirs: list[Path]) -> frozenset[int]:
+    """The ids a reply ends at, as transformers' generate stops: the template's eos_token, the eos_token_id of
+    generation_config.json in `dirs`, and the special token the template writes after an assistant's turn (Llama
+    3's <|eot_id|>, ChatML's <|im_end|>, which a model whose eos_token is another ends its replies with)."""
+    ids = {tokenizer.token_to_id(template.special_tokens.get("eos_token", ""))}
+    ids.update(i for path in dirs for i in _eos_ids(path))
+    user, reply = {"role": "user", "content": "Hi"}, "Hello"
+    prompt, _ = template.render([user], add_generation_prompt=True)
+    text, _ = template.render([user, {"role": "assistant", "content": reply}])
+    if text.startswith(prompt + reply):
+        after = tokenizer.encode(text[len(prompt) + len(reply):], add_special_tokens=False).ids[:1]
+        special = tokenizer.get_added_tokens_decoder()
+        ids.update(i for i in after if i in special and special[i].special)
+    return frozenset(ids - {None})
+
+
+def encode_prompts(args, weights: Path, tokenizer) -> Prompts:
+    """The prompts of --prompt (tokenized text), or of --chat (conversations rendered with the chat template and
+    its generation prompt, tokenized as python -m jnntile.data tokenizes them, with their end-of-turn ids)."""
+    if args.chat is None:
+        return Prompts([tokenizer.encode(text).ids for text in args.prompt],
+                       [f"--prompt {text!r}" for text in args.prompt])
+    template = load_template(args, weights)
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    ids = [template.encode(tokenizer, system + [{"role": "user", "content": message}], add_generation_prompt=True)[0]
+           for message in args.chat]
+    return Prompts(ids, [f"--chat {message!r}" for message in args.chat],
+                   end_of_turn_ids(template, tokenizer, [weights, *_template_dirs(args, weights)]))
+
+
 # ---- checks before anything is loaded ---------------------------------------------------
 
 def _check_args(args) -> None:
@@ -143,15 +232,15 @@ def _check_args(args) -> None:
         raise ValueError(f"--top-k={args.top_k} must be positive, or 0 for the whole vocabulary")
 
 
-def _check_lengths(prompts: list[list[int]], args, config) -> int:
+def _check_lengths(prompts: Prompts, args, config) -> int:
     """The cache length the prompts need (positions read by the model); raises when beyond the model's."""
-    for text, ids in zip(args.prompt, prompts):
+    for label, ids in zip(prompts.labels, prompts.ids):
         if not ids:
-            raise ValueError(f"--prompt {text!r} gives no tokens: every prompt needs at least one")
+            raise ValueError(f"{label} gives no tokens: every prompt needs at least one")
         if max(ids) >= config.vocab_size:
-            raise ValueError(f"--prompt {text!r} gives token id {max(ids)}, outside the model's vocabulary of "
+            raise ValueError(f"{label} gives token id {max(ids)}, outside the model's vocabulary of "
                              f"{config.vocab_size}: is the tokenizer the model's? (--tokenizer)")
-    longest = max(len(p) for p in prompts)
+    longest = max(len(p) for p in prompts.ids)
     needed = longest + args.max_new_tokens - 1
     if needed > config.max_positions:
         most = config.max_positions - longest + 1
@@ -207,15 +296,16 @@ def generate(args) -> list[str]:
     weights = _weights_dir(args)
     config = _read_config(weights, args)
     tokenizer = load_tokenizer(args, weights)
-    prompts = [tokenizer.encode(text).ids for text in args.prompt]
+    prompts = encode_prompts(args, weights, tokenizer)
     length = _check_lengths(prompts, args, config)
+    B = len(prompts.ids)
 
     settings = flags.runtime_settings(args)
     runtime_config = dataclasses.replace(jnntile.runtime.config(), **settings)
     runtime_config.validate()
     limits = planning.Limits.of(runtime_config)
-    _check_memory(config, len(prompts), length, limits.memory_limit_mb, limits.swap_mb)
-    config, tiles_note = _fit_tiles(config, len(prompts), length, limits)
+    _check_memory(config, B, length, limits.memory_limit_mb, limits.swap_mb)
+    config, tiles_note = _fit_tiles(config, B, length, limits)
     if runtime_config != jnntile.runtime.config():
         jnntile.runtime.stop()
         jnntile.runtime.configure(**settings)
@@ -224,11 +314,11 @@ def generate(args) -> list[str]:
     started = time.perf_counter()
     tiles = {k: getattr(config, k) for k in config.execution_field_names()}
     with nn.base_dtype(config.dtype):  # nothing updates a weight here: a bfloat16 one needs no float32 master
-        model = families.from_hf(weights, batch_size=len(prompts), seq_len=length, **tiles)
+        model = families.from_hf(weights, batch_size=B, seq_len=length, **tiles)
     if adapters is not None:
         lora.apply(model, adapters)
         lora.load_peft(model, adapters_dir)
-    decoder = decoding.Decoder(model, batch_size=len(prompts), max_len=length)
+    decoder = decoding.Decoder(model, batch_size=B, max_len=length)
     log = sys.stderr
     if tiles_note:
         print(tiles_note, file=log, flush=True)
@@ -245,22 +335,27 @@ def generate(args) -> list[str]:
 
     with tqdm(total=length, disable=args.quiet, unit="pos", file=log, dynamic_ncols=True) as bar:
         try:
-            continuations = decoder.generate(prompts, args.max_new_tokens, temperature=args.temperature,
-                                             top_k=args.top_k or None, seed=args.seed, progress=progress)
+            continuations = decoder.generate(prompts.ids, args.max_new_tokens, temperature=args.temperature,
+                                             top_k=args.top_k or None, seed=args.seed, stop=prompts.stop,
+                                             progress=progress)
         except RuntimeError as e:
             jnntile.runtime.raise_if_swap_failed(e)
             raise
     seconds = time.perf_counter() - started
-    B = len(prompts)
-    print(f"{B} x {args.max_new_tokens} new tokens in {seconds:.2f} s with compilation", file=log, end="")
-    # Steady decoding: the steps after the first, which compiled the step program.
-    first = decoder.prefill_length([len(p) for p in prompts]) + 1
-    if length > first:
-        steps_per_s = (length - first) / (done_at[length] - done_at[first])
+    print(f"{sum(map(len, continuations))} new tokens ({B} x at most {args.max_new_tokens}) in {seconds:.2f} s "
+          "with compilation", file=log, end="")
+    # Steady decoding: the steps after the first, which compiled the step program (the last ends early once every
+    # reply reached its end of turn).
+    first = decoder.prefill_length([len(p) for p in prompts.ids]) + 1
+    last = max(done_at)
+    if last > first:
+        steps_per_s = (last - first) / (done_at[last] - done_at[first])
         print(f"; decoding {steps_per_s:.1f} steps/s x {B} sequences = {steps_per_s * B:.1f} tokens/s",
               file=log, end="")
     print(file=log, flush=True)
-    return [tokenizer.decode(p + c) for p, c in zip(prompts, continuations)]
+    if args.chat is not None:  # the reply alone, without its end-of-turn token
+        return [tokenizer.decode(c[:-1] if c and c[-1] in prompts.stop else c) for c in continuations]
+    return [tokenizer.decode(p + c) for p, c in zip(prompts.ids, continuations)]
 
 
 def main(argv=None) -> int:

@@ -246,6 +246,22 @@ def test_sampling_is_reproducible_and_independent_of_the_other_prompts(weights, 
     assert again[0] == sampled[0] and again[2] == sampled[2]
 
 
+@pytest.mark.usefixtures("placement")
+def test_decoding_stops_at_a_stop_token(weights, prompts, expected_greedy):
+    """A continuation ends with the first stop token it samples (kept, last); the others go on unchanged, and
+    decoding ends once every continuation has ended."""
+    stop = expected_greedy[0][2]
+    decoder = _decoder(weights, TILINGS["uneven tiles"], prefill_chunk=2)
+    steps = []
+    got = decoder.generate(prompts, NEW_TOKENS, temperature=0, stop={stop}, progress=steps.append)
+    assert got == [e[:e.index(stop) + 1] if stop in e else e for e in expected_greedy]
+    assert got[0] == expected_greedy[0][:3]
+    everyone_stops = {e[0] for e in expected_greedy}
+    got = decoder.generate(prompts, NEW_TOKENS, temperature=0, stop=everyone_stops, progress=steps.append)
+    assert got == [e[:1] for e in expected_greedy]
+    assert max(steps[-1:]) == max(PROMPT_LENGTHS)  # no step after the last sequence's first sample
+
+
 def test_sample_respects_temperature_and_top_k():
     logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0], np.float32)
     generator = np.random.default_rng(0)
@@ -382,8 +398,83 @@ def test_lora_of_a_training_out_directory_is_its_latest_checkpoint(dataset, tmp_
     assert texts["run"] == texts["run/ckpt-0000002"]
 
 
+LLAMA = FIXTURE.parent / "hf_tiny_llama"
+
+
+def _chat_prompts(*argv):
+    args = generate_mod.parse_args(["--hf", str(LLAMA), *argv])
+    return generate_mod.encode_prompts(args, LLAMA, generate_mod.load_tokenizer(args, LLAMA))
+
+
+def test_chat_prompt_is_the_conversation_rendered_with_the_generation_prompt():
+    tokenizer = data_mod.Tokenizer.from_file(str(LLAMA / "tokenizer.json"))
+    template = data_mod.load_chat_template(LLAMA)
+    prompts = _chat_prompts("--chat", "What is a tile?", "--chat", "Hi", "--system", "Answer briefly.")
+    for message, ids in zip(["What is a tile?", "Hi"], prompts.ids):
+        conversation = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": message}]
+        assert ids == template.encode(tokenizer, conversation, add_generation_prompt=True)[0]
+        text, _ = template.render(conversation, add_generation_prompt=True)
+        assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+        assert "<|start_header_id|>system<|end_header_id|>\n\nAnswer briefly.<|eot_id|>" in text
+        assert text.endswith(f"{message}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    # The template's end of turn (written after an assistant's turn) and the eos_token </s> end a reply.
+    assert prompts.stop == {tokenizer.token_to_id("<|eot_id|>"), tokenizer.token_to_id("</s>")}
+    without_system = template.encode(tokenizer, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)[0]
+    assert _chat_prompts("--chat", "Hi").ids == [without_system]
+
+
+def test_chat_template_flag_replaces_the_models(tmp_path):
+    (tmp_path / "plain.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    prompts = _chat_prompts("--chat", "Hi", "--chat-template", str(tmp_path / "plain.jinja"))
+    tokenizer = data_mod.Tokenizer.from_file(str(LLAMA / "tokenizer.json"))
+    assert prompts.ids == [tokenizer.encode("user: Hi\nassistant:", add_special_tokens=False).ids]
+    assert prompts.stop == {tokenizer.token_to_id("</s>")}  # it writes no special token after a turn
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "adapters"])
+def test_chat_prints_the_reply_up_to_the_end_of_turn(monkeypatch, capsys, lora):
+    """The sampler is made to write two tokens and the end of turn: only the two tokens are printed."""
+    tokenizer = data_mod.Tokenizer.from_file(str(LLAMA / "tokenizer.json"))
+    reply = tokenizer.encode("ok", add_special_tokens=False).ids + [tokenizer.token_to_id("<|eot_id|>")]
+    written = []
+
+    def scripted(logits, temperature, top_k, generator):
+        written.append(reply[len(written) % len(reply)])
+        return written[-1]
+
+    monkeypatch.setattr(decoding, "sample", scripted)
+    adapters = ["--lora", str(FIXTURE.parent / "peft_tiny_llama")] if lora else []
+    assert generate_mod.main(["--hf", str(LLAMA), *adapters, "--chat", "Hi", "--max-new-tokens", "10",
+                              "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "ok\n"
+    assert len(written) == len(reply)  # decoding ended at the end of turn, not after 10 tokens
+    assert f"{len(reply)} new tokens (1 x at most 10)" in err
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--hf", str(FIXTURE)], "the following arguments are required: --prompt"),
+    (["--chat", "Hi", "--prompt", "Hi"], "argument --prompt: not allowed with argument --chat"),
+    (["--prompt", "Hi", "--system", "Be brief."],
+     "--system and --chat-template apply to conversations: give --chat MESSAGE, not --prompt"),
+    (["--chat", "Hi", "--chat-template", "MISSING"], "--chat-template MISSING: cannot read the chat template"),
+    (["--chat", "Hi", "--tokenizer", "CHARS"], "has none (chat_template.jinja, or tokenizer_config.json's "
+                                                "chat_template): give one with --chat-template FILE"),
+])
+def test_chat_bad_input(argv, message, capsys, tmp_path):
+    model = str(FIXTURE if "CHARS" in argv else LLAMA)  # the GPT-2 fixture has no tokenizer and no template
+    replace = {"MISSING": str(tmp_path / "missing.jinja"), "CHARS": str(_char_tokenizer(tmp_path / "chars.json"))}
+    message = message.replace("MISSING", replace["MISSING"])
+    try:
+        code = generate_mod.main(["--hf", model, *[replace.get(a, a) for a in argv]])
+    except SystemExit as e:  # argparse
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hf", str(FIXTURE)], "one of the arguments --prompt --chat is required"),
     (["--hf", str(FIXTURE), "--prompt", "hi", "--max-new-tokens", "40"],
      "need 41 positions, beyond the model's 32: use --max-new-tokens 31 or less"),
     (["--hf", str(FIXTURE), "--prompt", "", "--max-new-tokens", "4"], "gives no tokens"),

@@ -145,6 +145,13 @@ class ChatTemplate:
         return list(encoding.ids), mask
 
 
+def add_chat_template_flag(parser) -> None:
+    """--chat-template FILE, of every command that renders conversations (python -m jnntile.data, generate --chat)."""
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="a Jinja chat template to render conversations with, instead of the model's or --tokenizer "
+                             "directory's (chat_template.jinja, else tokenizer_config.json's chat_template)")
+
+
 def _special_tokens(config: dict) -> dict[str, str]:
     tokens = {}
     for key in SPECIAL_TOKEN_KEYS:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from jnntile.data import examples, instructions
+from jnntile.data import chat, examples, instructions
 from jnntile.data.text import (DEFAULT_GLOB, DEFAULT_STDLIB_MAX_BYTES, DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE,
                                MAX_VOCAB_SIZE, META_FILE, MIN_VOCAB_SIZE, TOKENIZER_FILE, TRAIN_FILE, VAL_FILE,
                                ensure_default_dataset, find_text_files, prepare_dataset)
@@ -55,11 +55,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ),
     )
     examples_group = parser.add_argument_group("examples (fine-tuning data)")
-    examples_group.add_argument(
-        "--chat-template", metavar="FILE",
-        help="a Jinja chat template to render conversations with, instead of the --tokenizer directory's "
-             "(chat_template.jinja, else tokenizer_config.json's chat_template)",
-    )
+    chat.add_chat_template_flag(examples_group)
     examples_group.add_argument(
         "--train-on-prompt", action="store_true",
         help="train on every token of an example, not only on assistant turns and completions",

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -160,20 +160,25 @@ class Decoder:
         return cache.layers, values[:, -1]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, seed: int = 0,
+                 top_k: int | None = None, seed: int = 0, stop: Collection[int] = (),
                  progress: Callable[[int], None] | None = None) -> list[list[int]]:
         """The `max_new_tokens` tokens that follow each of the `batch_size` prompts (lists of token ids).
 
         temperature 0 is greedy decoding; otherwise tokens are drawn from
         softmax(logits / temperature) restricted to the top_k most likely ones
-        (all when top_k is None), reproducibly for a given seed. `progress` is
-        called with the number of positions done after each prefill chunk and step.
+        (all when top_k is None), reproducibly for a given seed. A continuation
+        ends early with the first token it samples of `stop` (an end-of-turn
+        token; it is kept, last), and decoding ends once every one has ended.
+        `progress` is called with the number of positions done after each
+        prefill chunk and step.
         """
         prompts = [[int(t) for t in p] for p in prompts]
         self._check(prompts, max_new_tokens, temperature, top_k)
         lengths = [len(p) for p in prompts]
         end = max(lengths) + max_new_tokens - 1  # positions the model reads: the last sample is not fed back
         tokens = [list(p) for p in prompts]
+        stop = frozenset(int(t) for t in stop)
+        ends = [n + max_new_tokens for n in lengths]  # a continuation that samples a stop token ends there
         generators = [np.random.default_rng([seed, b]) for b in range(len(prompts))]
         state = pack(nnx.state(self.model))
         layers = self.cache.layers
@@ -184,13 +189,17 @@ class Decoder:
             if progress:
                 progress(pos + chunk)
         for pos in range(self.prefill_length(lengths), end):
+            if all(len(t) == e for t, e in zip(tokens, ends)):
+                break
             # A sequence whose tokens are all there is fed its last one again; its results are dropped.
             ids = np.asarray([[t[min(pos, len(t) - 1)]] for t in tokens], np.int32)
             layers, logits = self._step(state, layers, ids, np.int32(pos))
             logits = np.asarray(logits)  # the one blocking read of the step
             for b, t in enumerate(tokens):
-                if len(t) == pos + 1 and len(t) < lengths[b] + max_new_tokens:
+                if len(t) == pos + 1 and len(t) < ends[b]:
                     t.append(sample(logits[b], temperature, top_k, generators[b]))
+                    if t[-1] in stop:
+                        ends[b] = len(t)
             if progress:
                 progress(pos + 1)
         # The caches are dead until the next call writes them from position 0.
