@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 
 from jnntile.training import optim
 from jnntile.core import runtime
@@ -155,6 +156,31 @@ def add_batch_flags(parser: argparse.ArgumentParser, batch_size: int) -> None:
                              "at once, one dropout seed per step) (default: micro-batch)")
 
 
+PACKING_CHOICES = ("on", "off")
+
+
+def add_example_flags(parser: argparse.ArgumentParser) -> None:
+    """How a dataset of fine-tuning examples fills the --seq-len rows (`jnntile.data.ExampleDataset.batch`)."""
+    parser.add_argument("--packing", choices=PACKING_CHOICES, default="on",
+                        help="with a dataset of examples: on packs whole examples into each --seq-len row, each "
+                             "attending to itself alone; off pads each example to a row of its own (padding is never "
+                             "trained) (default: on)")
+    parser.add_argument("--no-truncate", action="store_true",
+                        help="with a dataset of examples: refuse one longer than --seq-len, instead of training on "
+                             "its first --seq-len tokens")
+
+
+def check_example_flags(args, examples: bool, data: str) -> None:
+    """Refuses --packing off and --no-truncate with text data (`examples` False), where they mean nothing: its
+    rows are windows of one token stream, all full."""
+    given = [flag for flag, on in (("--packing off", args.packing == "off"), ("--no-truncate", args.no_truncate))
+             if on]
+    if given and not examples:
+        raise ValueError(f"{' and '.join(given)} shape a dataset of fine-tuning examples, but {data} is text, whose "
+                         "--seq-len windows are always full; leave them out (or prepare examples: `python -m "
+                         "jnntile.data FILE.jsonl --tokenizer DIR --out DIR`)")
+
+
 def one_batch_per_step(args: argparse.Namespace) -> argparse.Namespace:
     """The flags of --grad-accum-schedule layer written as the batch it runs: --grad-accum-steps N micro-batches
     of B sequences become one batch of N x B in tiles of B (--tile-batch, unless given), the same rows; other
@@ -191,8 +217,9 @@ def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: updates are scaled by alpha / rank "
                         "(default: twice the rank)")
     every = "; ".join(f"{','.join(family.hf.LORA_TARGETS)} for {family.title}" for family in families.FAMILIES)
-    parser.add_argument("--lora-targets", help=f"comma-separated projections to adapt, PEFT's names (default: every "
-                        f"projection: {every})")
+    parser.add_argument("--lora-targets", help=f"comma-separated projections to adapt, PEFT's names, each its own "
+                        f"adapter; all-linear; or a regular expression of Hugging Face module paths, as PEFT's "
+                        f"target_modules (default: every projection: {every})")
     parser.add_argument("--init-lora", metavar="DIR", help="start the adapters from a PEFT directory (its rank, alpha "
                         "and targets)")
 
@@ -202,7 +229,9 @@ def finetune_settings(args):
     from jnntile.training import lora
 
     settings = None
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
+    targets = args.lora_targets
+    if targets and re.fullmatch(r"[\w.,\s]+", targets):
+        targets = tuple(t.strip() for t in targets.split(",") if t.strip())  # names; all-linear or else a regex
     if getattr(args, "init_lora", None):
         settings = lora.read_settings(args.init_lora)
         for flag, given, saved in (("--lora-rank", args.lora_rank, settings.rank),

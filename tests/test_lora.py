@@ -46,13 +46,14 @@ def test_lora_values_and_gradients_match_jax(rng, tiles, out_first, dtype):
     (x_tiles, out_tiles) = tiles
     base = nn.Linear((8,), (3, 4), in_tiles=x_tiles[-1:], out_tiles=out_tiles, seed=1, name="proj",
                      weight_out_first=out_first, dtype=dtype)
-    module = nn.LoRA(base, rank=2, alpha=3.0, seed=1, name="proj")
-    b = rng.standard_normal(module.lora_b.get_value().shape).astype(np.float32)  # B starts at zero: give it values
-    module.lora_b.set_value(jnntile.from_array(b, module.lora_b.get_value().tile_shape))
+    module = nn.LoRA(base, [nn.AdapterSpec("proj", 2, 3.0)], seed=1, name="proj")
+    adapter = module.adapters["proj"]
+    b = rng.standard_normal(adapter.lora_b.get_value().shape).astype(np.float32)  # B starts at zero: give it values
+    adapter.lora_b.set_value(jnntile.from_array(b, adapter.lora_b.get_value().tile_shape))
     x = rng.standard_normal((2, 5, 8)).astype(np.float32)
     weights = rng.standard_normal((2, 5, 3, 4)).astype(np.float32)
     read = lambda p: np.asarray(jnntile.to_array(p.get_value()))  # noqa: E731
-    w, a, bias = read(base.weight), read(module.lora_a), read(base.bias)
+    w, a, bias = read(base.weight), read(adapter.lora_a), read(base.bias)
     cast = (lambda v: jnp.asarray(v, jnp.bfloat16)) if dtype == "bfloat16" else jnp.asarray
 
     def loss(model, xt):
@@ -78,8 +79,9 @@ def test_lora_values_and_gradients_match_jax(rng, tiles, out_first, dtype):
     scale = float(np.abs(expected)) + 1.0
     assert abs(float(value) - float(expected)) <= tol * scale
     got = dict(nnx.to_flat_state(grads))
-    assert set(got) == {("lora_a",), ("lora_b",)}
-    for key, want in ((("lora_a",), grad_a), (("lora_b",), grad_b)):
+    keys = {kind: ("adapters", "proj", kind) for kind in ("lora_a", "lora_b")}
+    assert set(got) == set(keys.values())
+    for key, want in ((keys["lora_a"], grad_a), (keys["lora_b"], grad_b)):
         have = np.asarray(jnntile.to_array(jnntile.grad_of(got[key].get_value())))
         np.testing.assert_allclose(have, want, atol=tol * (np.abs(want).max() + 1.0), rtol=tol)
     assert base.weight.get_value().handle.grad is None  # frozen: not even a gradient companion
@@ -87,11 +89,11 @@ def test_lora_values_and_gradients_match_jax(rng, tiles, out_first, dtype):
 
 def test_merged_weight_is_base_plus_scaled_product(rng):
     base = nn.Linear((6,), (4,), in_tiles=(4,), out_tiles=(3,), seed=2, name="p", weight_out_first=True)
-    module = nn.LoRA(base, rank=3, alpha=6.0, seed=2, name="p")
+    module = nn.LoRA(base, [nn.AdapterSpec("p", 3, 6.0)], seed=2, name="p")
     b = rng.standard_normal((4, 3)).astype(np.float32)
-    module.lora_b.set_value(jnntile.from_array(b, (3, 3)))
+    module.adapters["p"].lora_b.set_value(jnntile.from_array(b, (3, 3)))
     read = lambda t: np.asarray(jnntile.to_array(t))  # noqa: E731
-    expected = read(base.weight.get_value()) + 2.0 * b @ read(module.lora_a.get_value())
+    expected = read(base.weight.get_value()) + 2.0 * b @ read(module.adapters["p"].lora_a.get_value())
     np.testing.assert_allclose(read(module.merged_weight()), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -283,8 +285,10 @@ def test_freeze_keeps_frozen_weights_bitwise_and_gives_them_no_state(dataset, tm
 
 
 def test_fine_tuning_flags_are_checked(dataset, tmp_path):
-    cases = [(["--lora-rank", "2", "--lora-targets", "q_proj,v_proj"], "k_proj"),
+    cases = [(["--lora-rank", "2", "--lora-targets", "q_proj,foo_proj"], "foo_proj: this model's projections are"),
              (["--lora-rank", "2", "--lora-targets", "c_attn"], "c_attn"),
+             (["--lora-rank", "2", "--lora-targets", r".*\.nothing_proj"], "no module of this model matches"),
+             (["--lora-rank", "2", "--lora-targets", "(q"], "not a regular expression"),
              (["--lora-rank", "0"], "at least 1"),
              (["--lora-rank", "2", "--export-hf", str(tmp_path / "x")], "--merge-lora"),
              (["--export-lora", str(tmp_path / "x")], "--lora-rank"),
@@ -297,16 +301,66 @@ def test_fine_tuning_flags_are_checked(dataset, tmp_path):
             _train(dataset, tmp_path / "out", "--steps", "1", *extra)
 
 
+@pytest.mark.parametrize("targets, modules", [
+    ("q_proj,v_proj", {"q_proj", "v_proj"}), ("o_proj", {"o_proj"}),
+    ("all-linear", {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+    (r"model\.layers\.1\.self_attn\.(k|v)_proj", {"k_proj", "v_proj"})])
+def test_lora_targets_any_subset_train_and_export_in_peft_layout(dataset, tmp_path, targets, modules):
+    _train(dataset, tmp_path / "out", "--steps", "2", "--lora-rank", "2", "--lora-targets", targets,
+           "--export-lora", str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG).read_text())
+    regex = targets.startswith("model")  # written as it is: PEFT's target_modules take one
+    assert (config["target_modules"] == targets if regex else set(config["target_modules"]) == modules)
+    assert config["r"] == 2 and config["lora_alpha"] == 4.0
+    saved = _tensors(tmp_path / "adapter" / lora.ADAPTER_WEIGHTS)
+    layers = {"1"} if regex else {"0", "1"}
+    assert set(saved) == {f"base_model.model.model.layers.{layer}.{'self_attn' if m[0] in 'qkvo' else 'mlp'}.{m}."
+                          f"lora_{kind}.weight" for layer in layers for m in modules for kind in "AB"}
+    # Each module its own A: trained apart, the parts of a fused product differ.
+    if "q_proj" in modules and "v_proj" in modules:
+        a = lambda m: saved[f"base_model.model.model.layers.0.self_attn.{m}.lora_A.weight"]  # noqa: E731
+        assert not np.array_equal(a("q_proj"), a("v_proj"))
+    model = families.from_hf(DATA / "hf_tiny_llama", batch_size=2, seq_len=16)
+    lora.apply(model, lora.read_settings(tmp_path / "adapter"))
+    lora.load_peft(model, tmp_path / "adapter")
+    lora.save_peft(model, lora.applied_settings(model), tmp_path / "again")
+    again = _tensors(tmp_path / "again" / lora.ADAPTER_WEIGHTS)
+    assert set(again) == set(saved) and all(np.array_equal(again[k], saved[k]) for k in saved)
+
+
+def test_non_lora_adapters_are_refused_naming_what(tmp_path):
+    model = families.from_hf(DATA / "hf_tiny_llama", batch_size=2, seq_len=16)
+    config = json.loads((DATA / "peft_tiny_llama_qv" / lora.ADAPTER_CONFIG).read_text())
+    for change, message in (({"use_dora": True}, "DoRA adapters"), ({"peft_type": "IA3"}, "peft_type is 'IA3'"),
+                            ({"target_modules": ["q_proj", "w_pack"]}, "w_pack")):
+        shutil.rmtree(tmp_path / "adapter", ignore_errors=True)
+        shutil.copytree(DATA / "peft_tiny_llama_qv", tmp_path / "adapter")
+        (tmp_path / "adapter" / lora.ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=message):
+            lora.apply(model, lora.read_settings(tmp_path / "adapter"))
+
+
 # ---- PEFT's own files -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def _grad(grads, path: str, part: str, kind: str):
+    """The gradient variable of `kind` of adapter `part` of LoRA module `path` in an nnx.State of gradients."""
+    node = grads
+    for key in (*path.split("."), "adapters", part, kind):
+        node = node[int(key) if key.isdigit() else key]
+    return node
+
+
+# adapter fixture -> its base: shared A's (jnntile's former fused adapters), GPT-2, q/v alone with independent A
+# and B, rank_pattern, alpha_pattern and rsLoRA, all-linear with independent A and B
+PEFT_FIXTURES = {"llama": "llama", "gpt2": "gpt2", "llama_qv": "llama", "llama_all": "llama"}
+
+
+@pytest.mark.parametrize("name", PEFT_FIXTURES)
 def test_peft_adapters_give_peft_logits_loss_and_gradients(name):
     adapter = DATA / f"peft_tiny_{name}"
-    if not adapter.is_dir():
-        pytest.skip(f"{adapter} not generated (tools/make_lora_fixtures.py)")
     expected = np.load(DATA / f"peft_tiny_{name}_expected.npz")
     idx, targets = expected["idx"], expected["targets"]
-    model = families.from_hf(DATA / f"hf_tiny_{name}", batch_size=idx.shape[0], seq_len=idx.shape[1])
+    model = families.from_hf(DATA / f"hf_tiny_{PEFT_FIXTURES[name]}", batch_size=idx.shape[0], seq_len=idx.shape[1])
     lora.apply(model, lora.read_settings(adapter))
     lora.load_peft(model, adapter)
 
@@ -317,20 +371,18 @@ def test_peft_adapters_give_peft_logits_loss_and_gradients(name):
     (loss, logits), grads = nn.value_and_grad(loss_fn, has_aux=True, wrt=nnx.LoRAParam)(model)
     np.testing.assert_allclose(np.asarray(logits), expected["logits"], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(float(loss), float(expected["loss"]), rtol=1e-5)
-    # Gradients in PEFT's layout. A fused projection's one A serves q, k and v (gate and up): its gradient
-    # is the sum of PEFT's per-part gradients, which the fixture's equal A's make one function.
-    flat = {".".join(str(k) for k in path): v.get_value() for path, v in nnx.to_flat_state(grads)}
-    read = lambda path: np.asarray(jnntile.to_array(jnntile.grad_of(flat[path])))  # noqa: E731
-    peft_grad = lambda module, kind: expected[f"grad:base_model.model.{module}.lora_{kind}.weight"]  # noqa: E731
+    # Gradients in PEFT's layout, one adapter per Hugging Face module.
     hf = families.of_config(model.config).hf
     checked = 0
-    for path in lora.adapters(model):
-        parts = hf.lora_to_peft(model.config, path, read(path + ".lora_a"), read(path + ".lora_b"))
-        want_a = sum(peft_grad(module, "A") for module in parts)
-        for module, (grad_a, grad_b) in parts.items():
-            np.testing.assert_allclose(grad_a, want_a, atol=2e-5, rtol=1e-4, err_msg=module)
-            np.testing.assert_allclose(grad_b, peft_grad(module, "B"), atol=2e-5, rtol=1e-4, err_msg=module)
-            checked += 2
+    for path, module in lora.adapters(model).items():
+        for part, adapter in module.adapters.items():
+            key = hf.lora_module(path, part)
+            grads_ = (np.asarray(jnntile.to_array(jnntile.grad_of(grad_tree.get_value())))
+                      for grad_tree in (_grad(grads, path, part, "lora_a"), _grad(grads, path, part, "lora_b")))
+            for kind, have in zip("AB", hf.lora_to_peft(model.config, part, *grads_)):
+                want = expected[f"grad:base_model.model.{key}.lora_{kind}.weight"]
+                np.testing.assert_allclose(have, want, atol=2e-5, rtol=1e-4, err_msg=key)
+                checked += 1
     assert checked == sum(1 for k in expected.files if k.startswith("grad:"))
     lora.merge(model)
     logits = jnntile.to_array(model(model.token_tensor(idx))[0])

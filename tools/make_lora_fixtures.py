@@ -10,6 +10,11 @@ The test suite does not run this script; it reads what it wrote:
                                       (jnntile fuses those projections and shares one A); the B's differ
   tests/data/peft_tiny_gpt2/          a LoRA adapter (r=4, lora_alpha=8, fan_in_fan_out) for
                                       tests/data/hf_tiny_gpt2 on c_attn, c_proj (attention and MLP) and c_fc
+  tests/data/peft_tiny_llama_qv/      a LoRA adapter for tests/data/hf_tiny_llama on q_proj and v_proj alone, with
+                                      independent random A and B (r=4, lora_alpha=8; rank_pattern gives layer
+                                      1's v_proj r=2, alpha_pattern layer 0's q_proj lora_alpha 4; use_rslora)
+  tests/data/peft_tiny_llama_all/     a LoRA adapter (r=4, lora_alpha=8) for tests/data/hf_tiny_llama on
+                                      target_modules "all-linear", independent random A and B everywhere
   tests/data/peft_tiny_<name>_expected.npz
                                       idx, targets (those of hf_tiny_<name>_expected.npz: the ones its "loss"
                                       used), the PEFT model's logits and loss (cross-entropy of the logits
@@ -68,8 +73,12 @@ def randomize(model, share_a: bool) -> None:
                         params[n].copy_(params[n.replace(f".{module}.", f".{source}.")])
 
 
-def build(name: str, cls, targets: list, fan_in_fan_out: bool) -> None:
+def build(name: str, cls, targets, fan_in_fan_out: bool, share_a: bool = False, adapter: str | None = None,
+          **options) -> None:
+    """The adapter fixture `peft_tiny_<adapter>` (default: `name`) of base hf_tiny_<name>; `options` go to
+    LoraConfig."""
     base_name = f"hf_tiny_{name}"
+    adapter = adapter or name
     torch.manual_seed(SEED)
     base = cls.from_pretrained(DATA_DIR / base_name, dtype=torch.float32).eval()
     expected = np.load(DATA_DIR / f"{base_name}_expected.npz")
@@ -81,17 +90,18 @@ def build(name: str, cls, targets: list, fan_in_fan_out: bool) -> None:
           f"max |diff| = {(base_logits - torch.from_numpy(expected['logits'])).abs().max().item():.3g}")
 
     config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=targets,
-                        fan_in_fan_out=fan_in_fan_out, bias="none")
+                        fan_in_fan_out=fan_in_fan_out, bias="none", **options)
     model = get_peft_model(base, config)
-    randomize(model, share_a=name == "llama")
+    randomize(model, share_a=share_a)
     model.peft_config["default"].base_model_name_or_path = base_name
 
-    out_dir = DATA_DIR / f"peft_tiny_{name}"
+    out_dir = DATA_DIR / f"peft_tiny_{adapter}"
     model.save_pretrained(out_dir, safe_serialization=True, save_embedding_layers=False)  # no Hub look-up
     (out_dir / "README.md").unlink(missing_ok=True)
     config_path = out_dir / "adapter_config.json"  # PEFT writes target_modules in set order: sort them
     saved_config = json.loads(config_path.read_text())
-    saved_config["target_modules"] = sorted(saved_config["target_modules"])
+    if isinstance(saved_config["target_modules"], list):
+        saved_config["target_modules"] = sorted(saved_config["target_modules"])
     config_path.write_text(json.dumps(saved_config, indent=2, sort_keys=True))
     leftovers = sorted(p.name for p in out_dir.iterdir()
                        if p.name not in ("adapter_config.json", "adapter_model.safetensors"))
@@ -109,17 +119,21 @@ def build(name: str, cls, targets: list, fan_in_fan_out: bool) -> None:
 
     with torch.no_grad():
         merged_logits = model.merge_and_unload()(idx).logits
-    print(f"{name}: adapter vs base logits: max |diff| = {(logits - base_logits).abs().max().item():.4f}; "
+    print(f"{adapter}: adapter vs base logits: max |diff| = {(logits - base_logits).abs().max().item():.4f}; "
           f"merged vs adapter: {(merged_logits - logits).abs().max().item():.3g}; loss {loss.item():.5f}")
-    np.savez_compressed(DATA_DIR / f"peft_tiny_{name}_expected.npz", idx=expected["idx"],
+    np.savez_compressed(DATA_DIR / f"peft_tiny_{adapter}_expected.npz", idx=expected["idx"],
                         targets=expected["targets"], logits=logits.detach().numpy().astype(np.float32),
                         loss=np.float32(loss.item()), merged_logits=merged_logits.numpy().astype(np.float32),
                         **grads)
 
 
 def main():
-    build("llama", LlamaForCausalLM, LLAMA_TARGETS, fan_in_fan_out=False)
+    build("llama", LlamaForCausalLM, LLAMA_TARGETS, fan_in_fan_out=False, share_a=True)
     build("gpt2", GPT2LMHeadModel, GPT2_TARGETS, fan_in_fan_out=True)
+    build("llama", LlamaForCausalLM, ["q_proj", "v_proj"], fan_in_fan_out=False, adapter="llama_qv",
+          rank_pattern={"layers.1.self_attn.v_proj": 2}, alpha_pattern={"layers.0.self_attn.q_proj": 4},
+          use_rslora=True)
+    build("llama", LlamaForCausalLM, "all-linear", fan_in_fan_out=False, adapter="llama_all")
 
 
 if __name__ == "__main__":

@@ -74,8 +74,10 @@ class HFLayout(Protocol):
     def to_files(self, config, params: dict) -> dict: ...  # the inverse: by the file's names
     def to_model(self, config, params: dict) -> dict: ...  # the model's parameters (by `named_params` name) as views
     def from_model(self, config, tensors: dict) -> dict: ...  # the inverse, of the model's parameter Tensors
-    def lora_to_peft(self, config, path: str, a, b) -> dict: ...  # {PEFT module: (lora_A, lora_B)}
-    def lora_from_peft(self, config, path: str, peft: dict, a_shape, b_shape) -> tuple: ...
+    def lora_parts(self, config, module: str) -> dict: ...  # {PEFT target: its output rows in `module`, or None}
+    def lora_module(self, path: str, part: str) -> str: ...  # the Hugging Face module of a Linear's part
+    def lora_to_peft(self, config, part: str, a, b) -> tuple: ...  # (lora_A, lora_B) of one adapter
+    def lora_from_peft(self, config, part: str, lora_a, lora_b, a_shape, b_shape) -> tuple: ...  # (a, b)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ bfloat16 (a frozen base that is never updated needs no float32 master).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import zlib
 from typing import Callable
@@ -132,32 +133,49 @@ class Linear(nnx.Module):
                                trans_b=self.weight_out_first, residual=residual)
 
 
-class LoRA(nnx.Module):
-    """A frozen `Linear` plus a trainable low-rank update (LoRA): y = base(x) + (alpha / rank) x A B.
+@dataclasses.dataclass(frozen=True)
+class AdapterSpec:
+    """One LoRA adapter of a `LoRA` module: its name (PEFT's module, "q_proj"), rank, alpha, whether the scale
+    is alpha / sqrt(rank) (rsLoRA) rather than alpha / rank, and `rows`: the part (start, stop) of the first
+    output axis it adapts, in whole tiles (q_proj's part of a fused q/k/v product), or None for all of it."""
 
-    As PEFT initialises them, A is uniform in +-1/sqrt(fan_in) (Kaiming-uniform with a = sqrt(5)) and B is
-    zero, so the wrapped layer starts as the base. A and B are `nnx.LoRAParam`s stored as the base's weight
-    is: with `weight_out_first` A is (rank, *in_shape) and B (*out_shape, rank), PEFT's lora_A / lora_B
-    layout; else A is (*in_shape, rank) and B (rank, *out_shape). A's tiles follow the base's input tiles,
-    B's its output tiles, and the rank is one tile. Both factors are float32 parameters; in bfloat16 they
-    enter the products as compute copies, as every weight does.
-    """
+    name: str
+    rank: int
+    alpha: float
+    rows: tuple[int, int] | None = None
+    rslora: bool = False
 
-    def __init__(self, base: Linear, *, rank: int, alpha: float, seed: int, name: str):
-        if rank < 1:
-            raise ValueError(f"LoRA rank must be at least 1, got {rank}")
-        self.base = base
-        self.rank, self.alpha = int(rank), float(alpha)
+    @property
+    def scale(self) -> float:
+        return self.alpha / (float(np.sqrt(self.rank)) if self.rslora else self.rank)
+
+
+class Adapter(nnx.Module):
+    """The factors of one LoRA adapter, `nnx.LoRAParam`s stored as the base's weight is: with `weight_out_first`
+    A is (rank, *in_shape) and B (*out_shape, rank), PEFT's lora_A / lora_B layout; else A is (*in_shape, rank)
+    and B (rank, *out_shape), out_shape being the adapted part's. As PEFT initialises them, A is uniform in
+    +-1/sqrt(fan_in) (Kaiming-uniform with a = sqrt(5)) and B is zero. A's tiles follow the base's input tiles,
+    B's its output tiles, and the rank is one tile."""
+
+    def __init__(self, base: Linear, spec: AdapterSpec, *, seed: int, name: str):
+        if spec.rank < 1:
+            raise ValueError(f"LoRA rank must be at least 1, got {spec.rank}")
+        self.spec = spec
+        rank = spec.rank
         weight = base.weight.get_value()
         n_in = base.in_ndim
         if base.weight_out_first:
             out_shape, in_shape = weight.shape[:-n_in], weight.shape[-n_in:]
             out_tiles, in_tiles = weight.tile_shape[:-n_in], weight.tile_shape[-n_in:]
-            a_shape, a_tiles = (rank, *in_shape), (rank, *in_tiles)
-            b_shape, b_tiles = (*out_shape, rank), (*out_tiles, rank)
         else:
             in_shape, out_shape = weight.shape[:n_in], weight.shape[n_in:]
             in_tiles, out_tiles = weight.tile_shape[:n_in], weight.tile_shape[n_in:]
+        if spec.rows is not None:
+            out_shape = (spec.rows[1] - spec.rows[0], *out_shape[1:])
+        if base.weight_out_first:
+            a_shape, a_tiles = (rank, *in_shape), (rank, *in_tiles)
+            b_shape, b_tiles = (*out_shape, rank), (*out_tiles, rank)
+        else:
             a_shape, a_tiles = (*in_shape, rank), (*in_tiles, rank)
             b_shape, b_tiles = (rank, *out_shape), (rank, *out_tiles)
         bound = 1.0 / float(np.sqrt(np.prod(in_shape)))
@@ -167,29 +185,60 @@ class LoRA(nnx.Module):
         self.lora_b = _param(lambda: values_ops.zeros(b_shape, tile_shape=b_tiles), b_shape, b_tiles,
                              kind=nnx.LoRAParam)
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
 
-    def delta(self, x: Tensor) -> Tensor:
-        """(alpha / rank) x A B: x (..., *in_shape) -> (..., rank) -> (..., *out_shape)."""
+class LoRA(nnx.Module):
+    """A frozen `Linear` plus trainable low-rank updates (LoRA), one `Adapter` per adapted module as PEFT has
+    them: y = base(x) + sum over adapters of scale x A B, each adapter's update added into its part of the
+    output (a fused q/k/v product's q_proj adapter into the q rows alone; parts without an adapter get none).
+    `adapters` (an nnx.Dict by AdapterSpec name) start as the base: B is zero. Both factors are float32
+    parameters; in bfloat16 they enter the products as compute copies, as every weight does."""
+
+    def __init__(self, base: Linear, specs, *, seed: int, name: str):
+        specs = list(specs)
+        if not specs:
+            raise ValueError(f"LoRA {name}: no adapter given")
+        self.base = base
+        self.adapters = nnx.Dict({spec.name: Adapter(base, spec, seed=seed, name=name if len(specs) == 1 and
+                                                     spec.rows is None else f"{name}.{spec.name}")
+                                  for spec in specs})
+
+    def _out_axis(self, ndim: int) -> int:
+        """The first output axis of a tensor of `ndim` axes: the product's, or the weight's when it is input-first."""
+        weight = self.base.weight.get_value()
+        return ndim - (weight.ndim - self.base.in_ndim)
+
+    def delta(self, adapter: Adapter, x: Tensor) -> Tensor:
+        """scale x A B of one adapter: x (..., *in_shape) -> (..., rank) -> (..., *its part of out_shape)."""
         dtype, out_first = self.base.dtype, self.base.weight_out_first
-        low = gemm.matmul(x, compute_copy(self.lora_a.get_value(), dtype), ndim=self.base.in_ndim, trans_b=out_first)
-        return gemm.matmul(low, compute_copy(self.lora_b.get_value(), dtype), trans_b=out_first, alpha=self.scale)
+        low = gemm.matmul(x, compute_copy(adapter.lora_a.get_value(), dtype), ndim=self.base.in_ndim,
+                          trans_b=out_first)
+        return gemm.matmul(low, compute_copy(adapter.lora_b.get_value(), dtype), trans_b=out_first,
+                           alpha=adapter.spec.scale)
+
+    def _added(self, y: Tensor, update: Tensor, spec: AdapterSpec, axis: int) -> Tensor:
+        if spec.rows is None:
+            return elementwise_ops.add(y, update)
+        return elementwise_ops.add_part(y, update, axis, spec.rows[0])
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        return elementwise_ops.add(self.base(x, residual), self.delta(x))
+        y = self.base(x, residual)
+        for adapter in self.adapters.values():
+            y = self._added(y, self.delta(adapter, x), adapter.spec, self._out_axis(y.ndim))
+        return y
 
     def merged_weight(self) -> Tensor:
-        """The base weight plus (alpha / rank) of the update, as one new float32 tensor tiled as the base's:
-        what PEFT's merge writes."""
-        a, b = self.lora_a.get_value(), self.lora_b.get_value()
-        product = (gemm.matmul(b, a, alpha=self.scale) if self.base.weight_out_first
-                   else gemm.matmul(a, b, alpha=self.scale))
+        """The base weight plus every adapter's scaled update in its part, as one new float32 tensor tiled as the
+        base's: what PEFT's merge writes."""
         weight = self.base.weight.get_value()
         if weight.dtype != "float32":
             weight = values_ops.convert(weight, "float32")
-        return elementwise_ops.add(weight, product)
+        for adapter in self.adapters.values():
+            a, b, spec = adapter.lora_a.get_value(), adapter.lora_b.get_value(), adapter.spec
+            if self.base.weight_out_first:
+                weight = self._added(weight, gemm.matmul(b, a, alpha=spec.scale), spec, 0)
+            else:
+                weight = self._added(weight, gemm.matmul(a, b, alpha=spec.scale), spec, self.base.in_ndim)
+        return weight
 
 
 def trainable(freeze: str | None = None, train_only: str | None = None, adapters_only: bool = False):

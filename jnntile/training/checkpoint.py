@@ -199,8 +199,9 @@ def _resolved_targets(finetune: dict, model) -> dict:
     settings = finetune.get("lora")
     if not settings:
         return finetune
-    targets = lora.LoRASettings(settings["rank"], settings["alpha"], tuple(settings["targets"]) or None).resolved(model)
-    return {**finetune, "lora": {**settings, "targets": list(targets.targets)}}
+    targets = settings["targets"] if isinstance(settings["targets"], str) else tuple(settings["targets"]) or None
+    resolved = lora.LoRASettings(settings["rank"], settings["alpha"], targets).resolved(model)
+    return {**finetune, "lora": {**settings, "targets": lora._targets_record(resolved.targets)}}
 
 
 def restore(path: str | os.PathLike, *, model, opt_state, finetune=None):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -30,42 +31,74 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 
 
+ALL_LINEAR = "all-linear"  # PEFT's target_modules for every linear layer but the output head
+
+
+def _pattern_value(patterns: dict, key: str, default):
+    """PEFT's rank_pattern / alpha_pattern look-up: the first pattern that matches the end of module `key`."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?{pattern}$", key):
+            return value
+    return default
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRASettings:
-    """rank, alpha (the update is scaled by alpha / rank) and the PEFT target names (None: every
-    projection the family has); `source`, the PEFT directory they were read from, if any."""
+    """rank, alpha (the update is scaled by alpha / rank, or alpha / sqrt(rank) with `rslora`) and the targets as
+    PEFT's target_modules: a tuple of module names, "all-linear", or a regular expression (a str) that matches
+    Hugging Face module paths whole (None: every projection the family has); `rank_pattern` / `alpha_pattern`
+    give modules whose path ends in a pattern their own rank / alpha; `source`, the PEFT directory they were
+    read from, if any."""
 
     rank: int
     alpha: float
-    targets: tuple[str, ...] | None = None
+    targets: tuple[str, ...] | str | None = None
     source: str | None = dataclasses.field(default=None, compare=False)
+    rank_pattern: dict = dataclasses.field(default_factory=dict)
+    alpha_pattern: dict = dataclasses.field(default_factory=dict)
+    rslora: bool = False
 
     def __post_init__(self):
         if self.rank < 1:
             raise ValueError(f"--lora-rank {self.rank}: the rank of LoRA adapters must be at least 1")
         if not np.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"--lora-alpha {self.alpha}: must be a positive number")
+        if isinstance(self.targets, str) and self.targets != ALL_LINEAR:
+            try:
+                re.compile(self.targets)
+            except re.error as error:
+                raise ValueError(f"--lora-targets {self.targets!r} is not a regular expression: {error}") from None
 
     def resolved(self, model) -> "LoRASettings":
-        """These settings with the family's every projection as targets when none were named, checked."""
+        """These settings with the targets checked: names in the family's order (every projection for none or
+        "all-linear"); a regular expression as it is."""
         known = _hf_module(model).LORA_TARGETS
-        targets = tuple(known) if self.targets is None else tuple(self.targets)
+        if isinstance(self.targets, str) and self.targets != ALL_LINEAR:
+            return self
+        targets = tuple(known) if self.targets in (None, ALL_LINEAR) else tuple(self.targets)
+        paths = sorted(t for t in targets if "." in t)  # PEFT's module paths ("model.layers.0.self_attn.q_proj")
+        if paths:
+            targets = tuple(t.rpartition(".")[2] for t in paths)
         unknown = sorted(set(targets) - set(known))
         if unknown and self.source is not None:
             raise ValueError(self._another_architecture(model, targets))
         if unknown or not targets:
             raise ValueError(f"--lora-targets: {', '.join(unknown) or 'none given'}: this model's projections are "
-                             f"{', '.join(known)}")
-        for module in set(known.values()):  # the parts of a fused projection go together
-            parts = [t for t, m in known.items() if m == module]
-            named = [t for t in parts if t in targets]
-            if named and len(named) != len(parts):
-                missing = ", ".join(sorted(set(parts) - set(named)))
-                raise ValueError(f"--lora-targets names {', '.join(named)} but not {missing}"
-                                 f": jnntile computes {', '.join(parts)} as one product ({module}), which takes one "
-                                 "adapter; name all of them or none")
+                             f"{', '.join(known)} (or all-linear, or a regular expression of module paths)")
+        if paths:
+            return dataclasses.replace(self, targets=tuple(paths))
         return dataclasses.replace(self, targets=tuple(t for t in known if t in targets))
 
+    def targets_module(self, key: str) -> bool:
+        """Whether Hugging Face module `key` ("model.layers.0.self_attn.q_proj") is a target (of resolved settings)."""
+        if isinstance(self.targets, str):
+            return re.fullmatch(self.targets, key) is not None
+        return any(key == t or key.endswith("." + t) for t in self.targets)  # as PEFT matches a list
+
+    def spec(self, key: str, part: str, rows) -> nn.AdapterSpec:
+        """The adapter of Hugging Face module `key`, part `part` of its Linear."""
+        return nn.AdapterSpec(part, int(_pattern_value(self.rank_pattern, key, self.rank)),
+                              float(_pattern_value(self.alpha_pattern, key, self.alpha)), rows, self.rslora)
 
     def _another_architecture(self, model, targets) -> str:
         """Why adapters read from `source` cannot go on `model`: their targets are another family's modules."""
@@ -87,41 +120,62 @@ def adapters(model) -> dict[str, nn.LoRA]:
             if isinstance(module, nn.LoRA)}
 
 
+def _each_adapter(model):
+    """(Hugging Face module, LoRA path, its Adapter) of every adapter of `model`."""
+    hf = _hf_module(model)
+    for path, module in adapters(model).items():
+        for part, adapter in module.adapters.items():
+            yield hf.lora_module(path, part), path, adapter
+
+
 def apply(model, settings: LoRASettings, seed: int = 0) -> LoRASettings:
-    """Wraps each targeted Linear of `model` in `nn.LoRA` (A drawn from `seed` and the module's path, B zero);
-    returns the settings with the targets resolved. The model must have no adapters yet."""
+    """Wraps each Linear of `model` with a targeted part in `nn.LoRA`, an adapter per targeted Hugging Face module
+    (A drawn from `seed` and the module's path, B zero); returns the settings with the targets resolved. The
+    model must have no adapters yet."""
     if adapters(model):
         raise ValueError("the model already has LoRA adapters")
     settings = settings.resolved(model)
-    modules = {_hf_module(model).LORA_TARGETS[t] for t in settings.targets}
+    hf = _hf_module(model)
+    modules = set(hf.LORA_TARGETS.values())
     wrapped = []
     for path, parent in list(nnx.iter_graph(model)):
         if not isinstance(parent, nnx.Module):
             continue
         for name in modules:
             child = getattr(parent, name, None)
-            if isinstance(child, nn.Linear):
-                where = ".".join(str(p) for p in (*path, name))
-                setattr(parent, name, nn.LoRA(child, rank=settings.rank, alpha=settings.alpha, seed=seed, name=where))
+            if not isinstance(child, nn.Linear):
+                continue
+            where = ".".join(str(p) for p in (*path, name))
+            specs = [settings.spec(hf.lora_module(where, part), part, rows)
+                     for part, rows in hf.lora_parts(model.config, name).items()
+                     if settings.targets_module(hf.lora_module(where, part))]
+            if specs:
+                setattr(parent, name, nn.LoRA(child, specs, seed=seed, name=where))
                 wrapped.append(where)
     if not wrapped:
-        raise ValueError(f"no module of this model matches --lora-targets {','.join(settings.targets)}")
+        targets = settings.targets if isinstance(settings.targets, str) else ",".join(settings.targets)
+        raise ValueError(f"no module of this model matches --lora-targets {targets}; its modules are named like "
+                         f"{hf.lora_module('layers.0.self_attn.o_proj', 'o_proj')}")
     return settings
 
 
 def applied_settings(model) -> LoRASettings:
-    """The settings of the adapters `model` has (rank, alpha, PEFT targets)."""
-    mine = adapters(model)
+    """The settings of the adapters `model` has: the PEFT targets, the first adapter's rank and alpha, and
+    rank_pattern / alpha_pattern entries (whole module paths) for the adapters that differ."""
+    mine = list(_each_adapter(model))
     if not mine:
         raise ValueError("the model has no LoRA adapters")
-    first = next(iter(mine.values()))
-    modules = {path.rpartition(".")[2] for path in mine}
-    targets = tuple(t for t, m in _hf_module(model).LORA_TARGETS.items() if m in modules)
-    return LoRASettings(first.rank, first.alpha, targets)
+    first = mine[0][2].spec
+    parts = {adapter.spec.name for _, _, adapter in mine}
+    targets = tuple(t for t in _hf_module(model).LORA_TARGETS if t in parts)
+    return LoRASettings(first.rank, first.alpha, targets,
+                        rank_pattern={key: a.spec.rank for key, _, a in mine if a.spec.rank != first.rank},
+                        alpha_pattern={key: a.spec.alpha for key, _, a in mine if a.spec.alpha != first.alpha},
+                        rslora=first.rslora)
 
 
 def merge(model) -> None:
-    """Replaces every adapter by its base Linear holding base + (alpha / rank) B A in float32 (PEFT's
+    """Replaces every adapter by its base Linear holding base + the scaled updates in float32 (PEFT's
     merge_and_unload): the model then computes what it did, without adapters, and saves as a plain
     checkpoint of its family."""
     for path, module in adapters(model).items():
@@ -137,11 +191,12 @@ def merge(model) -> None:
 def peft_config(model, settings: LoRASettings, base_model: str | None = None) -> dict:
     """adapter_config.json's contents for `model`'s adapters."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
-            "target_modules": list(settings.targets), "lora_dropout": 0.0, "bias": "none",
+            "target_modules": _targets_record(settings.targets), "rank_pattern": dict(settings.rank_pattern),
+            "alpha_pattern": dict(settings.alpha_pattern), "lora_dropout": 0.0, "bias": "none",
             # GPT-2's Conv1D stores its weight (in, out): PEFT transposes the merged update for it.
             "fan_in_fan_out": not next(iter(adapters(model).values())).base.weight_out_first,
             "base_model_name_or_path": base_model, "inference_mode": True, "init_lora_weights": True,
-            "modules_to_save": None, "use_rslora": False, "use_dora": False, "revision": None}
+            "modules_to_save": None, "use_rslora": settings.rslora, "use_dora": False, "revision": None}
 
 
 def save_peft(model, settings: LoRASettings, directory, base_model: str | None = None) -> None:
@@ -150,11 +205,11 @@ def save_peft(model, settings: LoRASettings, directory, base_model: str | None =
     directory.mkdir(parents=True, exist_ok=True)
     hf = _hf_module(model)
     tensors = {}
-    for path, module in adapters(model).items():
-        a, b = (np.asarray(values_ops.to_array(p.get_value())) for p in (module.lora_a, module.lora_b))
-        for hf_module, (lora_a, lora_b) in hf.lora_to_peft(model.config, path, a, b).items():
-            tensors[f"{_PEFT_PREFIX}{hf_module}.lora_A.weight"] = np.ascontiguousarray(lora_a, np.float32)
-            tensors[f"{_PEFT_PREFIX}{hf_module}.lora_B.weight"] = np.ascontiguousarray(lora_b, np.float32)
+    for key, path, adapter in _each_adapter(model):
+        a, b = (np.asarray(values_ops.to_array(p.get_value())) for p in (adapter.lora_a, adapter.lora_b))
+        lora_a, lora_b = hf.lora_to_peft(model.config, adapter.spec.name, a, b)
+        tensors[f"{_PEFT_PREFIX}{key}.lora_A.weight"] = np.ascontiguousarray(lora_a, np.float32)
+        tensors[f"{_PEFT_PREFIX}{key}.lora_B.weight"] = np.ascontiguousarray(lora_b, np.float32)
     tensorfile.write_atomically(directory / ADAPTER_WEIGHTS,
                                 lambda p: tensorfile.write_file(p, tensors, metadata={"format": "pt"}))
     text = json.dumps(peft_config(model, settings, base_model), indent=2) + "\n"
@@ -167,19 +222,23 @@ def _read_config(directory) -> dict:
 
 
 def read_settings(directory) -> LoRASettings:
-    """The LoRASettings of a PEFT directory's adapter_config.json; raises naming the file and what it lacks."""
+    """The LoRASettings of a PEFT directory's adapter_config.json; raises naming the file and what it lacks.
+    lora_dropout, which acts in training alone, is not read: adapters apply as trained."""
     file = Path(directory) / ADAPTER_CONFIG
     config = _read_config(directory)
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"{file}: peft_type is {config.get('peft_type')!r}; jnntile reads LoRA adapters")
-    for key, what in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA")):
-        if config.get(key):
-            raise ValueError(f"{file}: {what} adapters ({key}: true) are not supported")
+        raise ValueError(f"{file}: peft_type is {config.get('peft_type')!r}; jnntile reads LoRA adapters only")
+    if config.get("use_dora"):
+        raise ValueError(f"{file}: DoRA adapters (use_dora: true) are not supported; jnntile reads LoRA adapters")
     targets = config.get("target_modules")
-    if isinstance(targets, str) or not isinstance(config.get("r"), int) or not targets:
-        raise ValueError(f"{file} needs an integer r and a list of target_modules")
-    return LoRASettings(rank=config["r"], alpha=float(config.get("lora_alpha", 8)), targets=tuple(targets),
-                        source=str(directory))
+    if not isinstance(config.get("r"), int) or not targets or not isinstance(targets, (str, list)):
+        raise ValueError(f"{file} needs an integer r and target_modules (a list or a regular expression)")
+    patterns = {key: config.get(key) or {} for key in ("rank_pattern", "alpha_pattern")}
+    if not all(isinstance(p, dict) for p in patterns.values()):
+        raise ValueError(f"{file}: rank_pattern and alpha_pattern must be objects (module pattern: value)")
+    return LoRASettings(rank=config["r"], alpha=float(config.get("lora_alpha", 8)),
+                        targets=targets if isinstance(targets, str) else tuple(targets), source=str(directory),
+                        rslora=bool(config.get("use_rslora")), **patterns)
 
 
 def other_base(directory, base: str) -> str | None:
@@ -204,13 +263,9 @@ def load_peft(model, directory) -> None:
     tensor is checked before any is written."""
     directory = Path(directory)
     settings = read_settings(directory)
-    mine = adapters(model)
+    mine = list(_each_adapter(model))
     if not mine:
         raise ValueError(f"the model has no adapters to load {directory} into; apply them first (lora.apply)")
-    first = next(iter(mine.values()))
-    if (first.rank, first.alpha) != (settings.rank, settings.alpha):
-        raise ValueError(f"{directory} holds adapters of rank {settings.rank}, alpha {settings.alpha:g}; this model's "
-                         f"have rank {first.rank}, alpha {first.alpha:g}")
     file = directory / ADAPTER_WEIGHTS
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found (jnntile reads adapters in safetensors, not adapter_model.bin)")
@@ -222,29 +277,35 @@ def load_peft(model, directory) -> None:
             raise ValueError(f"{file}: unexpected tensor {name!r} (jnntile reads lora_A / lora_B weights only)")
         peft.setdefault(module, {})[kind[0]] = stored[name]
     hf = _hf_module(model)
-    values = {}
-    used = set()
-    for path, module in mine.items():
-        a, b = module.lora_a.get_value(), module.lora_b.get_value()
-        # The PEFT modules and shapes this adapter has: those of zeros of its shapes, converted.
-        expected = hf.lora_to_peft(model.config, path, np.zeros(a.shape, np.float32), np.zeros(b.shape, np.float32))
-        missing = [m for m in expected if set(peft.get(m, {})) != {"A", "B"}]
-        if missing:
-            raise ValueError(f"{file} lacks the adapter of {missing[0]} (lora_A and lora_B weights)")
-        pairs = {m: (peft[m]["A"].read(), peft[m]["B"].read()) for m in expected}
-        used.update(expected)
-        for m, (lora_a, lora_b) in pairs.items():
-            if lora_a.shape != expected[m][0].shape or lora_b.shape != expected[m][1].shape:
-                raise ValueError(f"{file}: the adapter of {m} is lora_A {lora_a.shape}, lora_B {lora_b.shape}; "
-                                 f"this model needs {expected[m][0].shape}, {expected[m][1].shape}")
-        values[path] = hf.lora_from_peft(model.config, path, pairs, a.shape, b.shape)
-    unused = sorted(set(peft) - used)
+    values = []
+    for key, path, adapter in mine:
+        spec = adapter.spec
+        wanted = settings.spec(key, spec.name, spec.rows)
+        if wanted != spec:
+            raise ValueError(f"{directory} holds the adapter of {key} with rank {wanted.rank}, alpha {wanted.alpha:g}"
+                             f"{' (rsLoRA)' if wanted.rslora else ''}; this model's has rank {spec.rank}, alpha "
+                             f"{spec.alpha:g}{' (rsLoRA)' if spec.rslora else ''}")
+        if set(peft.get(key, {})) != {"A", "B"}:
+            raise ValueError(f"{file} lacks the adapter of {key} (lora_A and lora_B weights)")
+        a, b = adapter.lora_a.get_value(), adapter.lora_b.get_value()
+        expected = hf.lora_to_peft(model.config, spec.name, np.zeros(a.shape, np.float32),
+                                   np.zeros(b.shape, np.float32))
+        lora_a, lora_b = peft[key]["A"].read(), peft[key]["B"].read()
+        if lora_a.shape != expected[0].shape or lora_b.shape != expected[1].shape:
+            raise ValueError(f"{file}: the adapter of {key} is lora_A {lora_a.shape}, lora_B {lora_b.shape}; "
+                             f"this model needs {expected[0].shape}, {expected[1].shape}")
+        values.append((adapter, hf.lora_from_peft(model.config, spec.name, lora_a, lora_b, a.shape, b.shape)))
+    unused = sorted(set(peft) - {key for key, _, _ in mine})
     if unused:
         raise ValueError(f"{file} holds adapters of {unused[:3]}, which this model's targets do not include")
-    for path, (a, b) in values.items():
-        module = mine[path]
-        module.lora_a.set_value(tensorfile.load_into(module.lora_a.get_value(), a.astype(np.float32)))
-        module.lora_b.set_value(tensorfile.load_into(module.lora_b.get_value(), b.astype(np.float32)))
+    for adapter, (a, b) in values:
+        adapter.lora_a.set_value(tensorfile.load_into(adapter.lora_a.get_value(), a.astype(np.float32)))
+        adapter.lora_b.set_value(tensorfile.load_into(adapter.lora_b.get_value(), b.astype(np.float32)))
+
+
+def _targets_record(targets):
+    """target_modules in a record: a regular expression as it is, names as a list (none: every projection)."""
+    return targets if isinstance(targets, str) else list(targets or [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +329,10 @@ class FineTune:
     def record(self) -> dict:
         """What a checkpoint's state.json says of it (a resumed run must ask for the same)."""
         settings = None if self.lora is None else {"rank": self.lora.rank, "alpha": self.lora.alpha,
-                                                   "targets": list(self.lora.targets or [])}
+                                                   "targets": _targets_record(self.lora.targets)}
+        for key in ("rank_pattern", "alpha_pattern", "rslora"):  # recorded when set: older records lack them
+            if settings is not None and getattr(self.lora, key):
+                settings[key] = getattr(self.lora, key)
         return {"freeze": self.freeze, "train_only": self.train_only, "lora": settings}
 
     def filter(self):

@@ -101,14 +101,23 @@ def _same_values(a: FileTensor, b: FileTensor) -> bool:
 LORA_TARGETS = {"c_attn": "c_attn", "c_proj": "c_proj", "c_fc": "c_fc"}
 
 
-def lora_to_peft(config: GPT2Config, path: str, a: np.ndarray, b: np.ndarray) -> dict:
-    """{Hugging Face module: (lora_A (rank, in), lora_B (out, rank))} of the adapter of Linear `path`
-    ("h.0.attn.c_attn"), whose factors are stored input-first: a (*in, rank), b (rank, *out)."""
+def lora_parts(config: GPT2Config, module: str) -> dict:
+    """{PEFT target: None}: each adapter covers its whole module."""
+    return {module: None}
+
+
+def lora_module(path: str, part: str) -> str:
+    """The Hugging Face module of Linear `path` ("h.0.attn.c_attn")."""
+    return _PREFIX + path
+
+
+def lora_to_peft(config: GPT2Config, part: str, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lora_A (rank, in), lora_B (out, rank)) of an adapter whose factors are stored input-first: a (*in, rank),
+    b (rank, *out)."""
     rank = a.shape[-1]
-    return {_PREFIX + path: (a.reshape(-1, rank).T, b.reshape(rank, -1).T)}
+    return a.reshape(-1, rank).T, b.reshape(rank, -1).T
 
 
-def lora_from_peft(config: GPT2Config, path: str, peft: dict, a_shape, b_shape) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of `lora_to_peft`: (a, b) in this model's layout from PEFT's {module: (lora_A, lora_B)}."""
-    lora_a, lora_b = peft[_PREFIX + path]
+def lora_from_peft(config: GPT2Config, part: str, lora_a, lora_b, a_shape, b_shape) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `lora_to_peft`: (a, b) in this model's layout from PEFT's lora_A, lora_B."""
     return np.asarray(lora_a).T.reshape(a_shape), np.asarray(lora_b).T.reshape(b_shape)

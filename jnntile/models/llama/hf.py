@@ -94,27 +94,25 @@ def from_model(config: LlamaConfig, tensors: dict) -> dict:
 # ---- LoRA adapters in PEFT's names and layouts ------------------------------------------------------
 
 # PEFT target name -> the Linear module of `model.Llama` that holds it. q, k and v are one fused product
-# here, and so are gate and up: their adapter is one, with one A shared by the parts and a B that covers
-# every part's rows, so they are targeted together. In PEFT's files it is written as one adapter per part,
-# each with that A and its rows of B, which is the same function; reading PEFT's files back needs the parts'
-# A to be equal (as jnntile writes them).
+# here, and so are gate and up; each targeted part still has its own adapter (`lora_parts`), whose update
+# lands in its rows of the fused product, as PEFT's adapters of separate modules do.
 LORA_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 
 
-def _peft_parts(config: LlamaConfig, path: str) -> dict:
-    """{Hugging Face module: (lora_B of our B, our B's part of lora_B)} for Linear `path` of the model."""
-    G, KV, D = config.kv_groups, config.num_key_value_heads, config.head_dim
-    prefix, _, module = path.rpartition(".")
-    hf = lambda name: f"model.{prefix}.{name}"  # noqa: E731
-    if module == "qkv_proj":  # B (G + 2, KV, D, r): query head kv * G + g at [g, kv]
-        return {hf("q_proj"): (lambda b: np.swapaxes(b[:G], 0, 1).reshape(KV * G * D, -1),
-                               lambda q: np.swapaxes(q.reshape(KV, G, D, -1), 0, 1)),
-                hf("k_proj"): (lambda b: b[G].reshape(KV * D, -1), lambda k: k.reshape(1, KV, D, -1)),
-                hf("v_proj"): (lambda b: b[G + 1].reshape(KV * D, -1), lambda v: v.reshape(1, KV, D, -1))}
-    if module == "gate_up_proj":  # B (2, I, r)
-        return {hf("gate_proj"): (lambda b: b[0], lambda g: g[None]), hf("up_proj"): (lambda b: b[1], lambda u: u[None])}
-    return {hf(module): (lambda b: b.reshape(-1, b.shape[-1]), lambda b: b)}
+def lora_parts(config: LlamaConfig, module: str) -> dict:
+    """{PEFT target: its rows (start, stop) of the first output axis of Linear `module`, or None for all}."""
+    G = config.kv_groups
+    if module == "qkv_proj":  # (G + 2, KV, D): query head kv * G + g at [g, kv]
+        return {"q_proj": (0, G), "k_proj": (G, G + 1), "v_proj": (G + 1, G + 2)}
+    if module == "gate_up_proj":  # (2, I)
+        return {"gate_proj": (0, 1), "up_proj": (1, 2)}
+    return {module: None}
+
+
+def lora_module(path: str, part: str) -> str:
+    """The Hugging Face module of part `part` of Linear `path` ("layers.0.self_attn.qkv_proj")."""
+    return f"model.{path.rpartition('.')[0]}.{part}"
 
 
 def _o_proj_a(config: LlamaConfig, a: np.ndarray, to_peft: bool) -> np.ndarray:
@@ -126,23 +124,19 @@ def _o_proj_a(config: LlamaConfig, a: np.ndarray, to_peft: bool) -> np.ndarray:
     return np.swapaxes(a, 1, 2).reshape(rank, -1) if to_peft else np.swapaxes(a.reshape(rank, KV, G, D), 1, 2)
 
 
-def lora_to_peft(config: LlamaConfig, path: str, a: np.ndarray, b: np.ndarray) -> dict:
-    """{Hugging Face module: (lora_A (rank, in), lora_B (out, rank))} of the adapter of Linear `path`
-    ("layers.0.self_attn.qkv_proj"), whose factors are stored output-first: a (rank, *in), b (*out, rank)."""
-    lora_a = _o_proj_a(config, a, True) if path.endswith(".o_proj") else a.reshape(a.shape[0], -1)
-    return {module: (lora_a, to_peft(b)) for module, (to_peft, _) in _peft_parts(config, path).items()}
+def lora_to_peft(config: LlamaConfig, part: str, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lora_A (rank, in), lora_B (out, rank)) of the adapter of PEFT module `part`, whose factors are stored
+    output-first: a (rank, *in), b (*its rows of out, rank)."""
+    rank = a.shape[0]
+    lora_a = _o_proj_a(config, a, True) if part == "o_proj" else a.reshape(rank, -1)
+    lora_b = np.swapaxes(b, 0, 1) if part == "q_proj" else b  # q: (G, KV, D, r) -> head kv * G + g
+    return lora_a, lora_b.reshape(-1, rank)
 
 
-def lora_from_peft(config: LlamaConfig, path: str, peft: dict, a_shape, b_shape) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of `lora_to_peft`: (a, b) in this model's layout from PEFT's {module: (lora_A, lora_B)}.
-    Raises when the parts of a fused projection have different A (separate PEFT adapters, which one fused
-    product cannot hold)."""
-    parts = _peft_parts(config, path)
-    lora_as = [np.asarray(peft[module][0]) for module in parts]
-    if any(not np.array_equal(lora_as[0], other) for other in lora_as[1:]):
-        raise ValueError(f"the adapters of {', '.join(parts)} have different lora_A: jnntile fuses these "
-                         "projections into one product, whose adapter has one A; train them together with jnntile, "
-                         "or leave them out of the adapter")
-    a = _o_proj_a(config, lora_as[0], False) if path.endswith(".o_proj") else lora_as[0].reshape(a_shape)
-    b = np.concatenate([from_peft(np.asarray(peft[module][1])) for module, (_, from_peft) in parts.items()])
+def lora_from_peft(config: LlamaConfig, part: str, lora_a, lora_b, a_shape, b_shape) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `lora_to_peft`: (a, b) in this model's layout from PEFT's lora_A, lora_B."""
+    G, KV, D = config.kv_groups, config.num_key_value_heads, config.head_dim
+    lora_a, lora_b = np.asarray(lora_a), np.asarray(lora_b)
+    a = _o_proj_a(config, lora_a, False) if part == "o_proj" else lora_a
+    b = np.swapaxes(lora_b.reshape(KV, G, D, -1), 0, 1) if part == "q_proj" else lora_b
     return a.reshape(a_shape), b.reshape(b_shape)
