@@ -61,7 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, help="override the preset's width")
     p.add_argument("--dropout", type=float, help="override the preset's dropout rate")
     flags.add_execution_flags(p)
-    p.add_argument("--data", help="a nanoGPT-style uint16 .bin token file (default: the built-in corpus)")
+    p.add_argument("--data", help="a dataset `python -m jnntile.data` prepared: text (a directory or its nanoGPT-style "
+                   ".bin token file), every token trained, or fine-tuning examples, only their targets trained "
+                   "(default: the built-in corpus)")
+    flags.add_example_flags(p)
     p.add_argument("--allow-tokenizer-mismatch", action="store_true", help="train an --init-from-hf model on data "
                    "made by another tokenizer than the model's own (refused by default: its ids mean other tokens)")
     flags.add_batch_flags(p, batch_size=DEFAULTS["batch_size"])
@@ -229,7 +232,16 @@ def _remove_run(out: Path) -> None:
 
 def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | None]:
     path = args.data or data_mod.ensure_default_dataset(progress=not args.quiet) / "train.bin"
-    train = data_mod.TokenDataset(path)
+    train = data_mod.open_dataset(path)
+    examples = isinstance(train, data_mod.ExampleDataset)
+    flags.check_example_flags(args, examples, f"--data {path}")
+    if examples:  # rows are filled epoch after epoch: every example count makes batches
+        validation = train.validation()
+        for dataset in (train, validation) if args.no_truncate else ():
+            if dataset is not None:
+                _refuse_long_examples(dataset, args.seq_len)
+        _check_tokenizer(args, train)
+        return train, validation
     rows = args.batch_size * args.grad_accum_steps
     need = rows * args.seq_len + 1 if args.data_order == "sequential" else args.seq_len + 1
     if len(train) < need:
@@ -246,6 +258,24 @@ def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | Non
             "--seq-len, or turn evaluation off with --eval-interval 0")
     _check_tokenizer(args, train)
     return train, validation
+
+
+def _refuse_long_examples(dataset: data_mod.ExampleDataset, seq_len: int) -> None:
+    """--no-truncate: refuses a dataset holding an example longer than --seq-len, naming the longest."""
+    longest = int(np.argmax(dataset.lengths))
+    if dataset.lengths[longest] > seq_len:
+        raise ValueError(f"--no-truncate: example {longest} of {dataset.path} has {int(dataset.lengths[longest])} "
+                         f"tokens, the longest, more than --seq-len {seq_len} ({int(np.sum(dataset.lengths > seq_len))} "
+                         f"examples are longer); give --seq-len {int(dataset.lengths[longest])}, or leave out "
+                         "--no-truncate to train on their first --seq-len tokens")
+
+
+def _examples_summary(dataset: data_mod.ExampleDataset, args) -> str:
+    """The line that says what training gets from a dataset of examples at this --seq-len and --packing."""
+    stats = dataset.stats(args.seq_len, packing=args.packing == "on")
+    return (f"examples: {stats['examples']:,} ({stats['targets']:,} targets), {stats['dropped_no_target']:,} dropped "
+            f"with no target, {stats['truncated']:,} truncated at --seq-len {args.seq_len}; {stats['rows']:,} rows "
+            f"per epoch with packing {args.packing}, {stats['padding_fraction']:.1%} padding")
 
 
 def _check_tokenizer(args, train: data_mod.TokenDataset) -> None:
@@ -361,9 +391,21 @@ def _memory_in_use_mb() -> float:
     return ram[0]["used_bytes"] / 2**20 if ram else 0.0
 
 
+def _step_batch(dataset, step: int, args, **fields) -> tuple:
+    """`jnntile.step.step_batch` of step `step` as the flags ask (`fields` replace some)."""
+    return step_mod.step_batch(dataset, step, **{
+        "batch_size": args.batch_size, "grad_accum_steps": args.grad_accum_steps, "seq_len": args.seq_len,
+        "order": args.data_order, "seed": args.seed, "packing": args.packing == "on",
+        "truncate": not args.no_truncate, **fields})
+
+
 def _evaluate(eval_step, params, frozen, dataset, args) -> float:
-    losses = [float(eval_step(params, *(distributed.local_rows(a) for a in dataset.batch(
-        i, args.batch_size, args.seq_len, "random", seed=args.seed + 1)), frozen)) for i in range(args.eval_batches)]
+    """The mean validation loss of --eval-batches batches (drawn at random; examples packed as in training)."""
+    losses = []
+    for i in range(args.eval_batches):
+        batch = _step_batch(dataset, i, args, grad_accum_steps=1, order="random", seed=args.seed + 1)
+        idx, targets, segments, positions = (None if a is None else distributed.local_rows(a[0]) for a in batch)
+        losses.append(float(eval_step(params, idx, targets, frozen, segments, positions)))
     return distributed.mean_and_any(float(np.mean(losses)), False, "the validation loss")[0]
 
 
@@ -425,10 +467,22 @@ def generate_samples(model, datasets, args) -> list[str]:
         print(f"samples of {new_tokens} tokens: the model was trained on {window} positions")
     prompt_len = min(16, window + 1 - new_tokens)
     dataset = next(d for d in datasets if d is not None and len(d) > prompt_len)
-    prompts = [dataset.batch(i, 1, prompt_len, "random", seed=args.seed + 2)[0][0] for i in range(args.samples)]
+    if isinstance(dataset, data_mod.ExampleDataset):
+        chosen = np.random.default_rng(args.seed + 2).permutation(dataset.examples())
+        prompts = [_example_prompt(dataset, int(chosen[i % len(chosen)]), prompt_len) for i in range(args.samples)]
+    else:
+        prompts = [dataset.batch(i, 1, prompt_len, "random", seed=args.seed + 2)[0][0] for i in range(args.samples)]
     decoder = decoding.Decoder(model, batch_size=args.samples, max_len=prompt_len + new_tokens - 1)
     continuations = decoder.generate(prompts, new_tokens, temperature=0.8, top_k=40, seed=args.seed)
     return [dataset.decode(list(p) + c) for p, c in zip(prompts, continuations)]
+
+
+def _example_prompt(dataset: data_mod.ExampleDataset, index: int, prompt_len: int) -> np.ndarray:
+    """What example `index` gives the model before its first trained token (a chat's turns up to the reply), its
+    last `prompt_len` tokens at most: a sample then shows the reply the model learned to write."""
+    ids, mask = dataset.example(index)
+    first = max(1, int(np.argmax(mask)))
+    return ids[max(0, first - prompt_len):first]
 
 
 # ---- main ----------------------------------------------------------------------------
@@ -548,6 +602,8 @@ def _train(args, held: contextlib.ExitStack) -> dict:
               f"{jnntile.runtime.describe()} (planned peak {plan.peak / 2**20:.0f} MB{' per rank' if ranks > 1 else ''}: "
               f"{verdict})",
               flush=True)
+        if isinstance(train_data, data_mod.ExampleDataset):
+            print(_examples_summary(train_data, args), flush=True)
 
     tokens_per_step = args.grad_accum_steps * args.batch_size * args.seq_len
 
@@ -580,20 +636,24 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         with (metrics_path if lead else Path(os.devnull)).open("a") as metrics:
             stopping = False
             while step < args.steps and not stopping:
-                idx, targets = (distributed.local_rows(a, axis=1) for a in step_mod.step_batch(
-                    train_data, step, batch_size=args.batch_size, grad_accum_steps=args.grad_accum_steps,
-                    seq_len=args.seq_len, order=args.data_order, seed=args.seed))
+                batch = _step_batch(train_data, step, args)
+                # Every rank counts the whole step's targets and tokens (padding is no token) from its batch.
+                step_targets = int(step_mod.count_targets(batch[1]).sum())
+                tokens = tokens_per_step if batch[2] is None else int(np.count_nonzero(batch[2]))
+                idx, targets, segments, positions = (None if a is None else distributed.local_rows(a, axis=1)
+                                                     for a in batch)
                 swapped_before = jnntile.runtime.swap_bytes() if swapping else None
                 started = time.perf_counter()
                 seeds = step_mod.dropout_seeds(args.seed, step, args.grad_accum_steps)
-                params, opt_state, loss = train_step(params, opt_state, idx, targets, seeds, frozen)
+                params, opt_state, loss = train_step(params, opt_state, idx, targets, seeds, frozen, segments,
+                                                     positions, step_targets)
                 # The one blocking read of the step; with several ranks, the mean of theirs (and whether
                 # any rank was asked to stop, so that all stop after the same step).
                 loss, stopping = distributed.mean_and_any(float(loss), bool(stop_requested), "the loss")
                 seconds = time.perf_counter() - started
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or enable --grad-clip")
-                row = {"step": step, "loss": loss, "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / seconds,
+                row = {"step": step, "loss": loss, "lr": float(schedule(step)), "tokens_per_s": tokens / seconds,
                        "seconds": seconds}
                 if swapping:  # what moved while the step ran (an update still running counts in the next step)
                     written, read = (now - before for now, before in zip(jnntile.runtime.swap_bytes(), swapped_before))

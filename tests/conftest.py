@@ -23,6 +23,21 @@ def pytest_configure(config):
     runtime.configure(**SUITE_RUNTIME)
 
 
+def plain_llama_tokenizer(directory):
+    """`directory` (created) holding the Llama fixture's tokenizer without its chat template; returned."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    llama = Path(__file__).parent / "data" / "hf_tiny_llama"
+    directory.mkdir()
+    shutil.copy(llama / "tokenizer.json", directory)
+    config = json.loads((llama / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
 def rel_err(actual, expected) -> float:
     """Relative Frobenius error ||actual - expected|| / ||expected||."""
     actual = np.asarray(actual, dtype=np.float64)

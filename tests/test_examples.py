@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import plain_llama_tokenizer
 
 from jnntile import data
 
@@ -23,13 +24,7 @@ def _jsonl(path: Path, records) -> Path:
 @pytest.fixture
 def plain_tokenizer(tmp_path):
     """The Llama fixture's tokenizer without a chat template."""
-    directory = tmp_path / "plain"
-    directory.mkdir()
-    shutil.copy(LLAMA_DIR / "tokenizer.json", directory)
-    config = json.loads((LLAMA_DIR / "tokenizer_config.json").read_text())
-    del config["chat_template"]
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+    return plain_llama_tokenizer(tmp_path / "plain")
 
 
 def _prepare(tmp_path, records, tokenizer=QWEN2_DIR, *extra, name="ex.jsonl", capsys=None):

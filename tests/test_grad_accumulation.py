@@ -4,7 +4,8 @@
   gradient to the earlier gradients, in place, under jit; bad uses are refused.
 * N micro-batches of B rows through `jnntile.step.make_steps` give the losses
   and parameters of one step on the N*B batch, with clipping and AdamW, also
-  under a small memory limit with disk swap.
+  under a small memory limit with disk swap, and when their targets (not -100)
+  are unevenly many: the loss is the mean over the whole batch's targets.
 """
 
 import dataclasses
@@ -90,9 +91,13 @@ B, T, N, STEPS = 2, 32, 3, 3
 LEARNING_RATE = 1e-2
 
 
-def _train(micro_batches, config=CONFIG):
-    """Losses and parameters after STEPS steps of N*B rows, cut into `micro_batches` micro-batches."""
+def _train(micro_batches, config=CONFIG, masked=False):
+    """Losses and parameters after STEPS steps of N*B rows, cut into `micro_batches` micro-batches; `masked`:
+    most targets are ignored (-100), the more the later the row, so the micro-batches' target counts differ."""
     rows = np.random.default_rng(0).integers(0, config.vocab_size, (STEPS, N * B, T + 1)).astype(np.int32)
+    if masked:  # row r keeps its first T >> r targets: 32, 16, 8, ... 1
+        kept = np.arange(T)[None, :] < (T >> np.arange(N * B))[:, None]
+        rows[:, :, 1:] = np.where(kept, rows[:, :, 1:], -100)
     model = gpt2.GPT2(config, batch_size=N * B // micro_batches, seq_len=T, seed=0)
     tx = optax.chain(optim.clip_by_global_norm(1.0), optim.adamw(LEARNING_RATE, weight_decay=0.1))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -123,6 +128,14 @@ def test_micro_batches_equal_one_big_batch(one_big_batch):
     losses, params = _train(N)
     assert rel_err(losses, one_big_batch[0]) < 1e-6
     _assert_close(params, one_big_batch[1])
+
+
+def test_micro_batches_with_uneven_targets_equal_one_big_batch():
+    # The step's loss is the mean over its targets: each micro-batch weighs by its targets, not 1/N.
+    losses, params = _train(N, masked=True)
+    big_losses, big_params = _train(1, masked=True)
+    assert rel_err(losses, big_losses) < 1e-6
+    _assert_close(params, big_params)
 
 
 @pytest.fixture

@@ -141,8 +141,9 @@ def test_micro_batches_see_the_rows_of_the_whole_batch(dataset, tmp_path, order)
     assert state["data_position"] == 3 * 4 * 16
     for row in map(json.loads, (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines()):
         assert row["tokens_per_s"] * row["seconds"] == pytest.approx(4 * 16), "a step's tokens: every micro-batch"
-    idx, targets = step_mod.step_batch(data_mod.TokenDataset(dataset), 5, batch_size=2, grad_accum_steps=3, seq_len=16,
-                                       order=order, seed=0)
+    idx, targets, segments, positions = step_mod.step_batch(data_mod.TokenDataset(dataset), 5, batch_size=2,
+                                                            grad_accum_steps=3, seq_len=16, order=order, seed=0)
+    assert segments is None and positions is None, "text: no packing, its programs as they were"
     whole = data_mod.TokenDataset(dataset).batch(5, 6, 16, order, seed=0)
     np.testing.assert_array_equal(idx.reshape(6, 16), whole[0])
     np.testing.assert_array_equal(targets.reshape(6, 16), whole[1])
