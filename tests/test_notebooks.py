@@ -27,6 +27,8 @@ SMOKE = {
     "04_finetune_hf.ipynb": {"STEPS": 3, "NEW_TOKENS": 8, "HF_DIR": str(ROOT / "tests" / "data" / "hf_tiny_gpt2")},
     "05_llama.ipynb": {"STEPS": 3, "NEW_TOKENS": 4, "HF_DIR": str(ROOT / "tests" / "data" / "hf_tiny_llama")},
     "06_lora.ipynb": {"STEPS": 3, "NEW_TOKENS": 4, "HF_DIR": str(ROOT / "tests" / "data" / "hf_tiny_llama")},
+    "07_chat_finetune.ipynb": {"STEPS": 60, "NEW_TOKENS": 12,
+                               "HF_DIR": str(ROOT / "tests" / "data" / "hf_tiny_llama")},
 }
 
 
