@@ -92,3 +92,19 @@ def test_examples_of_another_tokenizer_than_the_hf_model_s_are_refused(examples,
                            str(DATA_DIR / "hf_tiny_qwen2"), "--batch-size", "2", "--seq-len", "16", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and f"--data {examples} was tokenized by" in err and "--allow-tokenizer-mismatch" in err
+
+
+def test_resume_on_examples_with_lora_is_bit_identical(examples, tmp_path, monkeypatch, capsys):
+    from test_train import _ctrl_c_in_step
+
+    args = ["--steps", "5", "--eval-interval", "2", "--samples", "0", "--lora-rank", "4", "--grad-accum-steps", "2",
+            "--dropout", "0.1"]
+    _run(examples, tmp_path / "straight", *args)
+    with monkeypatch.context() as patched:
+        _ctrl_c_in_step(patched, 2)
+        summary = _run(examples, tmp_path / "resumed", *args)
+    assert summary["interrupted"] and summary["step"] == 3
+    _run(examples, tmp_path / "resumed", *args, "--resume")
+    assert _rows(tmp_path / "resumed") == [{**row, "seconds": r["seconds"], "tokens_per_s": r["tokens_per_s"]}
+                                           for row, r in zip(_rows(tmp_path / "straight"), _rows(tmp_path / "resumed"))]
+    assert [r["step"] for r in _rows(tmp_path / "resumed") if "val_loss" in r] == [1, 3, 4]
