@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=None, help="override the preset")
     flags.add_batch_flags(parser, batch_size=8)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's positions")
+    # Taken as train takes them; a packed batch plans as a full one: its layout adds two int32 (B, T) tensors.
+    flags.add_example_flags(parser)
     flags.add_execution_flags(parser)
     flags.add_finetune_flags(parser)
     flags.add_runtime_flags(parser)

@@ -461,6 +461,32 @@ def test_memory_cli_plans_one_micro_batch(capsys):
     assert "batch 2 x seq 64 per micro-batch, 4 micro-batches per step" in out and "kept between micro-batches" in out
 
 
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_a_packed_batch_plans_as_a_full_one(preset, capsys):
+    """A packed batch of examples adds its layout, two int32 (B, T) tensors, to the step: the planner, and
+    `python -m jnntile.memory --packing on|off`, plan the step without it (docs/memory.md)."""
+    from jnntile.models import families
+
+    config = families.preset(preset)
+    B, T = 4, 64
+    ids = np.zeros((B, T), np.int32)
+    segments = np.repeat(np.arange(1, 5, dtype=np.int32), T // 4)[None].repeat(B, 0)
+    positions = np.tile(np.arange(T // 4, dtype=np.int32), 4)[None].repeat(B, 0)
+    build = lambda: families.build(config, batch_size=B, seq_len=T)  # noqa: E731
+
+    def loss(model, packed):
+        packing = model.packing_tensors(segments, positions) if packed else None
+        return model(model.token_tensor(ids), model.token_tensor(ids), packing=packing)
+
+    full, packed = (planning.plan_model(build, lambda m: loss(m, p)).peak for p in (False, True))
+    assert 0 <= packed - full <= 2 * B * T * 4 * 2 and packed - full < 1e-3 * full
+    argv = ["--model", preset, "--batch-size", str(B), "--seq-len", str(T)]
+    assert memory.main(argv) == 0
+    planned = capsys.readouterr().out
+    assert memory.main([*argv, "--packing", "off", "--no-truncate"]) == 0
+    assert capsys.readouterr().out == planned
+
+
 def test_planner_gpu_verdicts():
     """With a GPU, its memory comes first, then host RAM, then swap; a task must fit the GPU twice over."""
     plan = planning.plan(planning.StepSpec(TINY, 2, 64), workers=2)
