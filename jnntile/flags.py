@@ -149,7 +149,8 @@ def add_batch_flags(parser: argparse.ArgumentParser, batch_size: int) -> None:
                              "runs (default: 1)")
     parser.add_argument("--grad-accum-schedule", choices=GRAD_ACCUM_SCHEDULES, default="micro-batch",
                         help="micro-batch: each micro-batch runs its forward and backward before the next and adds "
-                             "its gradients, scaled by 1/N, into the tiled gradients (memory of one micro-batch); "
+                             "its gradients, scaled by its share of the step's targets (1/N for text), into the tiled gradients "
+                             "(memory of one micro-batch); "
                              "layer: the micro-batches go through each layer together, as one batch in tiles of "
                              "--batch-size sequences, so a step reads each weight once instead of once per "
                              "micro-batch (with disk swap: fewer bytes moved; the activations of every micro-batch "

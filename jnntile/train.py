@@ -7,8 +7,9 @@ per step), loss.png, and checkpoints (see jnntile/training/checkpoint.py). --res
 continues from the latest checkpoint bit-identically: batches and dropout
 masks are pure functions of (seed, step). --model picks a preset of any
 family (jnntile.models.families); --init-from-hf starts from a Hugging Face
-checkpoint of one (both list them below); --data reads a prepared dataset's
-token file (jnntile/data.py, whose --tokenizer uses a model's own tokenizer).
+checkpoint of one (both list them below); --data reads a dataset `python -m jnntile.data`
+prepared (whose --tokenizer uses a model's own tokenizer): text, every token trained, or fine-tuning
+examples, their targets alone, packed into the --seq-len rows (--packing; docs/train.md).
 
 Under an MPI launcher (`mpirun -n N --bind-to none python -m jnntile.train ...`)
 the N processes train one model, each on 1/N of every batch; only rank 0
