@@ -4,7 +4,7 @@
                                              [--reps 5] [--seed 0]
 
 Same shape, one run, float32 on the CPU workers, a batch row per tile, each the median of --reps jitted steps (after one that
-compiles):
+compiles), the three steps taken in turn in each repetition:
 
 a. plain causal attention against document masking of full sequences (one example per row): the goal is a
    ratio of at most 1.05 (the same tasks run; the op only reads the starts when it submits);
@@ -39,8 +39,9 @@ def packed_segments(rng, batch: int, seq: int) -> np.ndarray:
     return segments
 
 
-def step_time(qkv, tiles, segments, reps: int) -> tuple[float, int]:
-    """Median seconds of a jitted value-and-gradient step of sum(attention(qkv)^2), and its step tasks."""
+def make_step(qkv, tiles, segments):
+    """A jitted value-and-gradient step of sum(attention(qkv)^2), compiled: a function that runs it once and
+    returns its seconds and its step tasks."""
     x = jnntile.from_array(qkv, tiles)
 
     def loss(x):
@@ -49,22 +50,28 @@ def step_time(qkv, tiles, segments, reps: int) -> tuple[float, int]:
 
     step = jax.jit(jnntile.value_and_grad(loss))
 
-    def run():
-        value, grad = step(x)
-        jnntile.grad_of(grad).numpy()
-        return float(value)
-
     def tasks():
         codelets = jnntile.runtime.stats()["codelets"]
         return sum(codelets.get(n, {}).get("tasks", 0) for n in ("attention_forward_step", "attention_backward_step"))
 
+    def run():
+        before, start = tasks(), time.perf_counter()
+        value, grad = step(x)
+        jnntile.grad_of(grad).numpy()
+        return time.perf_counter() - start, tasks() - before
+
     run()  # compiles
-    before, times = tasks(), []
+    return run
+
+
+def timed(steps: dict, reps: int) -> dict:
+    """{name: (median seconds, step tasks)}, the steps taken in turn within each repetition, so that a change in
+    the machine's load (other jobs on a shared VM) falls on every variant alike."""
+    runs = {name: [] for name in steps}
     for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), (tasks() - before) // reps
+        for name, run in steps.items():
+            runs[name].append(run())
+    return {name: (statistics.median(s for s, _ in r), r[0][1]) for name, r in runs.items()}
 
 
 def main() -> None:
@@ -81,10 +88,10 @@ def main() -> None:
     B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
     qkv = rng.standard_normal((B, T, 3, H, D)).astype(np.float32)
     tiles = (1, args.tile_seq, 1, H, D)  # a batch row per tile: pairs are skipped per row
-    plain, plain_tasks = step_time(qkv, tiles, None, args.reps)
-    full, full_tasks = step_time(qkv, tiles, np.ones((B, T), np.int32), args.reps)
     segments = packed_segments(rng, B, T)
-    packed, packed_tasks = step_time(qkv, tiles, segments, args.reps)
+    results = timed({"plain": make_step(qkv, tiles, None), "full": make_step(qkv, tiles, np.ones((B, T), np.int32)),
+                     "packed": make_step(qkv, tiles, segments)}, args.reps)
+    (plain, plain_tasks), (full, full_tasks), (packed, packed_tasks) = (results[k] for k in ("plain", "full", "packed"))
     lengths = [int(n) for row in segments for n in np.unique(row, return_counts=True)[1]]
     print(f"attention step, B={B} T={T} H={H} D={D} tile_seq={args.tile_seq}, float32, median of {args.reps}")
     print(f"plain causal:                      {plain * 1e3:8.1f} ms  {plain_tasks} step tasks")
