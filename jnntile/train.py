@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import fcntl
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -43,6 +41,7 @@ from jnntile.training import checkpoint, lora, optim
 from jnntile.models import decoding
 from jnntile.core import distributed
 from jnntile import flags, nn, planning
+from jnntile.training import run_dir
 from jnntile.training import step as step_mod
 from jnntile import data as data_mod
 from jnntile.models import families
@@ -127,94 +126,6 @@ def _check_args(args) -> None:
         raise ValueError(f"--export-hf and --export-lora both name {args.export_hf}: give each its own folder")
 
 
-LOCK_FILE = ".lock"
-
-
-def _prepare_out_dir(path: Path):
-    """Creates --out and locks it for this run; returns the open lock file (held until it is closed).
-
-    Two runs writing one directory would interleave their metrics and replace each other's
-    checkpoints. The lock is advisory (flock): the system drops it when the process ends, however it
-    ends, so a crashed run leaves no stale lock behind.
-    """
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        lock = open(path / LOCK_FILE, "a+")
-    except OSError as e:
-        raise ValueError(f"output directory {path} is not writable ({e.strerror}); choose another --out") from e
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
-        raise ValueError(f"output directory {path} is in use by another training run (PID {holder}); wait for it "
-                         "to finish, or choose another --out") from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    return lock
-
-
-EXPORT_MARK = "jnntile-export.json"  # in every export: {"run": the --out that wrote it, "step": its step}
-# What an --export-hf folder takes from the base beside the weights, where the base has it, so that
-# transformers and `generate --hf` load the export as a whole model.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
-
-
-def _check_outputs(out: Path, args) -> None:
-    """Refuses, before anything runs, outputs that would mix two runs or that cannot be written.
-
-    A fresh run in an --out holding another run's checkpoints would interleave with them: the rotation would
-    remove the newer run's, whose `latest` then named a removed one. An export may not land on the weights the
-    run starts from, nor among files that are not an earlier export of this --out, nor where no folder can be.
-    """
-    found = checkpoint.checkpoints(out)
-    if found and not args.resume and not args.overwrite:
-        raise ValueError(f"{out} holds the checkpoints of another run (the last: {found[-1].name}): continue it with "
-                         "--resume, start afresh with --overwrite (which removes its checkpoints, metrics.jsonl and "
-                         "loss.png), or choose another --out")
-    for flag, directory in (("--export-hf", args.export_hf), ("--export-lora", args.export_lora)):
-        if not directory:
-            continue
-        path = Path(directory)
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        if not existing.is_dir():
-            raise ValueError(f"{flag} {path}: {'it is a file' if existing == path else f'{existing} is a file'}, "
-                             "where the export needs a folder; choose another")
-        for source_flag in ("--init-from-hf", "--init-lora"):
-            source = getattr(args, source_flag[2:].replace("-", "_"))
-            if source and path.exists() and path.resolve() == Path(source).resolve():
-                raise ValueError(f"{flag} {path} is the {source_flag} folder: the export would replace the weights "
-                                 "this run starts from; choose another folder")
-        if path.exists() and any(path.iterdir()) and _exported_by(path) != str(out.resolve()):
-            raise ValueError(f"{flag} {path} holds files that are not an earlier export of this run's --out (no "
-                             f"{EXPORT_MARK} naming {out}): the export would mix with them or replace them; choose "
-                             "a new or empty folder")
-
-
-def _exported_by(directory: Path) -> str | None:
-    """The --out (resolved) of the run whose export `directory` is, or None for anything else."""
-    try:
-        return json.loads((directory / EXPORT_MARK).read_text()).get("run")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _export(directory, out: Path, step: int, write, copy_from: Path | None = None) -> None:
-    """Writes an export into `directory` (created): its mark first, so that a later export of this run may
-    replace even one cut short, then `write(directory)`, then the TOKENIZER_FILES that `copy_from` has."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / EXPORT_MARK).write_text(json.dumps({"run": str(out.resolve()), "step": step}) + "\n")
-    write(directory)
-    for name in TOKENIZER_FILES if copy_from is not None else ():
-        if (copy_from / name).is_file():
-            shutil.copyfile(copy_from / name, directory / name)
-
-
 def _tokenizer_dir(args) -> Path | None:
     """Where this run's tokenizer files are: the --init-from-hf folder, or the training data's (beside its file)."""
     if args.init_from_hf:
@@ -222,13 +133,6 @@ def _tokenizer_dir(args) -> Path | None:
     if args.data is None:
         return data_mod.default_dataset_dir()
     return Path(args.data) if Path(args.data).is_dir() else Path(args.data).parent
-
-
-def _remove_run(out: Path) -> None:
-    """Removes what an earlier run left in --out: checkpoints, metrics and plot."""
-    checkpoint.remove_all(out)
-    for name in ("metrics.jsonl", "loss.png"):
-        (out / name).unlink(missing_ok=True)
 
 
 def _load_data(args) -> tuple[data_mod.TokenDataset, data_mod.TokenDataset | None]:
@@ -514,10 +418,12 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         rows = distributed.DEFAULT_OWNERSHIP.batch_rows(args.batch_size, rank, ranks)
         batch_size = rows.stop - rows.start  # this rank's sequences per micro-batch
         if lead:
-            held.enter_context(_prepare_out_dir(out))
+            held.enter_context(run_dir.lock(out))
             for stale in checkpoint.remove_stale_temporaries(out):
                 print(f"note: removed {stale}, left by a checkpoint write that was cut short", file=sys.stderr)
-            _check_outputs(out, args)
+            run_dir.check_outputs(out, resume=args.resume, overwrite=args.overwrite,
+                                      exports={"--export-hf": args.export_hf, "--export-lora": args.export_lora},
+                                      sources={"--init-from-hf": args.init_from_hf, "--init-lora": args.init_lora})
         if args.data is None and ranks > 1:  # rank 0 prepares the built-in corpus (once), the others wait
             try:
                 if lead:
@@ -587,9 +493,9 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         graphdef, params, frozen = step_mod.split(model, finetune)
         start_step = record["step"]
         if lead:
-            _truncate_metrics(metrics_path, start_step)
+            run_dir.truncate_metrics(metrics_path, start_step)
     elif lead:
-        _remove_run(out)
+        run_dir.remove_run(out)
 
     train_step, eval_step = step_mod.make_steps(graphdef, tx, args.grad_accum_steps, args.fused_update)
     if lead:
@@ -628,7 +534,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     def request_stop(signum, frame):
         if stop_requested:  # a second Ctrl-C stops at once
             raise KeyboardInterrupt(f"step {step} did not finish; "
-                                    + (_standing_checkpoint(out) if lead else "rank 0 says which checkpoint stands"))
+                                    + (run_dir.standing_checkpoint(out) if lead else "rank 0 says which checkpoint stands"))
         stop_requested.append(signum)
 
     # SIGTERM, which batch schedulers and container runtimes send, stops the run the same way.
@@ -680,7 +586,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         raise
     except RuntimeError as e:
         jnntile.runtime.raise_if_swap_failed(e, f"Step {step} did not finish, and the tiles it updated in place are "
-                                                f"not a state to save: {_standing_checkpoint(out)}")
+                                                f"not a state to save: {run_dir.standing_checkpoint(out)}")
         raise
     finally:
         for sig, handler in previous_handlers.items():
@@ -700,13 +606,13 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         plot_losses(metrics_path, out / "loss.png")
     final_model = step_mod.merged(graphdef, params, frozen)
     if args.export_lora:
-        _export(args.export_lora, out, step, lambda d: lora.save_peft(final_model, lora_settings, d,
+        run_dir.export(args.export_lora, out, step, lambda d: lora.save_peft(final_model, lora_settings, d,
                                                                       base_model=args.init_from_hf or args.model))
         print(f"exported LoRA adapters (PEFT) to {args.export_lora}")
     if args.export_hf:
         if lora_settings is not None:
             lora.merge(final_model)
-        _export(args.export_hf, out, step, lambda d: families.save_hf(final_model, d, args.export_dtype),
+        run_dir.export(args.export_hf, out, step, lambda d: families.save_hf(final_model, d, args.export_dtype),
                 _tokenizer_dir(args))
         print(f"exported Hugging Face checkpoint ({args.export_dtype}{', adapters merged' if lora_settings else ''}) "
               f"to {args.export_hf}")
@@ -729,26 +635,6 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     return summary
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keeps the metrics of steps before `step` (a resumed run rewrites the rest).
-
-    A line that does not parse (what a kill in the middle of its write leaves, always the last) is
-    dropped with a warning: the resumed run writes that step again.
-    """
-    if not path.exists():
-        return
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            print(f"warning: dropped line {number} of {path}, which is cut short: {line[:60]!r}", file=sys.stderr)
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
-            rows.append(line)
-    path.write_text("".join(r + "\n" for r in rows))
-
-
 @contextlib.contextmanager
 def _signals_deferred(requests: list, what: str):
     """Ctrl-C and SIGTERM while `what` is written are added to `requests` instead of cutting the write short
@@ -764,14 +650,6 @@ def _signals_deferred(requests: list, what: str):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _standing_checkpoint(out: Path) -> str:
-    """What a run that failed mid-step leaves to continue from."""
-    latest = checkpoint.latest(out)
-    if latest is None:
-        return f"{out} holds no checkpoint, so the run starts over"
-    return f"{latest} (step {checkpoint.read_state(latest)['step']}) stands; continue from it with --resume"
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@ from conftest import rel_err
 
 from jnntile import data as data_mod
 from jnntile import memory, planning
+from jnntile.training import run_dir
 from jnntile.training import step as step_mod
 from jnntile import train as train_mod
 from jnntile.models.families import load_hf
@@ -461,7 +462,7 @@ def test_automatic_tiles_shrink_to_fit_the_memory_limit(ids_4096, tmp_path):
 
 
 def test_a_second_run_on_the_same_out_is_refused_naming_the_first(dataset, tmp_path):
-    with train_mod._prepare_out_dir(tmp_path):  # as a running training process holds it
+    with run_dir.lock(tmp_path):  # as a running training process holds it
         with pytest.raises(ValueError, match=rf"{tmp_path} is in use by another training run \(PID {os.getpid()}\)"):
             _run(dataset, tmp_path, "--steps", "1")
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -670,7 +671,7 @@ def test_an_export_is_a_whole_model_replaced_only_by_its_own_run_and_a_finished_
     quick = ["--eval-interval", "0", "--samples", "0"]
     _run(dataset, tmp_path / "a", "--steps", "2", *quick, "--export-hf", str(tmp_path / "hf"))
     files = {p.name for p in (tmp_path / "hf").iterdir()}
-    assert files == {"config.json", "model.safetensors", "tokenizer.json", train_mod.EXPORT_MARK}
+    assert files == {"config.json", "model.safetensors", "tokenizer.json", run_dir.EXPORT_MARK}
     text = generate_mod.generate(generate_mod.parse_args(["--hf", str(tmp_path / "hf"), "--prompt", "alpha beta",
                                                          "--max-new-tokens", "3", "--quiet"]))
     assert text[0].startswith("alpha beta")  # the tokenizer came along
