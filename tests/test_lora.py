@@ -437,3 +437,79 @@ def test_adapters_of_another_architecture_are_refused_naming_the_folder(dataset,
                               "model: they were trained on another architecture than this llama model")
     assert "--lora-targets" not in message
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+# ---- checkpoints of the fused-A layout ----------------------------------------------------------------
+
+FUSED_A = DATA / "lora_fused_a_2c6fa82"  # its README.md says how it was made
+
+
+def _fused_a_run(tmp_path, *extra):
+    """Resumes a copy of FUSED_A's run with today's code, on its data (ids of a repeating pattern)."""
+    shutil.copytree(FUSED_A, tmp_path / "out", ignore=shutil.ignore_patterns("logits.npz", "README.md"))
+    ids = tmp_path / "ids.bin"
+    np.tile(np.arange(90, dtype=np.uint16) % 24, 200).tofile(ids)
+    return _train(ids, tmp_path / "out", "--lora-rank", "2", "--steps", "4", "--checkpoint-interval", "2",
+                  "--resume", *extra)
+
+
+def test_lora_checkpoint_of_fused_adapters_resumes(tmp_path):
+    """A LoRA checkpoint written before adapters were one per Hugging Face module (one adapter of Llama's q/k/v,
+    its A shared) resumes: the same model, each part's A and moments starting from the shared A's."""
+    ckpt = FUSED_A / "ckpt-0000002"
+    finetune = lora.FineTune(lora=lora.LoRASettings(2, 4.0))
+    model, _ = finetune.build(lambda: families.from_hf(DATA / "hf_tiny_llama", batch_size=2, seq_len=16), "float32")
+    _, params, _ = step_mod.split(model, finetune)
+    opt_state, record = checkpoint.restore(ckpt, model=model, opt_state=jnntile.optim.adamw(1e-2).init(params),
+                                           finetune=finetune)
+    assert record["step"] == 2
+    old = np.load(FUSED_A / "logits.npz")
+    logits = np.asarray(jnntile.to_array(model(model.token_tensor(old["idx"]))[0]))
+    np.testing.assert_allclose(logits, old["logits"], rtol=1e-5, atol=1e-5)
+    # The old optimizer file's leaves: the step count, then mu and nu each in sorted names, 8 leaves a layer:
+    # mlp.down_proj.lora_a, lora_b, mlp.gate_up_proj.lora_a, lora_b, self_attn.o_proj.lora_a, lora_b,
+    # self_attn.qkv_proj.lora_a, lora_b. B (q 2 rows, k 1, v 1, of 2 kv heads x 8, rank 2).
+    saved = _tensors(ckpt / checkpoint.OPTIMIZER_FILE)
+    flat = {".".join(str(k) for k in path): v.get_value() for path, v in nnx.to_flat_state(opt_state.mu)}
+    read = lambda path: np.asarray(jnntile.to_array(flat["layers.1.self_attn.qkv_proj.adapters." + path]))  # noqa
+    mu_a, mu_b = saved["leaf.00015"], saved["leaf.00016"]  # layer 1's qkv_proj
+    assert mu_b.shape == (4, 2, 8, 2) and np.abs(mu_b).max() > 0
+    for part, rows in (("q_proj", slice(0, 2)), ("k_proj", slice(2, 3)), ("v_proj", slice(3, 4))):
+        np.testing.assert_array_equal(read(part + ".lora_a"), mu_a)
+        np.testing.assert_array_equal(read(part + ".lora_b"), mu_b[rows])
+    assert int(opt_state.count) == 2
+
+    summary = _fused_a_run(tmp_path, "--export-lora", str(tmp_path / "adapter"))
+    old_losses = [json.loads(line)["loss"] for line in (FUSED_A / "metrics.jsonl").read_text().splitlines()]
+    assert np.all(np.isfinite(summary["losses"])) and len(summary["losses"]) == 2
+    assert summary["losses"][0] == pytest.approx(old_losses[2], rel=1e-6)  # the same weights, the same batch
+    assert summary["losses"][1] == pytest.approx(old_losses[3], rel=0.02)  # the parts' A's now train apart
+    adapter = _tensors(tmp_path / "adapter" / lora.ADAPTER_WEIGHTS)
+    modules = {name.split(".lora_")[0].removeprefix("base_model.model.") for name in adapter}
+    assert modules == {f"model.layers.{i}.{m}" for i in range(2) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    q_a, k_a = (adapter[f"base_model.model.model.layers.0.self_attn.{m}.lora_A.weight"] for m in ("q_proj", "k_proj"))
+    assert q_a.shape == k_a.shape == (2, 32) and not np.array_equal(q_a, k_a)
+
+
+def test_optimizer_state_of_other_parameters_is_refused_naming_them(dataset, tmp_path):
+    with pytest.raises(ValueError) as refused:  # the fused-A layout's leaves are not SGD's
+        _fused_a_run(tmp_path / "sgd", "--optimizer", "sgd")
+    assert "optimizer.safetensors holds 33 optimizer values, this run has 1 for its 28 trained parameters " \
+           "(layers.0.mlp.down_proj.adapters.down_proj.lora_a, " in str(refused.value)
+    assert "--optimizer" in str(refused.value)
+    # A checkpoint names its trained parameters: one whose record says other adapters than its files hold.
+    _train(dataset, tmp_path / "out", "--steps", "1", "--checkpoint-interval", "1", "--lora-rank", "2",
+           "--lora-targets", "q_proj,v_proj")
+    state = tmp_path / "out" / "ckpt-0000001" / checkpoint.STATE_FILE
+    record = json.loads(state.read_text())
+    record["finetune"]["lora"]["targets"] = ["q_proj", "k_proj", "v_proj"]
+    state.write_text(json.dumps(record))
+    with pytest.raises(ValueError) as refused:
+        _train(dataset, tmp_path / "out", "--steps", "2", "--lora-rank", "2", "--lora-targets", "q_proj,k_proj,v_proj",
+               "--resume")
+    assert ("optimizer.safetensors is the optimizer state of other trained parameters: the checkpoint trained none "
+            "(0 in all) that this run does not, this run trains layers.0.self_attn.qkv_proj.adapters.k_proj.lora_a, "
+            "layers.0.self_attn.qkv_proj.adapters.k_proj.lora_b, layers.1.self_attn.qkv_proj.adapters.k_proj.lora_a "
+            "(4 in all) that it did not") in str(refused.value)

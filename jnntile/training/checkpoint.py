@@ -42,6 +42,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jnntile.io import jsonfile, tensorfile
 from jnntile.training import lora
@@ -51,6 +52,8 @@ from jnntile.core.tensor import Tensor
 LATEST = "latest"
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+# The optimizer file's metadata: the trained parameters' paths, whose state its leaves hold (a JSON list).
+TRAINED_KEY = "trained"
 
 
 def _is_tensor(x) -> bool:
@@ -67,6 +70,65 @@ def _optimizer_values(opt_state) -> dict:
     return {_leaf_name(i): (leaf if _is_tensor(leaf) else np.asarray(leaf)) for i, leaf in enumerate(leaves)}
 
 
+def _trained_names(model, finetune) -> list[str]:
+    """The paths of the parameters `finetune` trains ("layers.0.self_attn.qkv_proj.adapters.q_proj.lora_a")."""
+    state = nnx.state(model, (finetune or lora.FineTune()).filter())
+    return [".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(state)]
+
+
+def _key_name(key) -> str:
+    """One step of a pytree path as a name: a dict key, a sequence index or an attribute."""
+    for field in ("key", "idx", "name"):
+        if hasattr(key, field):
+            return str(getattr(key, field))
+    return str(key)
+
+
+def _fused_a_sources(opt_state, model) -> tuple[list, int]:
+    """Where each optimizer leaf of `opt_state` was in a LoRA checkpoint written before adapters were one per
+    Hugging Face module (before commit d346d3a): a fused product (Llama's q/k/v, gate/up) had one adapter there,
+    `qkv_proj.lora_a`, its A shared by the parts and its B over all their rows, where each part now has its own
+    (`qkv_proj.adapters.q_proj.lora_a`). Returns ([(old leaf index, index of this leaf's values in it)], the
+    number of old leaves): a part's B (and its moments) is its rows of the old B; its A, the shared A whole."""
+    fused = {tuple(path.split(".")): module for path, module in lora.adapters(model).items()
+             if any(adapter.spec.rows is not None for adapter in module.adapters.values())}
+    old_index, sources = {}, []
+    for path, _ in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_tensor)[0]:
+        names, index = tuple(_key_name(k) for k in path), ()
+        at, module = next(((i, fused[names[j:i]]) for i, name in enumerate(names) if name == "adapters"
+                           for j in range(i) if names[j:i] in fused), (None, None))
+        if at is not None:
+            part, factor = names[at + 1], names[at + 2]
+            rows = module.adapters[part].spec.rows
+            if factor == "lora_b" and rows is not None:
+                axis = 0 if module.base.weight_out_first else 1  # B is (*out, rank) or (rank, *out)
+                index = (slice(None),) * axis + (slice(*rows),)
+            names = names[:at] + names[at + 2:]
+        # Both layouts flatten in the order of their sorted names, so the old leaves come in the order their
+        # names first appear here.
+        sources.append((old_index.setdefault(names, len(old_index)), index))
+    return sources, len(old_index)
+
+
+def _differing_leaves(file, saved_leaves, n_leaves: int, model, finetune) -> str:
+    """Why `file`'s optimizer values are not this run's: the trained parameters that differ, where it names its
+    own (checkpoints written since it does), else the counts."""
+    mine = _trained_names(model, finetune)
+    if TRAINED_KEY not in saved_leaves.metadata:
+        return (f"{file} holds {len(saved_leaves)} optimizer values, this run has {n_leaves} for its {len(mine)} "
+                f"trained parameters ({', '.join(mine[:3])}, ...): was it saved with another --optimizer, "
+                "--grad-clip, --freeze, --train-only or --lora-targets?")
+    theirs = json.loads(saved_leaves.metadata[TRAINED_KEY])
+    only_theirs, only_mine = [n for n in theirs if n not in mine], [n for n in mine if n not in theirs]
+    if not only_theirs and not only_mine:
+        return (f"{file} holds {len(saved_leaves)} optimizer values for the same trained parameters, this run has "
+                f"{n_leaves}: was it saved with another --optimizer or --grad-clip?")
+    return (f"{file} is the optimizer state of other trained parameters: the checkpoint trained "
+            f"{', '.join(only_theirs[:3]) or 'none'} ({len(only_theirs)} in all) that this run does not, this run "
+            f"trains {', '.join(only_mine[:3]) or 'none'} ({len(only_mine)} in all) that it did not; give the flags "
+            "it was trained with (--freeze, --train-only, --lora-*), or start afresh in another --out")
+
+
 def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict, keep: int = 2,
          finetune=None) -> Path:
     """Writes checkpoint `ckpt-<step>` atomically and returns its path. `finetune` (jnntile.lora.FineTune)
@@ -81,7 +143,8 @@ def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict
             lora.save_peft(model, lora.applied_settings(model), tmp)
         else:
             families.save_hf(model, tmp)
-        tensorfile.write_file(tmp / OPTIMIZER_FILE, _optimizer_values(opt_state))
+        tensorfile.write_file(tmp / OPTIMIZER_FILE, _optimizer_values(opt_state),
+                              metadata={TRAINED_KEY: json.dumps(_trained_names(model, finetune))})
         (tmp / STATE_FILE).write_text(json.dumps(record, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -238,15 +301,20 @@ def restore(path: str | os.PathLike, *, model, opt_state, finetune=None):
     file = path / OPTIMIZER_FILE
     saved_leaves = tensorfile.SafetensorsFile(file)
     leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_tensor)
+    sources = [(i, ()) for i in range(len(leaves))]
     if len(saved_leaves) != len(leaves):
-        raise ValueError(f"{file} holds {len(saved_leaves)} optimizer values, this optimizer has "
-                         f"{len(leaves)}: was it saved with another --optimizer or --grad-clip?")
-    for i, leaf in enumerate(leaves):
+        fused_a, n_old = _fused_a_sources(opt_state, model) if adapters_only else (sources, len(leaves))
+        if n_old != len(saved_leaves) or TRAINED_KEY in saved_leaves.metadata:  # that layout predates the names
+            raise ValueError(_differing_leaves(file, saved_leaves, len(leaves), model, finetune))
+        # The shared A's value and moments go to each part's A: the state the shared A had, from which each part
+        # continues, so training goes on from the same point while the parts' A's now diverge.
+        sources = fused_a
+    for leaf, (i, index) in zip(leaves, sources):
         name = _leaf_name(i)
         if name not in saved_leaves:
             raise ValueError(f"{file} lacks the optimizer value {name!r}: the checkpoint is damaged")
         value, dtype = saved_leaves[name], np.dtype(leaf.dtype)
-        if value.shape != tuple(leaf.shape) or value.dtype != dtype:
+        if np.broadcast_to(0, value.shape)[index].shape != tuple(leaf.shape) or value.dtype != dtype:
             raise ValueError(f"{file}: optimizer value {name!r} is {value.code} {value.shape}, expected "
                              f"{tensorfile.dtype_code(dtype)} {tuple(leaf.shape)}")
 
@@ -254,6 +322,11 @@ def restore(path: str | os.PathLike, *, model, opt_state, finetune=None):
         lora.load_peft(model, path)
     else:
         model.load_hf_params(params)
-    restored = [tensorfile.load_into(leaf, saved_leaves[_leaf_name(i)]) if _is_tensor(leaf) else
-                jnp.asarray(saved_leaves[_leaf_name(i)].read(), leaf.dtype) for i, leaf in enumerate(leaves)]
+
+    def saved_value(i, index):  # an old fused A's part is read whole and cut (adapters are small); the rest streams
+        saved = saved_leaves[_leaf_name(i)]
+        return saved.read()[index] if index else saved
+
+    restored = [tensorfile.load_into(leaf, saved_value(*source)) if _is_tensor(leaf) else
+                jnp.asarray(saved_value(*source).read(), leaf.dtype) for leaf, source in zip(leaves, sources)]
     return jax.tree.unflatten(treedef, restored), record
