@@ -226,7 +226,7 @@ CORRUPTIONS = {
         {"leaf.00003": np.zeros((3,), np.float32)})),
         r"optimizer.safetensors: optimizer value 'leaf.00003' is F32 \(3,\), expected F32"),
     "missing moment": (lambda c: _rewrite(c / "optimizer.safetensors", lambda t: t.pop("leaf.00007")),
-                       r"optimizer.safetensors holds \d+ optimizer values, this optimizer has \d+"),
+                       r"optimizer.safetensors holds \d+ optimizer values, this run has \d+"),
 }
 
 

@@ -3,7 +3,8 @@
 A checkpoint is a directory `ckpt-<step>` inside the output directory:
 
     config.json, model.safetensors   a Hugging Face checkpoint of the model's family (loadable with --init-from-hf)
-    optimizer.safetensors            every optimizer-state leaf, in tree order
+    optimizer.safetensors            every optimizer-state leaf, in tree order; its metadata "trained" names
+                                     the trained parameters
     state.json                       step, data position, RNG seed, model config, run settings and the base
 
 The base is where the run's first weights came from: a Hugging Face directory (its path and
@@ -14,7 +15,8 @@ A run that trains LoRA adapters writes them as a PEFT directory (adapter_config.
 adapter_model.safetensors; jnntile.lora) in place of config.json and model.safetensors: its frozen base
 is where it came from (a Hugging Face directory, or the preset and seed), and resuming builds it again
 from there. Parameters frozen otherwise (--freeze, --train-only) stay in model.safetensors, once, without
-optimizer state.
+optimizer state. LoRA checkpoints of the layout before adapters were one per Hugging Face module (a fused
+q/k/v or gate/up product's adapter with one A) resume: their optimizer state is converted (`_fused_a_sources`).
 
 It is written under a temporary name and renamed into place, then the file
 `latest` (itself replaced atomically) points at it, so an interrupted save never
