@@ -13,6 +13,7 @@
 #include "kernels/device.h"
 #include "kernels/elementwise.h"
 #include "kernels/gemm.h"
+#include "kernels/quant.h"
 #include "kernels/rotary.h"
 #include "ops/values.h"
 #include "runtime.h"
@@ -47,7 +48,8 @@ NB_MODULE(_xla_ffi, m) {
       .value("float32", DType::F32)
       .value("int32", DType::I32)
       .value("int64", DType::I64)
-      .value("bfloat16", DType::BF16);
+      .value("bfloat16", DType::BF16)
+      .value("uint8", DType::U8);
   nb::enum_<FloatType>(m, "FloatType").value("float32", FloatType::F32).value("bfloat16", FloatType::BF16);
   nb::enum_<Unary>(m, "Unary")
       .value("gelu_tanh", Unary::GeluTanh)
@@ -57,6 +59,9 @@ NB_MODULE(_xla_ffi, m) {
       .value("silu", Unary::Silu)
       .value("sigmoid", Unary::Sigmoid);
   m.attr("rotary_max_head_dim") = 2 * kRotaryMaxHalf;
+  // jnntile.ops.quant: the quantizations of a frozen weight and NF4's block (kernels/quant.h).
+  nb::enum_<Quant>(m, "Quant").value("nf4", Quant::NF4).value("int8", Quant::Int8);
+  m.attr("nf4_block") = kNf4Block;
 
   nb::enum_<Placement>(m, "Placement")
       .value("any", Placement::Any)

@@ -48,6 +48,7 @@ size_t dtype_size(DType dtype) {
     case DType::I32: return 4;
     case DType::I64: return 8;
     case DType::BF16: return 2;
+    case DType::U8: return 1;
   }
   return 0;
 }
@@ -58,6 +59,7 @@ const char* dtype_name(DType dtype) {
     case DType::I32: return "int32";
     case DType::I64: return "int64";
     case DType::BF16: return "bfloat16";
+    case DType::U8: return "uint8";
   }
   return "?";
 }

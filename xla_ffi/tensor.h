@@ -19,7 +19,8 @@
 
 namespace jnntile {
 
-enum class DType : int { F32 = 0, I32 = 1, I64 = 2, BF16 = 3 };
+// U8: the codes of a quantized weight (kernels/quant.h), NF4 pairs or int8 bytes.
+enum class DType : int { F32 = 0, I32 = 1, I64 = 2, BF16 = 3, U8 = 4 };
 size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
 

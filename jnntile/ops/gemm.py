@@ -95,20 +95,26 @@ def _linear_forward(x, w, b, residual, params, zero_grad):
     return Tensor(token, out), (x, w, b, residual, Tensor(token, out))
 
 
-def _linear_backward(params, residuals, g):
-    x, w, b, residual, out = residuals
-    if b is None:
-        token = backward_call(params, x, w, out, g)
-    elif grad_target(w) is not None and grad_target(b) is not None:  # db summed in dW's tasks (ops/gemm.cc)
-        token = backward_call(params, x, w, out, g, bias=b)
-    else:
-        token = bias_ops.backward_call(out, g, None, b, [backward_call(params, x, w, out, g), b.token])
+def linear_backward_rest(token, out: Tensor, g: Tensor, b: Tensor | None, residual: Tensor | None,
+                         bias_summed: bool):
+    """After the products of a linear layer's backward (`token`): b's gradient unless they summed it
+    (`bias_summed`), the residual's, and out released; the token of it all."""
+    if b is not None and not bias_summed:
+        token = bias_ops.backward_call(out, g, None, b, [token, b.token])
     if residual is not None:
         # A copy, not the tiles themselves (`source_dies`): the products above still read them, and the residual
         # stream's gradient is added into next, which would wait for those reads.
         token = accumulate(tensor_mod.grad_handle(out.handle), [grad_target(residual)],
                            [token, g.token, residual.token], [1.0])
-    token = release(token, out)
+    return release(token, out)
+
+
+def _linear_backward(params, residuals, g):
+    x, w, b, residual, out = residuals
+    # db summed in dW's tasks (ops/gemm.cc) where both are wanted
+    summed = b is not None and grad_target(w) is not None and grad_target(b) is not None
+    token = linear_backward_rest(backward_call(params, x, w, out, g, bias=b if summed else None), out, g, b,
+                                 residual, summed)
     return tuple(None if t is None else t.with_token(token) for t in (x, w, b, residual))
 
 

@@ -22,12 +22,15 @@
 // (dW = x^T dy reads every dy tile once, in the tasks of dW's first row of tiles): db += the column sums of
 // each dy tile, in the order of the separate pass it replaces (the same bits), without that pass's tasks
 // and its second read of dy (168 of GPT-2 124M's tasks per step at 4 x 256).
+// B may be quantized (a frozen base's weight, kernels/quant.h): each task dequantizes its B tiles, one at a time,
+// into its scratch in A's dtype and multiplies that, so no float copy of the weight exists outside a task.
 #include <algorithm>
 #include <limits>
 
 #include "kernels/bias.h"
 #include "kernels/values.h"
 #include "kernels/gemm.h"
+#include "ops/quant.h"
 #include "ops/values.h"
 #include "task.h"
 
@@ -50,7 +53,16 @@ struct GemmArgs {
   bool round;    // C is the float32 sum of a bfloat16 tile, into which it is rounded last
   BiasGradFrom bias_grad;  // db += the column sums of operand A or B (dy of a linear layer), or nothing
   bool bias_grad_overwrite;  // db holds nothing yet: db = the sums
+  Quant quant_b;  // B's tiles are codes, each with its scales tile, dequantized into scratch
+  int64_t b_cols[kTilesPerTask];  // with quant_b: the contiguous extent of each B tile
 };
+
+bool has_scratch(const GemmArgs& g) { return !g.types.all_f32() || g.quant_b != Quant::None; }
+
+// Floats of scratch that hold n values of `type`.
+int64_t dequantized_floats(FloatType type, int64_t n) {
+  return type == FloatType::F32 ? n : (n + 1) / 2;
+}
 
 // Whether a task sums several K tiles into a bfloat16 C in float32 in its scratch (the first c_numel floats),
 // rounding once at the end, as a single product does.
@@ -58,7 +70,8 @@ bool sums_in_scratch(const GemmArgs& g) { return g.k_tiles > 1 && g.types.c == F
 
 // buffers: A and B of each K tile (A_0, .., A_{k_tiles-1}, B_0, ..), C, the bias tile when adding one, the
 // bfloat16 tile when widening or rounding, the bias gradient's tile when summing into it, the residual tile
-// when adding onto one, and scratch when an operand is bfloat16
+// when adding onto one, the scales of each B tile when B is quantized, and scratch when an operand is bfloat16
+// or B is quantized
 template <Device D>
 void gemm_kernel(void** buffers, const GemmArgs& g) {
   const int n_k = g.k_tiles;
@@ -67,7 +80,13 @@ void gemm_kernel(void** buffers, const GemmArgs& g) {
   void* c_bf16 = g.widen || g.round ? tile_ptr<void>(buffers[next++]) : nullptr;
   float* db = g.bias_grad != BiasGradFrom::None ? tile_ptr<float>(buffers[next++]) : nullptr;
   const void* residual = g.residual ? tile_ptr<void>(buffers[next++]) : nullptr;
-  float* scratch = g.types.all_f32() ? nullptr : tile_ptr<float>(buffers[next]);
+  const int b_scales = next;
+  if (g.quant_b != Quant::None) next += n_k;
+  float* scratch = has_scratch(g) ? tile_ptr<float>(buffers[next]) : nullptr;
+  // The dequantized B tile: the first floats of scratch, k x n values of A's dtype.
+  void* b_dequantized = scratch;
+  if (g.quant_b != Quant::None)
+    scratch += dequantized_floats(g.types.a, *std::max_element(g.k, g.k + n_k) * g.n);
   void* c = tile_ptr<void>(buffers[2 * n_k]);
   const int64_t c_numel = g.batch * g.m * g.n;
   GemmTypes types = g.types;
@@ -85,6 +104,11 @@ void gemm_kernel(void** buffers, const GemmArgs& g) {
   if (g.widen) convert<D>(c_numel, FloatType::BF16, c_bf16, FloatType::F32, c);
   for (int t = 0; t < n_k; ++t) {
     void *a = tile_ptr<void>(buffers[t]), *b = tile_ptr<void>(buffers[n_k + t]);
+    if (g.quant_b != Quant::None) {
+      dequantize<D>(g.quant_b, g.k[t] * g.n / g.b_cols[t], g.b_cols[t], static_cast<const uint8_t*>(b),
+                    tile_ptr<float>(buffers[b_scales + t]), g.types.a, b_dequantized);
+      b = b_dequantized;
+    }
     // dy is A transposed (stored k x m) or B (stored k x n): k rows of dy, m or n bias elements, in K order.
     const bool overwrite = g.bias_grad_overwrite && t == 0;
     if (g.bias_grad == BiasGradFrom::A) bias_grad<D>(g.types.a, g.k[t], g.m, overwrite, a, db);
@@ -146,10 +170,12 @@ struct BiasGrad {
 }  // namespace
 
 // C = alpha op(A) op(B) + beta C (+ bias), or with `residual` (a tensor of C's layout) C = residual + alpha
-// op(A) op(B) (+ bias): a residual connection added by the product's own tasks (beta is then ignored).
+// op(A) op(B) (+ bias): a residual connection added by the product's own tasks (beta is then ignored). With
+// `b_scales`, B is the quantized_view of codes quantized as `quant_b`.
 void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool trans_a, bool trans_b,
                 float alpha, float beta, int ndim, int batch_ndim, const TiledTensor* bias = nullptr,
-                const BiasGrad* bias_grad = nullptr, const TiledTensor* residual = nullptr) {
+                const BiasGrad* bias_grad = nullptr, const TiledTensor* residual = nullptr,
+                const TiledTensor* b_scales = nullptr, Quant quant_b = Quant::None) {
   int m_ndim = A.ndim() - batch_ndim - ndim;
   int n_ndim = B.ndim() - batch_ndim - ndim;
   if (m_ndim < 0 || n_ndim < 0 || C.ndim() != batch_ndim + m_ndim + n_ndim)
@@ -253,7 +279,7 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       const bool db_overwrite = sums_bias && bias_grad->fresh && first;
       GemmArgs args{tile_types, trans_a, trans_b, batch, m, n, int32_t(group.size()), {}, alpha, tile_beta,
                     last_with_bias, from_residual, types.c, widen, round,
-                    sums_bias ? bias_grad->from : BiasGradFrom::None, db_overwrite};
+                    sums_bias ? bias_grad->from : BiasGradFrom::None, db_overwrite, quant_b, {}};
       std::vector<Buffer> buffers;
       double flops = 0.0;
       for (size_t t = 0; t < group.size(); ++t) {
@@ -269,8 +295,13 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
       if (round) buffers.push_back({C.tiles[linear], STARPU_W});
       if (sums_bias) buffers.push_back({db_tile, db_overwrite ? STARPU_W : STARPU_RW});
       if (from_residual) buffers.push_back({residual->tiles[linear], STARPU_R});
+      if (quant_b != Quant::None)
+        for (size_t t = 0; t < group.size(); ++t) {
+          buffers.push_back({b_scales->tile(ks[group[t]].b_coord), STARPU_R});
+          args.b_cols[t] = B.tile_extent(ks[group[t]].b_coord).back();
+        }
       starpu_data_handle_t scratch = nullptr;
-      if (!tile_types.all_f32()) {
+      if (has_scratch(args)) {
         // Sized before StarPU picks the worker; cuBLAS writes a bfloat16 C itself, so on the GPU alone none
         // (the float32 sum of GPT-2's 8192 x 16384 logits tile would be 512 MB of GPU memory per task) but
         // the float32 sum of several K tiles. An emulated GPU runs the CPU kernel, which needs it.
@@ -280,6 +311,7 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
         if (summed) product_types.c = FloatType::F32;
         const int64_t k_max = *std::max_element(args.k, args.k + group.size());
         const int64_t floats = (summed ? batch * m * n : 0) +
+                               (quant_b != Quant::None ? dequantized_floats(types.a, k_max * n) : 0) +
                                (cublas ? 0 : gemm_scratch_floats(product_types, batch, m, n, k_max));
         scratch = temporary_vector(floats, sizeof(float));
         buffers.push_back({scratch, STARPU_SCRATCH});
@@ -293,22 +325,52 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
 
 namespace {
 
-// ids [A, B, C], then optionally the bias (or -1), then optionally the residual
+// A product's B: the tensor at ids[1], or with attr quant_b (a Quant) the float view of those codes and the
+// scales at ids[at]. A quantized B is a frozen weight's: B without batch axes.
+struct OperandB {
+  TiledTensor view;
+  const TiledTensor* scales = nullptr;
+  Quant quant = Quant::None;
+  const TiledTensor& tensor(const OpCall& call) const { return scales != nullptr ? view : call.tensor(1); }
+};
+
+OperandB operand_b(const OpCall& call, size_t at, DType dtype, const char* op) {
+  OperandB b;
+  auto quant = call.attrs.get<int64_t>("quant_b");  // absent: B is a float tensor
+  b.quant = quant.has_error() ? Quant::None : Quant(quant.value());
+  if (b.quant == Quant::None) return b;
+  b.scales = &call.tensor(at);
+  b.view = quantized_view(call.tensor(1), *b.scales, b.quant, dtype, op);
+  if (attr<int64_t>(call.attrs, "batch_ndim") != 0)
+    throw std::invalid_argument(std::string(op) + ": a quantized B is a weight, without batch axes");
+  return b;
+}
+
+// ids [A, B, C], then optionally the bias (or -1), then optionally the residual (or -1), then B's scales when
+// B is quantized (attr quant_b)
 void gemm_submit(const OpCall& call) {
   auto optional = [&](size_t i) { return call.ids.size() > i && call.ids[i] >= 0 ? &call.tensor(i) : nullptr; };
-  gemm_tiles(call.tensor(0), call.tensor(1), call.tensor(2), attr<int64_t>(call.attrs, "trans_a") != 0,
+  const OperandB b = operand_b(call, 5, call.tensor(0).dtype, "gemm");
+  gemm_tiles(call.tensor(0), b.tensor(call), call.tensor(2), attr<int64_t>(call.attrs, "trans_a") != 0,
              attr<int64_t>(call.attrs, "trans_b") != 0, float(attr<double>(call.attrs, "alpha")),
              float(attr<double>(call.attrs, "beta")), int(attr<int64_t>(call.attrs, "ndim")),
-             int(attr<int64_t>(call.attrs, "batch_ndim")), optional(3), nullptr, optional(4));
+             int(attr<int64_t>(call.attrs, "batch_ndim")), optional(3), nullptr, optional(4), b.scales, b.quant);
 }
 JNNTILE_OP(gemm, gemm_submit);
 
 // Backward of C = alpha op(A) op(B): ids [A, B, gA or -1, gB or -1, gC], and for a linear layer whose bias
 // gradient is summed in gB's tasks, the bias gradient; accumulates into the gradients that are given, or
 // writes one whose attribute fresh_a / fresh_b / fresh_bias says it holds nothing yet (its zero-fill was
-// pending: the product's first K tile then writes its tiles).
+// pending: the product's first K tile then writes its tiles). A quantized B (attr quant_b) is frozen: its
+// scales follow at ids[5] and only A's gradient is taken.
 void gemm_backward_submit(const OpCall& call) {
-  const TiledTensor &A = call.tensor(0), &B = call.tensor(1), &gC = call.tensor(4);
+  const OperandB quantized = operand_b(call, 5, call.tensor(4).dtype, "gemm backward");
+  const TiledTensor &A = call.tensor(0), &B = quantized.tensor(call), &gC = call.tensor(4);
+  if (quantized.scales != nullptr && call.ids[3] >= 0)
+    throw std::invalid_argument("gemm backward: a quantized weight is frozen and gets no gradient: " +
+                                call.tensor(1).describe());
+  if (quantized.scales != nullptr && attr<int64_t>(call.attrs, "trans_a") != 0)
+    throw std::invalid_argument("gemm backward: a product on a quantized weight takes A untransposed");
   bool ta = attr<int64_t>(call.attrs, "trans_a") != 0, tb = attr<int64_t>(call.attrs, "trans_b") != 0;
   float beta_a = attr<int64_t>(call.attrs, "fresh_a") != 0 ? 0.0f : 1.0f;
   float beta_b = attr<int64_t>(call.attrs, "fresh_b") != 0 ? 0.0f : 1.0f;
@@ -317,10 +379,12 @@ void gemm_backward_submit(const OpCall& call) {
   int m_ndim = A.ndim() - batch_ndim - ndim, n_ndim = B.ndim() - batch_ndim - ndim;
   if (call.ids[2] >= 0) {
     const TiledTensor& gA = call.tensor(2);
-    if (!ta) gemm_tiles(gC, B, gA, false, !tb, alpha, beta_a, n_ndim, batch_ndim);  // dA = dC op(B)^T
+    if (!ta)  // dA = dC op(B)^T
+      gemm_tiles(gC, B, gA, false, !tb, alpha, beta_a, n_ndim, batch_ndim, nullptr, nullptr, nullptr,
+                 quantized.scales, quantized.quant);
     else gemm_tiles(B, gC, gA, tb, true, alpha, beta_a, n_ndim, batch_ndim);       // dA^T = op(B) dC^T
   }
-  const bool with_bias_grad = call.ids.size() > 5;
+  const bool with_bias_grad = call.ids.size() > 5 && quantized.scales == nullptr;
   if (with_bias_grad && call.ids[3] < 0)
     throw std::invalid_argument("gemm backward: a bias gradient is summed in the weight gradient's tasks: it "
                                 "needs the weight gradient too");

@@ -105,6 +105,7 @@ void fill_kernel(void** buffers, const FillArgs& a) {
     case DType::I32: fill<D>(a.n, int32_t(a.value), tile_ptr<int32_t>(buffers[0])); break;
     case DType::I64: fill<D>(a.n, int64_t(a.value), tile_ptr<int64_t>(buffers[0])); break;
     case DType::BF16: fill<D>(a.n, from_float<bfloat16>(float(a.value)), tile_ptr<bfloat16>(buffers[0])); break;
+    case DType::U8: fill<D>(a.n, uint8_t(a.value), tile_ptr<uint8_t>(buffers[0])); break;
   }
 }
 

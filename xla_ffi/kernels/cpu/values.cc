@@ -21,6 +21,8 @@ template <>
 void fill<Device::Cpu>(int64_t n, int64_t value, int64_t* dst) { fill_host(n, value, dst); }
 template <>
 void fill<Device::Cpu>(int64_t n, bfloat16 value, bfloat16* dst) { fill_host(n, value, dst); }
+template <>
+void fill<Device::Cpu>(int64_t n, uint8_t value, uint8_t* dst) { fill_host(n, value, dst); }
 
 template <>
 void convert<Device::Cpu>(int64_t n, FloatType from, const void* src, FloatType to, void* dst) {

@@ -38,6 +38,8 @@ template <>
 void fill<Device::Cuda>(int64_t n, int64_t value, int64_t* dst) { launch_fill(n, value, dst); }
 template <>
 void fill<Device::Cuda>(int64_t n, bfloat16 value, bfloat16* dst) { launch_fill(n, value, dst); }
+template <>
+void fill<Device::Cuda>(int64_t n, uint8_t value, uint8_t* dst) { launch_fill(n, value, dst); }
 
 template <>
 void convert<Device::Cuda>(int64_t n, FloatType from, const void* src, FloatType to, void* dst) {
