@@ -208,6 +208,18 @@ def update_mode(args) -> str:
     return optim.update_mode(args.grad_clip > 0, args.fused_update, bool(getattr(args, "swap_dir", None)))
 
 
+def add_quantize_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--quantize-base", choices=("none", "nf4", "int8"), default="none",
+                        help=f"store {what} quantized: nf4 (4-bit NormalFloat, blocks of 64 along each weight's input "
+                             "axis, which and whose tiles must be multiples of 64) or int8 (a scale per output row); "
+                             "each product dequantizes a tile inside its task (default: none)")
+
+
+def quantize_base(args) -> str | None:
+    """--quantize-base as `nn.quantized_base` takes it: "nf4", "int8" or None."""
+    return None if args.quantize_base == "none" else args.quantize_base
+
+
 def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     """What a run trains: every parameter, a selection, or LoRA adapters (`jnntile.lora.FineTune`)."""
     parser.add_argument("--freeze", metavar="REGEX", help="freeze the parameters whose path matches (e.g. "
@@ -215,8 +227,11 @@ def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-only", metavar="REGEX", help="train only the parameters whose path matches")
     parser.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank on a frozen base (with "
                         "--dtype bfloat16 the base is stored in bfloat16)")
+    add_quantize_flag(parser, "the frozen base's projection weights (with --lora-rank)")
     parser.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: updates are scaled by alpha / rank "
                         "(default: twice the rank)")
+    parser.add_argument("--lora-dropout", type=float, metavar="P", help="dropout rate of each adapter's input in "
+                        "training, PEFT's lora_dropout (default: --init-lora's, else 0)")
     every = "; ".join(f"{','.join(family.hf.LORA_TARGETS)} for {family.title}" for family in families.FAMILIES)
     parser.add_argument("--lora-targets", help=f"comma-separated projections to adapt, PEFT's names, each its own "
                         f"adapter; all-linear; or a regular expression of Hugging Face module paths, as PEFT's "
@@ -241,12 +256,15 @@ def finetune_settings(args):
                 raise ValueError(f"{flag} {given:g} differs from {saved:g} in {args.init_lora}; leave it out")
         if targets is not None:
             raise ValueError(f"--lora-targets: the targets of --init-lora {args.init_lora} are its own; leave it out")
+        if args.lora_dropout is not None:  # a training setting, not the adapters': the flag may change it
+            settings = dataclasses.replace(settings, dropout=args.lora_dropout)
     elif args.lora_rank is not None:
         alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
-        settings = lora.LoRASettings(args.lora_rank, alpha, targets)
-    elif args.lora_alpha is not None or targets is not None:
-        raise ValueError("--lora-alpha and --lora-targets need --lora-rank (or --init-lora)")
-    return lora.FineTune(freeze=args.freeze, train_only=args.train_only, lora=settings)
+        settings = lora.LoRASettings(args.lora_rank, alpha, targets, dropout=args.lora_dropout or 0.0)
+    elif args.lora_alpha is not None or targets is not None or args.lora_dropout is not None:
+        raise ValueError("--lora-alpha, --lora-targets and --lora-dropout need --lora-rank (or --init-lora)")
+    return lora.FineTune(freeze=args.freeze, train_only=args.train_only, lora=settings,
+                         quantize_base=quantize_base(args))
 
 
 def execution_settings(args) -> dict:

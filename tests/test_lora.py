@@ -13,6 +13,7 @@
 * The planner counts frozen parameters once, without gradients or optimizer state.
 """
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BFLOAT16_TOL
+from conftest import BFLOAT16_TOL, counter_uniform01
 from flax import nnx
 
 import jnntile
@@ -97,6 +98,85 @@ def test_merged_weight_is_base_plus_scaled_product(rng):
     np.testing.assert_allclose(read(module.merged_weight()), expected, rtol=1e-6, atol=1e-6)
 
 
+def _lora_dropout_mask(shape, rate: float, seed: int, site: int) -> np.ndarray:
+    """The kept elements of dropout at `site` under the step's `seed` (nn.Dropout, kernels/dropout.h)."""
+    g = np.arange(np.prod(shape), dtype=np.uint64).reshape(shape)
+    return counter_uniform01((seed * 7919 + site) ^ 0xD60F0A7E5EED, g) >= rate
+
+
+def test_lora_dropout_masks_each_adapters_input_in_training_only(rng):
+    """PEFT's lora_B(lora_A(dropout(x))) * scale: the base product reads x, each adapter (here q and k parts of
+    one fused product, sharing x) its own mask of x, scaled by 1 / (1 - p); without a seed (evaluation,
+    generation) no mask."""
+    rate, seed, first_site = 0.5, 7, 5
+    base = nn.Linear((8,), (2, 3), in_tiles=(4,), out_tiles=(1, 3), seed=1, name="qk", weight_out_first=True)
+    specs = [nn.AdapterSpec(part, 2, 4.0, rows, dropout=rate) for part, rows in (("q", (0, 1)), ("k", (1, 2)))]
+    module = nn.LoRA(base, specs, seed=1, name="qk", first_site=first_site)
+    read = lambda p: np.asarray(jnntile.to_array(p.get_value()))  # noqa: E731
+    factors = []
+    for adapter in module.adapters.values():
+        b = rng.standard_normal((1, 3, 2)).astype(np.float32)  # B starts at zero: give it values
+        adapter.lora_b.set_value(jnntile.from_array(b, (1, 3, 2)))
+        factors.append((read(adapter.lora_a), b))
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    w, bias = read(base.weight), read(base.bias)
+
+    def reference(masks):
+        y = np.einsum("btc,jhc->btjh", x, w) + bias
+        for k, (a, b) in enumerate(factors):
+            xk = x if masks is None else x * masks[k] / (1 - rate)
+            y[:, :, k:k + 1] += 2.0 * np.einsum("btr,jhr->btjh", xk @ a.T, b)
+        return y
+
+    masks = [_lora_dropout_mask(x.shape, rate, seed, first_site + k) for k in range(2)]
+    assert (masks[0] != masks[1]).any() and 0.3 < masks[0].mean() < 0.7
+    trained = module(jnntile.from_array(x, (1, 3, 4)), dropout_seed=jnp.int32(seed))
+    np.testing.assert_allclose(np.asarray(jnntile.to_array(trained)), reference(masks), rtol=1e-5, atol=1e-5)
+    evaluated = module(jnntile.from_array(x, (1, 3, 4)))
+    np.testing.assert_allclose(np.asarray(jnntile.to_array(evaluated)), reference(None), rtol=1e-5, atol=1e-5)
+
+
+def _lora_loss_and_grads(config, dropout: float, seed, remat: str = "none"):
+    """Loss and adapter gradients of a 3-layer model with adapters of `dropout` (B drawn: nonzero) at `seed`."""
+    model = families.build(dataclasses.replace(config, remat=remat), batch_size=2, seq_len=16, seed=3)
+    lora.apply(model, lora.LoRASettings(2, 4.0, dropout=dropout))
+    rng = np.random.default_rng(0)
+    for module in lora.adapters(model).values():
+        for adapter in module.adapters.values():
+            b = adapter.lora_b.get_value()
+            adapter.lora_b.set_value(jnntile.from_array(rng.standard_normal(b.shape).astype(np.float32), b.tile_shape))
+    idx = rng.integers(0, config.vocab_size, (2, 16)).astype(np.int32)
+    loss, grads = nn.value_and_grad(lambda m: m.loss(idx, idx, seed), wrt=nnx.LoRAParam)(model)
+    return float(loss), [jnntile.grad_of(g).numpy() for g in nn.tensors(grads)]
+
+
+LORA_DROPOUT_CONFIGS = {
+    "llama": families.preset("llama-tiny", num_hidden_layers=3, vocab_size=96, tile_seq=8, tile_embd=32,
+                             tile_heads=1, tile_hidden=64, tile_vocab=48),
+    "gpt2": families.preset("tiny", n_layer=3, n_embd=32, vocab_size=96, n_positions=16, dropout=0.1, tile_seq=8,
+                            tile_embd=16, tile_heads=2, tile_hidden=48, tile_vocab=40)}
+
+
+@pytest.mark.parametrize("family", LORA_DROPOUT_CONFIGS)
+def test_lora_dropout_gradients_are_the_same_with_recomputed_blocks(family):
+    """The adapters' masks are functions of (the step's seed, their site), so a recomputed block draws them again;
+    p = 0 draws none (the same bits as no seed), and p > 0 changes the gradients."""
+    config = LORA_DROPOUT_CONFIGS[family]
+    seed = jnp.int32(11)
+    loss, grads = _lora_loss_and_grads(config, 0.2, seed)
+    loss_remat, grads_remat = _lora_loss_and_grads(config, 0.2, seed, remat="block")
+    assert loss_remat == loss
+    for g, g_remat in zip(grads, grads_remat):
+        np.testing.assert_array_equal(g_remat, g)
+    plain = _lora_loss_and_grads(config, 0.0, seed)
+    if family == "llama":  # no dropout of its own: p = 0 is the model without any
+        without = _lora_loss_and_grads(config, 0.0, None)
+        assert plain[0] == without[0]
+        for g, g_without in zip(plain[1], without[1]):
+            np.testing.assert_array_equal(g, g_without)
+    assert loss != plain[0] and all((g != g_plain).any() for g, g_plain in zip(grads, plain[1]))
+
+
 # ---- the training command ------------------------------------------------------------------------
 
 def _train(dataset, out, *extra, hf="hf_tiny_llama"):
@@ -161,6 +241,31 @@ def test_lora_resumes_bit_identically_from_adapter_checkpoints(dataset, tmp_path
         _tensors(tmp_path / "b" / "ckpt-0000004" / lora.ADAPTER_WEIGHTS).items().__repr__()
     with pytest.raises(ValueError, match="--lora"):  # a LoRA checkpoint resumed as a full fine-tune
         _train(dataset, tmp_path / "b", "--steps", "5", "--resume")
+
+
+def test_lora_dropout_is_written_to_the_export_and_read_back(dataset, tmp_path):
+    _train(dataset, tmp_path / "out", "--steps", "2", "--lora-rank", "2", "--lora-dropout", "0.25", "--export-lora",
+           str(tmp_path / "adapter"))
+    ckpt = checkpoint.latest(tmp_path / "out")
+    for directory in (tmp_path / "adapter", ckpt):
+        assert json.loads((directory / lora.ADAPTER_CONFIG).read_text())["lora_dropout"] == 0.25
+        assert lora.read_settings(directory).dropout == 0.25
+    # --init-lora trains with the directory's dropout (trained B: the masks change the loss), --lora-dropout
+    # overrides it, and a resume must ask for the checkpoint's own.
+    again = _train(dataset, tmp_path / "again", "--steps", "1", "--init-lora", str(tmp_path / "adapter"))
+    other = _train(dataset, tmp_path / "other", "--steps", "1", "--init-lora", str(tmp_path / "adapter"),
+                   "--lora-dropout", "0")
+    assert again["first_loss"] != other["first_loss"]
+    with pytest.raises(ValueError, match="dropout"):
+        _train(dataset, tmp_path / "out", "--steps", "3", "--lora-rank", "2", "--resume")
+    with pytest.raises(ValueError, match=r"--lora-dropout 1\.0: the rate of dropout must be in \[0, 1\)"):
+        _train(dataset, tmp_path / "bad", "--steps", "1", "--lora-rank", "2", "--lora-dropout", "1")
+    with pytest.raises(ValueError, match="--lora-dropout need --lora-rank"):
+        _train(dataset, tmp_path / "bad", "--steps", "1", "--lora-dropout", "0.1")
+    config = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG).read_text())
+    (tmp_path / "adapter" / lora.ADAPTER_CONFIG).write_text(json.dumps({**config, "lora_dropout": "high"}))
+    with pytest.raises(ValueError, match="lora_dropout is 'high'; it must be a number in"):
+        lora.read_settings(tmp_path / "adapter")
 
 
 def test_lora_resumes_on_its_own_base_only(dataset, tmp_path):
@@ -403,6 +508,10 @@ def test_planner_counts_frozen_parameters_once():
     assert adapters.optimizer_state == 2 * adapters.parameters and adapters.gradients == adapters.parameters
     assert adapters.state < full.state / 3
     assert "frozen parameters" in adapters.table()
+    # Each adapter's dropout of its input is an activation the backward reads (A's gradient).
+    dropout = planning.plan(planning.StepSpec(config, 2, 64, finetune=lora.FineTune(
+        lora=lora.LoRASettings(4, 8.0, dropout=0.1))))
+    assert dropout.activations > adapters.activations
     frozen = planning.plan(planning.StepSpec(config, 2, 64, finetune=lora.FineTune(freeze="embed_tokens|lm_head")))
     assert frozen.frozen_parameters + frozen.parameters == full.parameters
     assert frozen.peak < full.peak

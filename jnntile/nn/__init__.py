@@ -24,7 +24,9 @@ filter of the parameters a step differentiates, and `value_and_grad(...,
 wrt=filter)` differentiates those alone: the others are frozen (no gradient, no
 optimizer state, and the backward skips their weight-gradient products).
 Inside `base_dtype("bfloat16")` the weights of `Linear`s are stored in
-bfloat16 (a frozen base that is never updated needs no float32 master).
+bfloat16 (a frozen base that is never updated needs no float32 master);
+inside `quantized_base("nf4" | "int8")` they are `jnntile.ops.quant.Quantized`
+(frozen: their products give no weight gradient).
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ from jnntile.ops import elementwise as elementwise_ops
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import gemm
 from jnntile.ops import layernorm as layernorm_ops
+from jnntile.ops import quant
 from jnntile.core.tensor import Tensor
 
 
 _initialize = True
 _linear_weight_dtype = "float32"
+_linear_weight_quant = None
 
 
 @contextlib.contextmanager
@@ -85,6 +89,29 @@ def base_dtype(dtype: str):
         _linear_weight_dtype = saved
 
 
+@contextlib.contextmanager
+def quantized_base(kind: str | None):
+    """`Linear` weights built inside are stored quantized as `kind` ("nf4" or "int8", `jnntile.ops.quant`; None:
+    as `base_dtype` says), for a frozen base. Initial values are drawn in float, then quantized; a loader
+    quantizes the file's values (`load_into`)."""
+    global _linear_weight_quant
+    if kind is not None and kind not in quant.QUANTIZATIONS:
+        raise ValueError(f"quantized_base: {kind!r} is not one of {quant.QUANTIZATIONS}")
+    saved, _linear_weight_quant = _linear_weight_quant, kind
+    try:
+        yield
+    finally:
+        _linear_weight_quant = saved
+
+
+def load_into(value, write: Callable[[Tensor], Tensor]):
+    """`write(value)` (a loader filling every tile of a Tensor); for a quantized `value`, `write` fills a float32
+    tensor of its shape, which is quantized and then dropped: one weight in float at a time, never the model."""
+    if not isinstance(value, quant.Quantized):
+        return write(value)
+    return quant.quantize(write(values_ops.empty(value.shape, "float32", tile_shape=value.tile_shape)), value.quant)
+
+
 def _param(initial: Callable[[], Tensor], shape, tile_shape, dtype: str = "float32",
            kind: type = nnx.Param) -> nnx.Param:
     """A `kind` parameter holding `initial()` (of `dtype`), or an empty one inside `uninitialized()`."""
@@ -108,7 +135,8 @@ class Linear(nnx.Module):
     W: (*in_shape, *out_shape) tiled (*in_tiles, *out_tiles); b: out_shape. With
     `weight_out_first`, W is (*out_shape, *in_shape), as torch.nn.Linear stores it,
     and y = x @ W^T: Hugging Face's weights then load without a transpose.
-    x and y have `dtype`; W and b are float32 (a bfloat16 y adds the float32 b in float32).
+    x and y have `dtype`; W and b are float32 (a bfloat16 y adds the float32 b in float32); inside
+    `quantized_base` W is a frozen `quant.Quantized`, dequantized tile by tile inside the product's tasks.
     """
 
     def __init__(self, in_shape, out_shape, *, in_tiles, out_tiles, seed: int, name: str,
@@ -119,16 +147,28 @@ class Linear(nnx.Module):
         self.weight_out_first = weight_out_first
         shape = out_shape + in_shape if weight_out_first else in_shape + out_shape
         weight_tiles = tuple(out_tiles) + tuple(in_tiles) if weight_out_first else tuple(in_tiles) + tuple(out_tiles)
-        self.weight = _param(lambda: values_ops.random_normal(shape, param_seed(seed, name + ".weight"), std=std,
-                                                           tile_shape=weight_tiles, dtype=_linear_weight_dtype),
-                             shape, weight_tiles, _linear_weight_dtype)
+        def draw(dtype):
+            return values_ops.random_normal(shape, param_seed(seed, name + ".weight"), std=std,
+                                            tile_shape=weight_tiles, dtype=dtype)
+
+        kind = _linear_weight_quant
+        if kind is None:
+            self.weight = _param(lambda: draw(_linear_weight_dtype), shape, weight_tiles, _linear_weight_dtype)
+        else:  # drawn in float32, kept quantized alone
+            self.weight = nnx.Param(quant.quantize(draw("float32"), kind) if _initialize
+                                    else quant.empty(shape, weight_tiles, kind))
         self.bias = _param(lambda: values_ops.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
                            tuple(out_tiles)) if use_bias else None
 
-    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor, residual: Tensor | None = None, dropout_seed=None) -> Tensor:
         """x @ W + b, plus `residual` (a residual connection, of the output's layout) where given: added by the
-        product's own tasks."""
-        return gemm.linear(x, compute_copy(self.weight.get_value(), self.dtype),
+        product's own tasks. `dropout_seed` is the step's, which the models pass to every projection for a
+        `LoRA` in its place: a Linear has no dropout."""
+        weight = self.weight.get_value()
+        if isinstance(weight, quant.Quantized):
+            return quant.linear(x, weight, None if self.bias is None else self.bias.get_value(), ndim=self.in_ndim,
+                                trans_b=self.weight_out_first, residual=residual)
+        return gemm.linear(x, compute_copy(weight, self.dtype),
                                None if self.bias is None else self.bias.get_value(), ndim=self.in_ndim,
                                trans_b=self.weight_out_first, residual=residual)
 
@@ -136,14 +176,17 @@ class Linear(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class AdapterSpec:
     """One LoRA adapter of a `LoRA` module: its name (PEFT's module, "q_proj"), rank, alpha, whether the scale
-    is alpha / sqrt(rank) (rsLoRA) rather than alpha / rank, and `rows`: the part (start, stop) of the first
-    output axis it adapts, in whole tiles (q_proj's part of a fused q/k/v product), or None for all of it."""
+    is alpha / sqrt(rank) (rsLoRA) rather than alpha / rank, `rows`: the part (start, stop) of the first
+    output axis it adapts, in whole tiles (q_proj's part of a fused q/k/v product), or None for all of it, and
+    `dropout`: PEFT's lora_dropout, the rate of the dropout on the adapter's input in training (it changes no
+    factor, so adapters that differ in it alone are equal)."""
 
     name: str
     rank: int
     alpha: float
     rows: tuple[int, int] | None = None
     rslora: bool = False
+    dropout: float = dataclasses.field(default=0.0, compare=False)
 
     @property
     def scale(self) -> float:
@@ -155,12 +198,14 @@ class Adapter(nnx.Module):
     A is (rank, *in_shape) and B (*out_shape, rank), PEFT's lora_A / lora_B layout; else A is (*in_shape, rank)
     and B (rank, *out_shape), out_shape being the adapted part's. As PEFT initialises them, A is uniform in
     +-1/sqrt(fan_in) (Kaiming-uniform with a = sqrt(5)) and B is zero. A's tiles follow the base's input tiles,
-    B's its output tiles, and the rank is one tile."""
+    B's its output tiles, and the rank is one tile. Its input dropout (`spec.dropout`, PEFT's lora_dropout) draws
+    its mask at dropout site `site`, its own."""
 
-    def __init__(self, base: Linear, spec: AdapterSpec, *, seed: int, name: str):
+    def __init__(self, base: Linear, spec: AdapterSpec, *, seed: int, name: str, site: int):
         if spec.rank < 1:
             raise ValueError(f"LoRA rank must be at least 1, got {spec.rank}")
         self.spec = spec
+        self.dropout = Dropout(spec.dropout, site)
         rank = spec.rank
         weight = base.weight.get_value()
         n_in = base.in_ndim
@@ -191,16 +236,19 @@ class LoRA(nnx.Module):
     them: y = base(x) + sum over adapters of scale x A B, each adapter's update added into its part of the
     output (a fused q/k/v product's q_proj adapter into the q rows alone; parts without an adapter get none).
     `adapters` (an nnx.Dict by AdapterSpec name) start as the base: B is zero. Both factors are float32
-    parameters; in bfloat16 they enter the products as compute copies, as every weight does."""
+    parameters; in bfloat16 they enter the products as compute copies, as every weight does. With a dropout
+    seed (training), each adapter's input is its own dropout of x (PEFT's lora_B(lora_A(dropout(x)))): adapter
+    k draws at dropout site `first_site + k`, so adapters sharing x draw different masks."""
 
-    def __init__(self, base: Linear, specs, *, seed: int, name: str):
+    def __init__(self, base: Linear, specs, *, seed: int, name: str, first_site: int = 0):
         specs = list(specs)
         if not specs:
             raise ValueError(f"LoRA {name}: no adapter given")
         self.base = base
         self.adapters = nnx.Dict({spec.name: Adapter(base, spec, seed=seed, name=name if len(specs) == 1 and
-                                                     spec.rows is None else f"{name}.{spec.name}")
-                                  for spec in specs})
+                                                     spec.rows is None else f"{name}.{spec.name}",
+                                                     site=first_site + k)
+                                  for k, spec in enumerate(specs)})
 
     def _out_axis(self, ndim: int) -> int:
         """The first output axis of a tensor of `ndim` axes: the product's, or the weight's when it is input-first."""
@@ -220,17 +268,20 @@ class LoRA(nnx.Module):
             return elementwise_ops.add(y, update)
         return elementwise_ops.add_part(y, update, axis, spec.rows[0])
 
-    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor, residual: Tensor | None = None, dropout_seed=None) -> Tensor:
         y = self.base(x, residual)
         for adapter in self.adapters.values():
-            y = self._added(y, self.delta(adapter, x), adapter.spec, self._out_axis(y.ndim))
+            update = self.delta(adapter, adapter.dropout(x, dropout_seed))
+            y = self._added(y, update, adapter.spec, self._out_axis(y.ndim))
         return y
 
     def merged_weight(self) -> Tensor:
         """The base weight plus every adapter's scaled update in its part, as one new float32 tensor tiled as the
         base's: what PEFT's merge writes."""
         weight = self.base.weight.get_value()
-        if weight.dtype != "float32":
+        if isinstance(weight, quant.Quantized):
+            weight = quant.dequantize(weight)
+        elif weight.dtype != "float32":
             weight = values_ops.convert(weight, "float32")
         for adapter in self.adapters.values():
             a, b, spec = adapter.lora_a.get_value(), adapter.lora_b.get_value(), adapter.spec

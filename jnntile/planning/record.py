@@ -127,7 +127,8 @@ def trace_step(config, batch_size: int, seq_len: int, tiles, finetune=None) -> R
     (jnntile.lora.FineTune) says what trains."""
     config = dataclasses.replace(config, **{f"tile_{axis}": getattr(tiles, axis) for axis in TILE_AXES})
     ids = np.zeros((batch_size, seq_len), np.int32)
-    dropout_seed = np.int32(0) if config.dropout > 0 else None  # training passes one; no dropout without
+    lora_dropout = finetune is not None and finetune.lora is not None and finetune.lora.dropout > 0
+    dropout_seed = np.int32(0) if config.dropout > 0 or lora_dropout else None  # training passes one
 
     def loss(model):
         return model(model.token_tensor(ids), model.token_tensor(ids), dropout_seed=dropout_seed)

@@ -47,8 +47,9 @@ class LoRASettings:
     """rank, alpha (the update is scaled by alpha / rank, or alpha / sqrt(rank) with `rslora`) and the targets as
     PEFT's target_modules: a tuple of module names, "all-linear", or a regular expression (a str) that matches
     Hugging Face module paths whole (None: every projection the family has); `rank_pattern` / `alpha_pattern`
-    give modules whose path ends in a pattern their own rank / alpha; `source`, the PEFT directory they were
-    read from, if any."""
+    give modules whose path ends in a pattern their own rank / alpha; `dropout`, PEFT's lora_dropout (the rate
+    of the dropout on each adapter's input in training); `source`, the PEFT directory they were read from, if
+    any."""
 
     rank: int
     alpha: float
@@ -57,12 +58,15 @@ class LoRASettings:
     rank_pattern: dict = dataclasses.field(default_factory=dict)
     alpha_pattern: dict = dataclasses.field(default_factory=dict)
     rslora: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self):
         if self.rank < 1:
             raise ValueError(f"--lora-rank {self.rank}: the rank of LoRA adapters must be at least 1")
         if not np.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"--lora-alpha {self.alpha}: must be a positive number")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--lora-dropout {self.dropout}: the rate of dropout must be in [0, 1)")
         if isinstance(self.targets, str) and self.targets != ALL_LINEAR:
             try:
                 re.compile(self.targets)
@@ -98,7 +102,8 @@ class LoRASettings:
     def spec(self, key: str, part: str, rows) -> nn.AdapterSpec:
         """The adapter of Hugging Face module `key`, part `part` of its Linear."""
         return nn.AdapterSpec(part, int(_pattern_value(self.rank_pattern, key, self.rank)),
-                              float(_pattern_value(self.alpha_pattern, key, self.alpha)), rows, self.rslora)
+                              float(_pattern_value(self.alpha_pattern, key, self.alpha)), rows, self.rslora,
+                              self.dropout)
 
     def _another_architecture(self, model, targets) -> str:
         """Why adapters read from `source` cannot go on `model`: their targets are another family's modules."""
@@ -131,12 +136,14 @@ def _each_adapter(model):
 def apply(model, settings: LoRASettings, seed: int = 0) -> LoRASettings:
     """Wraps each Linear of `model` with a targeted part in `nn.LoRA`, an adapter per targeted Hugging Face module
     (A drawn from `seed` and the module's path, B zero); returns the settings with the targets resolved. The
-    model must have no adapters yet."""
+    model must have no adapters yet. The adapters' dropout sites follow the model's own (`nn.Dropout`'s), one
+    each, so that no two masks of a step are the same."""
     if adapters(model):
         raise ValueError("the model already has LoRA adapters")
     settings = settings.resolved(model)
     hf = _hf_module(model)
     modules = set(hf.LORA_TARGETS.values())
+    site = 1 + max((m.site for _, m in nnx.iter_graph(model) if isinstance(m, nn.Dropout)), default=-1)
     wrapped = []
     for path, parent in list(nnx.iter_graph(model)):
         if not isinstance(parent, nnx.Module):
@@ -150,7 +157,8 @@ def apply(model, settings: LoRASettings, seed: int = 0) -> LoRASettings:
                      for part, rows in hf.lora_parts(model.config, name).items()
                      if settings.targets_module(hf.lora_module(where, part))]
             if specs:
-                setattr(parent, name, nn.LoRA(child, specs, seed=seed, name=where))
+                setattr(parent, name, nn.LoRA(child, specs, seed=seed, name=where, first_site=site))
+                site += len(specs)
                 wrapped.append(where)
     if not wrapped:
         targets = settings.targets if isinstance(settings.targets, str) else ",".join(settings.targets)
@@ -171,7 +179,7 @@ def applied_settings(model) -> LoRASettings:
     return LoRASettings(first.rank, first.alpha, targets,
                         rank_pattern={key: a.spec.rank for key, _, a in mine if a.spec.rank != first.rank},
                         alpha_pattern={key: a.spec.alpha for key, _, a in mine if a.spec.alpha != first.alpha},
-                        rslora=first.rslora)
+                        rslora=first.rslora, dropout=first.dropout)
 
 
 def merge(model) -> None:
@@ -192,7 +200,7 @@ def peft_config(model, settings: LoRASettings, base_model: str | None = None) ->
     """adapter_config.json's contents for `model`'s adapters."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
             "target_modules": _targets_record(settings.targets), "rank_pattern": dict(settings.rank_pattern),
-            "alpha_pattern": dict(settings.alpha_pattern), "lora_dropout": 0.0, "bias": "none",
+            "alpha_pattern": dict(settings.alpha_pattern), "lora_dropout": settings.dropout, "bias": "none",
             # GPT-2's Conv1D stores its weight (in, out): PEFT transposes the merged update for it.
             "fan_in_fan_out": not next(iter(adapters(model).values())).base.weight_out_first,
             "base_model_name_or_path": base_model, "inference_mode": True, "init_lora_weights": True,
@@ -222,8 +230,7 @@ def _read_config(directory) -> dict:
 
 
 def read_settings(directory) -> LoRASettings:
-    """The LoRASettings of a PEFT directory's adapter_config.json; raises naming the file and what it lacks.
-    lora_dropout, which acts in training alone, is not read: adapters apply as trained."""
+    """The LoRASettings of a PEFT directory's adapter_config.json; raises naming the file and what it lacks."""
     file = Path(directory) / ADAPTER_CONFIG
     config = _read_config(directory)
     if config.get("peft_type") != "LORA":
@@ -236,9 +243,12 @@ def read_settings(directory) -> LoRASettings:
     patterns = {key: config.get(key) or {} for key in ("rank_pattern", "alpha_pattern")}
     if not all(isinstance(p, dict) for p in patterns.values()):
         raise ValueError(f"{file}: rank_pattern and alpha_pattern must be objects (module pattern: value)")
+    dropout = config.get("lora_dropout") or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{file}: lora_dropout is {dropout!r}; it must be a number in [0, 1)")
     return LoRASettings(rank=config["r"], alpha=float(config.get("lora_alpha", 8)),
                         targets=targets if isinstance(targets, str) else tuple(targets), source=str(directory),
-                        rslora=bool(config.get("use_rslora")), **patterns)
+                        rslora=bool(config.get("use_rslora")), dropout=float(dropout), **patterns)
 
 
 def other_base(directory, base: str) -> str | None:
@@ -313,13 +323,19 @@ class FineTune:
     """What a training run trains: every parameter (the default), those `train_only` / `freeze` select
     (regular expressions searched in parameter paths), or LoRA adapters on a frozen base (`lora`). Frozen
     parameters get no gradient and no optimizer state; with adapters in bfloat16 the base is stored in
-    bfloat16 (no float32 copy exists)."""
+    bfloat16 (no float32 copy exists), and with `quantize_base` ("nf4", "int8") quantized
+    (`nn.quantized_base`)."""
 
     freeze: str | None = None
     train_only: str | None = None
     lora: LoRASettings | None = None
+    quantize_base: str | None = None
 
     def __post_init__(self):
+        if self.quantize_base is not None and self.lora is None:
+            raise ValueError(f"--quantize-base {self.quantize_base} quantizes a frozen base, and only LoRA freezes "
+                             "every projection here: give --lora-rank (frozen layers of --freeze / --train-only "
+                             "are not quantized yet), or leave --quantize-base out")
         self.filter()  # checks the patterns and their combination now
 
     @property
@@ -330,10 +346,11 @@ class FineTune:
         """What a checkpoint's state.json says of it (a resumed run must ask for the same)."""
         settings = None if self.lora is None else {"rank": self.lora.rank, "alpha": self.lora.alpha,
                                                    "targets": _targets_record(self.lora.targets)}
-        for key in ("rank_pattern", "alpha_pattern", "rslora"):  # recorded when set: older records lack them
+        for key in ("rank_pattern", "alpha_pattern", "rslora", "dropout"):  # recorded when set: older records lack them
             if settings is not None and getattr(self.lora, key):
                 settings[key] = getattr(self.lora, key)
-        return {"freeze": self.freeze, "train_only": self.train_only, "lora": settings}
+        record = {"freeze": self.freeze, "train_only": self.train_only, "lora": settings}
+        return {**record, "quantize_base": self.quantize_base} if self.quantize_base else record  # older: none
 
     def filter(self):
         """The NNX filter of the trained parameters (`nn.trainable`)."""
@@ -344,9 +361,9 @@ class FineTune:
         return dtype if self.lora is not None else "float32"
 
     def build(self, make_model, dtype: str, seed: int = 0):
-        """`make_model()` (a family's constructor or loader) with the base in `base_dtype(dtype)` and the
-        adapters applied; returns (model, the LoRA settings resolved or None)."""
-        with nn.base_dtype(self.base_dtype(dtype)):
+        """`make_model()` (a family's constructor or loader) with the base in `base_dtype(dtype)` (quantized as
+        `quantize_base` says) and the adapters applied; returns (model, the LoRA settings resolved or None)."""
+        with nn.base_dtype(self.base_dtype(dtype)), nn.quantized_base(self.quantize_base):
             model = make_model()
         settings = apply(model, self.lora, seed) if self.lora is not None else None
         if not self.trains_everything and not nnx.state(model, self.filter()):

@@ -38,14 +38,14 @@ class CausalSelfAttention(nnx.Module):
                                 name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer), dtype=config.dtype)
 
     def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, residual: Tensor | None = None,
-                 packing: Packing | None = None):
+                 packing: Packing | None = None, dropout_seed=None):
         """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it;
         `residual` is added to the output (by the projection's tasks); with a packing, each token attends only
-        within its example."""
-        qkv = self.c_attn(x)                            # (B, T, 3, H, D)
+        within its example. `dropout_seed` reaches the projections (LoRA adapters' dropout)."""
+        qkv = self.c_attn(x, dropout_seed=dropout_seed)  # (B, T, 3, H, D)
         documents = None if packing is None else packing.documents
         y = attention_ops.causal_attention(qkv, documents) if cache is None else cache.attend(layer, qkv)
-        return self.c_proj(y, residual)                 # (B, T, C)
+        return self.c_proj(y, residual, dropout_seed)   # (B, T, C)
 
 
 class MLP(nnx.Module):
@@ -56,8 +56,9 @@ class MLP(nnx.Module):
         self.c_proj = nn.Linear((4 * C,), (C,), in_tiles=(tiles.hidden,), out_tiles=(tiles.embd,), seed=seed,
                                 name=prefix + "c_proj", std=0.02 / np.sqrt(2 * config.n_layer), dtype=config.dtype)
 
-    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        return self.c_proj(ew.gelu_tanh(self.c_fc(x)), residual)  # (B, T, 4C) -> (B, T, C)
+    def __call__(self, x: Tensor, residual: Tensor | None = None, dropout_seed=None) -> Tensor:
+        hidden = ew.gelu_tanh(self.c_fc(x, dropout_seed=dropout_seed))  # (B, T, 4C)
+        return self.c_proj(hidden, residual, dropout_seed)              # (B, T, C)
 
 
 class Block(nnx.Module):
@@ -74,8 +75,9 @@ class Block(nnx.Module):
     def __call__(self, x: Tensor, dropout_seed, packing: Packing | None = None, cache: KVCache | None = None,
                  layer: int = 0) -> Tensor:
         # Each residual addition is the branch's last projection's (without dropout): no task of its own.
-        x = self.attn_dropout.residual(x, lambda r: self.attn(self.ln_1(x), cache, layer, r, packing), dropout_seed)
-        return self.mlp_dropout.residual(x, lambda r: self.mlp(self.ln_2(x), r), dropout_seed)
+        x = self.attn_dropout.residual(x, lambda r: self.attn(self.ln_1(x), cache, layer, r, packing, dropout_seed),
+                                       dropout_seed)
+        return self.mlp_dropout.residual(x, lambda r: self.mlp(self.ln_2(x), r, dropout_seed), dropout_seed)
 
 
 class GPT2(LanguageModel):

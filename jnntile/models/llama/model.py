@@ -51,16 +51,17 @@ class Attention(nnx.Module):
                               dtype=config.dtype, bias=config.o_bias)
 
     def __call__(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, residual: Tensor | None = None,
-                 packing: Packing | None = None):
+                 packing: Packing | None = None, dropout_seed=None):
         """With a cache (decoding), keys and values go to layer `layer`'s cache and the queries attend over it;
         `residual` is added to the output (by the projection's tasks); with a packing, positions restart at
-        each example and each token attends only within its example."""
-        qkv = self.qkv_proj(x)                                  # (B, T, G + 2, KV, D)
+        each example and each token attends only within its example. `dropout_seed` reaches the projections
+        (LoRA adapters' dropout)."""
+        qkv = self.qkv_proj(x, dropout_seed=dropout_seed)       # (B, T, G + 2, KV, D)
         pos = jnp.int32(0) if cache is None else cache.pos
         positions, documents = (None, None) if packing is None else (packing.positions, packing.documents)
         qkv = rotary_ops.rotary(qkv, self.inv_freq, pos, rotated_parts=self.groups + 1, positions=positions)
         y = attention_ops.causal_attention(qkv, documents) if cache is None else cache.attend(layer, qkv)
-        return self.o_proj(y, residual)                         # (B, T, C)
+        return self.o_proj(y, residual, dropout_seed)           # (B, T, C)
 
 
 class MLP(nnx.Module):
@@ -71,9 +72,9 @@ class MLP(nnx.Module):
         self.down_proj = _linear((I,), (C,), (tiles.hidden,), (tiles.embd,), seed=seed, name=prefix + "down_proj",
                                  dtype=config.dtype)
 
-    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor, residual: Tensor | None = None, dropout_seed=None) -> Tensor:
         # (B, T, 2, I) -> (B, T, I) -> (B, T, C)
-        return self.down_proj(gated.swiglu(self.gate_up_proj(x)), residual)
+        return self.down_proj(gated.swiglu(self.gate_up_proj(x, dropout_seed=dropout_seed)), residual, dropout_seed)
 
 
 class DecoderLayer(nnx.Module):
@@ -85,11 +86,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = nn.RMSNorm(C, tile=tiles.embd, eps=eps)
         self.mlp = MLP(config, tiles, seed, prefix + "mlp.")
 
-    def __call__(self, x: Tensor, packing: Packing | None = None, cache: KVCache | None = None,
+    def __call__(self, x: Tensor, dropout_seed=None, packing: Packing | None = None, cache: KVCache | None = None,
                  layer: int = 0) -> Tensor:
         # Each residual addition is the branch's last projection's: no task of its own.
-        x = self.self_attn(self.input_layernorm(x), cache, layer, residual=x, packing=packing)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        x = self.self_attn(self.input_layernorm(x), cache, layer, residual=x, packing=packing,
+                           dropout_seed=dropout_seed)
+        return self.mlp(self.post_attention_layernorm(x), residual=x, dropout_seed=dropout_seed)
 
 
 class Llama(LanguageModel):
@@ -119,17 +121,20 @@ class Llama(LanguageModel):
                  ignore_index: int = -100, cache: KVCache | None = None, packing: Packing | None = None):
         """idx, targets: int32 (B, T) Tensors. Returns (logits (B, T, V) Tensor, loss scalar Tensor or None).
 
-        Llama has no dropout: `dropout_seed` is accepted and unused. With a key/value cache (`kv_cache`,
-        jnntile.decoding), idx holds the tokens at the cache's positions pos .. pos + T - 1; a cache that reads
-        no logits (a prefill) skips the head and returns (None, None). With a packing (`packing_tensors`: a
-        packed batch) each example gets what it would alone: its positions restart at 0 and its tokens attend
-        only within it.
+        Llama has no dropout of its own: `dropout_seed` reaches only LoRA adapters' (`nn.LoRA`). With a key/value
+        cache (`kv_cache`, jnntile.decoding), idx holds the tokens at the cache's positions pos .. pos + T - 1; a
+        cache that reads no logits (a prefill) skips the head and returns (None, None). With a packing
+        (`packing_tensors`: a packed batch) each example gets what it would alone: its positions restart at 0 and
+        its tokens attend only within it.
         """
         self.check_packing(packing, cache)
         x = self.embed_tokens(idx)                              # (B, T, C)
         for layer, block in enumerate(self.layers):
             recompute = cache is None and layer < self.recomputed_blocks
-            x = nn.recomputed(block, x, packing) if recompute else block(x, packing, cache, layer)
+            if recompute:
+                x = nn.recomputed(block, x, dropout_seed, packing)
+            else:
+                x = block(x, dropout_seed, packing, cache, layer)
             if cache is not None:
                 cache.block_done(layer, x)
         return self.logits_and_loss(x, targets, ignore_index, cache)
