@@ -305,12 +305,18 @@ def _step_batch(dataset, step: int, args, **fields) -> tuple:
 
 
 def _evaluate(eval_step, params, frozen, dataset, args) -> float:
-    """The mean validation loss of --eval-batches batches (drawn at random; examples packed as in training)."""
+    """The mean validation loss of --eval-batches batches (drawn at random; examples packed as in training), each
+    batch's the mean over its targets on every rank, as one process gets it."""
+    ranks = jnntile.runtime.world_size()
     losses = []
     for i in range(args.eval_batches):
         batch = _step_batch(dataset, i, args, grad_accum_steps=1, order="random", seed=args.seed + 1)
         idx, targets, segments, positions = (None if a is None else distributed.local_rows(a[0]) for a in batch)
-        losses.append(float(eval_step(params, idx, targets, frozen, segments, positions)))
+        # This rank's mean weighted by its share of the batch's targets, times the ranks, whose mean is then the
+        # batch's (ranks' rows of examples hold uneven numbers of targets; text's weight is exactly 1).
+        weight = (int(step_mod.count_targets(targets[None]).sum()) * ranks
+                  / max(int(step_mod.count_targets(batch[1]).sum()), 1))
+        losses.append(float(eval_step(params, idx, targets, frozen, segments, positions)) * weight)
     return distributed.mean_and_any(float(np.mean(losses)), False, "the validation loss")[0]
 
 

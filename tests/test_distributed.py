@@ -1,5 +1,6 @@
 """Several processes training one model under mpirun (docs/distributed.md): 2 and 3 ranks against one process,
-the training command with a memory limit and swap per rank, bad input, and ranks that die or stop.
+the training command with a memory limit and swap per rank and on fine-tuning examples, bad input, and ranks
+that die or stop.
 
 Each test launches Open MPI's mpirun with --oversubscribe (this machine may have fewer cores than ranks) and
 one CPU worker per rank; models are tiny. They skip where jnntile has no StarPU-MPI or no mpirun is found.
@@ -22,6 +23,7 @@ import distributed_worker
 import jnntile
 from jnntile.core import distributed
 from jnntile.training import optim
+from jnntile import data as data_mod
 from jnntile import train as train_mod
 
 MPIRUN = shutil.which("mpirun")
@@ -166,6 +168,49 @@ def test_command_with_a_memory_limit_and_swap_per_rank(dataset, tmp_path):
     assert "memory limit 3 MB, swap 64 MB in" in result.stdout
     assert (tmp_path / "two" / "latest").read_text() == "ckpt-0000003"
     assert not any(swap.iterdir()), "every rank removed its swap files"
+
+
+HF_LLAMA = Path(__file__).parent / "data" / "hf_tiny_llama"
+# A step of 2 micro-batches of 6 packed rows, which 2 and 3 ranks split.
+ON_CHATS = ["--init-from-hf", str(HF_LLAMA), "--batch-size", "6", "--grad-accum-steps", "2", "--seq-len", "64",
+            "--packing", "on", "--steps", "3", "--eval-interval", "3", "--eval-batches", "2", "--samples", "0",
+            "--workers", "1", "--quiet"]
+
+
+def _conversation(i: int) -> dict:
+    """A chat of 1 or 2 turns, questions of 1 to 9 words, replies of 1 to 6 (29 to 101 tokens with the template's
+    markup, 2 to 18 of them targets): packed rows hold uneven numbers of targets, some few among many masked
+    tokens (issue 49)."""
+    turns = []
+    for t in range(1 + (i % 4 == 0)):
+        turns += [{"role": "user", "content": " ".join("q" * (1 + (5 * i + t) % 9))},
+                  {"role": "assistant", "content": " ".join("a" * (1 + (7 * i + 3 * t) % 6))}]
+    return {"messages": turns}
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    """A dataset of conversations of uneven lengths for the Llama fixture, and one process's losses on it."""
+    folder = tmp_path_factory.mktemp("chats")
+    (folder / "chats.jsonl").write_text("".join(json.dumps(_conversation(i)) + "\n" for i in range(90)))
+    data_mod.main([str(folder / "chats.jsonl"), "--tokenizer", str(HF_LLAMA), "--out", str(folder / "data")])
+    train_mod.train(train_mod.parse_args([*ON_CHATS, "--data", str(folder / "data"), "--out", str(folder / "one")]))
+    return folder
+
+
+@needs_mpirun
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_fine_tuning_on_examples_give_the_losses_of_one_process(ranks, chats, tmp_path):
+    # Each rank's rows hold their own number of targets: the step's mean is over the targets of all ranks'
+    # micro-batches, not a mean of the ranks' (or micro-batches') means.
+    result = mpirun((ranks, "-m", "jnntile.train", *ON_CHATS, "--data", chats / "data", "--out", tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {run: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for run, out in (("one", chats / "one"), ("ranks", tmp_path))}
+    losses = {run: [r["loss"] for r in rows[run]] for run in rows}
+    assert rel_err(losses["ranks"], losses["one"]) <= 1e-5, losses
+    # Validation too: each batch's mean over its targets, not the mean of the ranks' means.
+    assert rows["ranks"][-1]["val_loss"] == pytest.approx(rows["one"][-1]["val_loss"], rel=1e-5)
 
 
 @needs_mpirun
