@@ -622,3 +622,28 @@ def test_optimizer_state_of_other_parameters_is_refused_naming_them(dataset, tmp
             "(0 in all) that this run does not, this run trains layers.0.self_attn.qkv_proj.adapters.k_proj.lora_a, "
             "layers.0.self_attn.qkv_proj.adapters.k_proj.lora_b, layers.1.self_attn.qkv_proj.adapters.k_proj.lora_a "
             "(4 in all) that it did not") in str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def hf_llama_64(tmp_path_factory):
+    """A Llama checkpoint whose projections' input axes are multiples of 64, as NF4's blocks need (the tiny
+    fixture's hidden size is 32; o_proj's input axis is the head dimension): hidden 128, two heads of 64,
+    intermediate size 128, drawn with seed 3."""
+    from jnntile.models.llama.config import LlamaConfig
+
+    out = tmp_path_factory.mktemp("hf_llama_64")
+    jnntile.runtime.start()
+    families.save_hf(families.build(LlamaConfig(vocab_size=320, hidden_size=128, num_attention_heads=2,
+                                                                num_key_value_heads=2, intermediate_size=128),
+                                    batch_size=2, seq_len=16,
+                                    seed=3), out)
+    return out
+
+
+def test_lora_on_an_nf4_base_trains_as_on_a_bfloat16_one(dataset, tmp_path, hf_llama_64):
+    flags = ["--steps", "8", "--lora-rank", "4", "--dtype", "bfloat16", "--init-from-hf", str(hf_llama_64)]
+    plain = _train(dataset, tmp_path / "bf16", *flags, hf=None)
+    nf4 = _train(dataset, tmp_path / "nf4", *flags, "--quantize-base", "nf4", hf=None)
+    assert nf4["losses"][-1] < nf4["losses"][0]
+    assert nf4["losses"][-1] == pytest.approx(plain["losses"][-1], rel=0.05)
+    assert nf4["losses"] != plain["losses"]  # the base is quantized indeed

@@ -723,3 +723,25 @@ def test_beyond_ram_benchmark_runs_in_quick_mode(tmp_path):
     assert rows["large_ratio"][0]["ratio"] > 0 and rows["large_ratio"][0]["losses_identical"]
     assert "limited / unlimited" in result.stderr  # the table
     assert os.listdir(tmp_path) == []  # swap, checkpoint and outputs removed
+
+
+@pytest.mark.parametrize("kind, ratio", [("nf4", 4), ("int8", 2)])
+def test_a_quantized_base_plans_its_frozen_weights_at_their_quantized_bytes(kind, ratio):
+    from jnntile.models import resolve_tiles
+    from jnntile.models.llama.config import LlamaConfig
+    from jnntile.training import lora
+
+    config = dataclasses.replace(LlamaConfig(hidden_size=128, num_attention_heads=2, intermediate_size=128),
+                                 dtype="bfloat16", tile_embd=128, tile_hidden=128)
+    lora_only = lora.LoRASettings(2, 4.0)
+
+    def frozen_projections(quantize_base):
+        spec = planning.StepSpec(config, 2, 16, finetune=lora.FineTune(lora=lora_only, quantize_base=quantize_base))
+        step = planning.record.trace_step(config, 2, 16, resolve_tiles(config, 2, 16), spec.finetune)
+        plan = planning.plan(spec, workers=2)
+        return sum(t.nbytes for t in step.frozen if "proj" in t.name), plan.frozen_parameters
+
+    plain, plain_total = frozen_projections(None)
+    quantized, total = frozen_projections(kind)
+    assert plain / quantized == pytest.approx(ratio, rel=0.12)  # the scales add 1/32 (nf4), 4/C (int8)
+    assert plain_total - total == plain - quantized  # the plan counts them so

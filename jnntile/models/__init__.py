@@ -287,7 +287,7 @@ class LanguageModel(nnx.Module):
                 raise ValueError(f"parameter {name} comes as shape {tuple(np.shape(sources[name]))}, expected "
                                  f"{variable.get_value().shape}")
         for name, variable in mine.items():
-            variable.set_value(tensorfile.load_into(variable.get_value(), sources[name]))
+            variable.set_value(nn.load_into(variable.get_value(), lambda t: tensorfile.load_into(t, sources[name])))
 
 
 def loss_and_grads(model: LanguageModel, idx, targets, *, dropout_seed=None, segments=None, positions=None):

@@ -19,6 +19,7 @@ from jnntile import _xla_ffi
 from jnntile.core import tensor as tensor_mod
 from jnntile.core.tensor import Tensor
 from jnntile.ops import gemm
+from jnntile.ops import values as values_ops
 from jnntile.ops._ffi import call, differentiable, fresh_targets, grad_target
 
 QUANTIZATIONS = tuple(_xla_ffi.Quant.__members__)
@@ -74,6 +75,13 @@ def quantize(x: Tensor, quant: str) -> Quantized:
     scales = tensor_mod.new_handle(scales_shape, "float32", scales_tiles)
     token = call("quantize", [x.handle, codes, scales], [x.token], quant=_xla_ffi.Quant[quant].value)
     return Quantized(Tensor(token, codes), Tensor(token, scales), quant, x.shape, x.tile_shape)
+
+
+def empty(shape, tile_shape, quant: str) -> Quantized:
+    """A quantized tensor whose tiles hold nothing yet (`values.empty`), for a loader that writes every tile."""
+    (codes_shape, codes_tiles), (scales_shape, scales_tiles) = layouts(shape, tile_shape, quant)
+    return Quantized(values_ops.empty(codes_shape, "uint8", codes_tiles),
+                     values_ops.empty(scales_shape, "float32", scales_tiles), quant, tuple(shape), tuple(tile_shape))
 
 
 def dequantize(q: Quantized, dtype: str = "float32") -> Tensor:

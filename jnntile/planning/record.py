@@ -13,6 +13,7 @@ from flax import nnx
 from jnntile.core import tensor as tensor_mod
 from jnntile.models import TILE_AXES, families
 from jnntile.ops import _ffi
+from jnntile.ops import quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +94,10 @@ def record_step(build_model, loss, trainable=nnx.Param) -> RecordedStep:
     params, frozen = [], []
     for path, variable in variables:
         kind = "param" if trained(path, variable) else "frozen"
-        (params if kind == "param" else frozen).append(describe(variable.get_value(), kind,
-                                                                ".".join(str(p) for p in path)))
+        name, value = ".".join(str(p) for p in path), variable.get_value()
+        parts = ([(value.codes, name + ".codes"), (value.scales, name + ".scales")]
+                 if isinstance(value, quant.Quantized) else [(value, name)])  # a quantized base: its stored bytes
+        (params if kind == "param" else frozen).extend(describe(t, kind, part) for t, part in parts)
     ops, inputs = [], []
     regions = [r for r in recorded if isinstance(r, _ffi.RecordedRecomputation)]
     recorded = [r for r in recorded if not isinstance(r, _ffi.RecordedRecomputation)]
