@@ -76,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     flags.add_runtime_flags(p)
     flags.add_execution_flags(p, training=False)
+    flags.add_quantize_flag(p, "the model's projection weights")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.chat is None and (args.system is not None or args.chat_template is not None):
@@ -313,7 +314,8 @@ def generate(args) -> list[str]:
 
     started = time.perf_counter()
     tiles = {k: getattr(config, k) for k in config.execution_field_names()}
-    with nn.base_dtype(config.dtype):  # nothing updates a weight here: a bfloat16 one needs no float32 master
+    # Nothing updates a weight here: a bfloat16 one needs no float32 master, and any may be quantized.
+    with nn.base_dtype(config.dtype), nn.quantized_base(flags.quantize_base(args)):
         model = families.from_hf(weights, batch_size=B, seq_len=length, **tiles)
     if adapters is not None:
         lora.apply(model, adapters)

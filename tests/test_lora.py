@@ -647,3 +647,27 @@ def test_lora_on_an_nf4_base_trains_as_on_a_bfloat16_one(dataset, tmp_path, hf_l
     assert nf4["losses"][-1] < nf4["losses"][0]
     assert nf4["losses"][-1] == pytest.approx(plain["losses"][-1], rel=0.05)
     assert nf4["losses"] != plain["losses"]  # the base is quantized indeed
+
+
+def test_quantize_base_needs_lora_and_a_resume_keeps_it(dataset, tmp_path):
+    flags = ["--lora-rank", "2", "--checkpoint-interval", "1"]
+    with pytest.raises(ValueError, match="--quantize-base int8 quantizes a frozen base.*give --lora-rank"):
+        _train(dataset, tmp_path / "full", "--steps", "1", "--quantize-base", "int8")
+    first = _train(dataset, tmp_path / "out", "--steps", "1", *flags, "--quantize-base", "int8")
+    assert json.loads((tmp_path / "out" / "ckpt-0000001" / "state.json").read_text())["finetune"]["quantize_base"] \
+        == "int8"
+    with pytest.raises(ValueError, match="'quantize_base': 'int8'.*this run asks for"):
+        _train(dataset, tmp_path / "out", "--steps", "2", *flags, "--resume")
+    resumed = _train(dataset, tmp_path / "out", "--steps", "2", *flags, "--quantize-base", "int8", "--resume")
+    assert np.isfinite(first["losses"] + resumed["losses"]).all()
+
+
+def test_generate_on_a_quantized_model(hf_llama_64, dataset, capsys):
+    prompt = ["--prompt", "alpha beta", "--tokenizer", str(dataset.parent), "--max-new-tokens", "6", "--temperature",
+              "0", "--quiet"]
+    for kind in ("nf4", "int8"):
+        text = generate_mod.generate(generate_mod.parse_args(["--hf", str(hf_llama_64), *prompt,
+                                                              "--quantize-base", kind]))
+        assert len(text) == 1 and text[0].startswith("alpha beta") and len(text[0]) > len("alpha beta")
+    assert generate_mod.main(["--hf", str(DATA / "hf_tiny_llama"), *prompt, "--quantize-base", "nf4"]) == 2
+    assert "self_attn.qkv_proj.weight: quantize: nf4" in capsys.readouterr().err  # names the weight and the way out

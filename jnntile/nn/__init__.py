@@ -155,6 +155,10 @@ class Linear(nnx.Module):
         if kind is None:
             self.weight = _param(lambda: draw(_linear_weight_dtype), shape, weight_tiles, _linear_weight_dtype)
         else:  # drawn in float32, kept quantized alone
+            try:
+                quant.layouts(shape, weight_tiles, kind)
+            except ValueError as e:
+                raise ValueError(f"{name}.weight: {e} (int8, --quantize-base int8, has no such constraint)") from None
             self.weight = nnx.Param(quant.quantize(draw("float32"), kind) if _initialize
                                     else quant.empty(shape, weight_tiles, kind))
         self.bias = _param(lambda: values_ops.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
