@@ -246,7 +246,7 @@ def measure_xla_training(p: dict) -> dict:
 def measure_capacity(p: dict) -> dict:
     """Two AdamW steps of a GPT-2 that needs GPU memory, host RAM and disk swap together."""
     import jnntile
-    from jnntile import planning
+    from jnntile import optim, planning
     from jnntile.models.gpt2.config import GPT2Config
     from steps import jnntile_step
 
@@ -259,7 +259,9 @@ def measure_capacity(p: dict) -> dict:
         p = dict(p, memory_limit_mb=quarter_mb, gpu_memory_limit_mb=quarter_mb if p["gpu"] else None)
     gpu_mb = p.get("gpu_memory_limit_mb") or jnntile.runtime.gpu_memory_mb()
     ram_mb = p["memory_limit_mb"]
-    spec, tiles_note = planning.fit_tiles(planning.StepSpec(config, B, T),  # as jnntile.train does
+    # The step clips under swap, so "auto" runs its update speculatively inside the backward: plan that step.
+    update = optim.update_mode(clip=True, fused_update="auto", swap=True)
+    spec, tiles_note = planning.fit_tiles(planning.StepSpec(config, B, T, update=update),  # as jnntile.train does
                                           planning.Limits(ram_mb, gpu_mb=gpu_mb, workers=workers))
     config = spec.config
     plan = planning.plan(spec, workers=workers)
