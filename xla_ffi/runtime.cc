@@ -216,6 +216,10 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
   // unregistered synchronously.
   if (release_data) release_data(!s.failed);
   wait_for_starpu_tasks();
+  // A tile the disk could not take leaves StarPU's failed request to it queued, and starpu_shutdown asserts
+  // that none is (data_request.h, _starpu_data_request_prio_list_deinit): StarPU is then left as it is, as
+  // after tasks that stay stuck, so that the process ends with the failure's message rather than an abort.
+  const bool disk_failed = !swap_failure().empty();
   std::unique_lock<std::mutex> lock(s.mutex);
   s.running = false;
   // After a watchdog failure the stuck tasks run as no-ops once they get their
@@ -228,6 +232,7 @@ void runtime_stop(const std::function<void(bool ok)>& release_data) {
     auto deadline = Clock::now() + std::chrono::duration<double>(std::min(s.config.watchdog_s, kDrainAfterFailureS));
     drained = s.progress.wait_until(lock, deadline, [&] { return s.pending == 0; });
   }
+  drained = drained && !disk_failed;
   std::string peer_failure;  // the other ranks did not come to stop with this one
   if (drained) {
 #if JNNTILE_CUDA
