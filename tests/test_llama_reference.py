@@ -98,7 +98,7 @@ def test_rotary_embedding_is_a_rotation_by_position():
 
 
 @pytest.mark.parametrize("name, billions", [("smollm-135m", 0.1345), ("llama-1b", 1.236), ("tinyllama-1.1b", 1.100),
-                                            ("llama-8b", 8.030)])
+                                            ("llama-8b", 8.030), ("llama-70b", 70.554)])
 def test_presets_have_the_published_parameter_counts(name, billions):
     assert PRESETS[name].n_params() / 1e9 == pytest.approx(billions, rel=1e-3)
 

@@ -277,4 +277,8 @@ PRESETS = {
     "llama-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                             rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING(8.0)),
+    # meta-llama/Llama-3.1-70B: 70.55B
+    "llama-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                             num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+                             rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING(8.0)),
 }
