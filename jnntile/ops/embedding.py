@@ -1,10 +1,11 @@
 """Embedding lookup: out[b, t, :] = table[ids[b, t], :], differentiable in the table.
 
 `ids` is an int32 Tensor (B, T) tiled (tb, tt) (any number of axes works);
-`table` is a float32 Tensor (V, C) tiled (tv, tc); the output is (B, T, C)
-tiled (tb, tt, tc). The vocabulary axis may be split into several tiles; each
-id is looked up in the tile that holds it. Position embeddings are the same op
-with position ids: see `position_ids`.
+`table` is a Tensor (V, C) tiled (tv, tc): float32, or bfloat16 for a frozen
+table (`nn.base_dtype`: it has no gradient); the output is (B, T, C) tiled
+(tb, tt, tc). The vocabulary axis may be split into several tiles; each id is
+looked up in the tile that holds it. Position embeddings are the same op with
+position ids: see `position_ids`.
 
 Ids must lie in [0, V). Under `jax.jit` their values are not visible to
 Python, so nothing here can check them: the model validates token ids with
@@ -52,8 +53,8 @@ def _layout(ids: Tensor, table: Tensor):
     """Shape and tile shape of the output; raises naming the argument at fault."""
     if ids.dtype != "int32":
         raise TypeError(f"embedding: ids must be int32, got {ids!r}; write the ids as np.int32")
-    if table.dtype != "float32":
-        raise TypeError(f"embedding: table must be float32, got {table!r}")
+    if table.dtype not in tensor_mod.FLOAT_DTYPES:
+        raise TypeError(f"embedding: table must be float32 or bfloat16, got {table!r}")
     if table.ndim != 2:
         raise ValueError(f"embedding: table must be (vocab_size, channels), got shape {table.shape}")
     return ids.shape + table.shape[1:], ids.tile_shape + table.tile_shape[1:]
@@ -69,7 +70,12 @@ def _forward(ids, table, dtype, zero_grad):
 
 def _backward(dtype, residuals, g):
     ids, table, out = residuals
-    token = call("embedding_backward", [ids.handle, tensor_mod.grad_handle(out.handle), grad_target(table)],
+    target = grad_target(table)
+    if target is not None and table.dtype != "float32":
+        raise TypeError(f"embedding: the gradient of a {table.dtype} table ({table!r}) was asked for, and only a "
+                        "float32 table has one: a bfloat16 table is a frozen base (nn.base_dtype); build a table "
+                        "to train outside nn.base_dtype(\"bfloat16\"), or leave it out of the differentiation")
+    token = call("embedding_backward", [ids.handle, tensor_mod.grad_handle(out.handle), target],
                  [out.token, g.token, ids.token, table.token])
     token = release(token, out)
     return ids.with_token(token), table.with_token(token)
@@ -80,7 +86,8 @@ _embedding = differentiable(_forward, _backward, nondiff_argnums=(2,), name="emb
 
 def embedding(ids: Tensor, table: Tensor, dtype: str = "float32") -> Tensor:
     """table[ids] as a new (*ids.shape, C) tensor tiled (*ids.tile_shape, table.tile_shape[1]), of `dtype`
-    (float32 or bfloat16: rows of the float32 table rounded); the table's gradient sums in float32."""
+    (float32 or bfloat16: rows of the table rounded); a float32 table's gradient sums in float32, a bfloat16
+    table (frozen) has none."""
     _layout(ids, table)
     if dtype not in tensor_mod.FLOAT_DTYPES:
         raise TypeError(f"embedding: dtype must be float32 or bfloat16, got {dtype!r}")

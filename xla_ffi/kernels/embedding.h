@@ -19,15 +19,16 @@ JNNTILE_HD int64_t row(int32_t id, int64_t v0, int64_t vlen) {
 
 }  // namespace embedding
 
-// The table and its gradient are float32 masters; out and dout are tiles of `type` (float32 or bfloat16).
+// out and dout are tiles of `type` (float32 or bfloat16). The table is a float32 master or, frozen, a
+// bfloat16 base (`table_type`); a table's gradient is float32 (a bfloat16 table has none).
 
 // ids: (n,)  table: (vlen, c)  out: (n, c)
 // out[p] = table[ids[p] - v0] for ids in [v0, v0 + vlen). Other rows are set to
 // zero when `first` (the write-only first pass over the output tile) and left
 // as they are otherwise (another vocabulary tile fills them).
 template <Device D>
-void embedding_forward(FloatType type, int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
-                       const float* table, bool first, void* out);
+void embedding_forward(FloatType table_type, FloatType type, int64_t n, int64_t c, int64_t v0, int64_t vlen,
+                       const int32_t* ids, const void* table, bool first, void* out);
 
 // ids: (n,)  dout: (n, c)  dtable: (vlen, c)
 // dtable[ids[p] - v0] += dout[p] for ids in [v0, v0 + vlen); repeated ids add

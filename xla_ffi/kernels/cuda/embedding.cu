@@ -8,13 +8,14 @@ using cuda::kThreads;
 using cuda::kWarp;
 
 // A warp per position, its lanes on every 32nd column.
-template <class T>
+template <class Table, class T>
 __global__ void forward_kernel(int64_t n, int64_t c, int64_t v0, int64_t vlen, const int32_t* ids,
-                               const float* table, bool first, T* out) {
+                               const Table* table, bool first, T* out) {
   for (int64_t p = cuda::warp_index(); p < n; p += cuda::warp_count()) {
     int64_t row = embedding::row(ids[p], v0, vlen);
     if (row < 0 && !first) continue;
-    for (int64_t j = cuda::lane(); j < c; j += kWarp) out[p * c + j] = from_float<T>(row >= 0 ? table[row * c + j] : 0.0f);
+    for (int64_t j = cuda::lane(); j < c; j += kWarp)
+      out[p * c + j] = from_float<T>(row >= 0 ? to_float(table[row * c + j]) : 0.0f);
   }
 }
 
@@ -66,11 +67,13 @@ __global__ void backward_kernel(int64_t n, int64_t c, int64_t v0, int64_t vlen, 
 }  // namespace
 
 template <>
-void embedding_forward<Device::Cuda>(FloatType type, int64_t n, int64_t c, int64_t v0, int64_t vlen,
-                                     const int32_t* ids, const float* table, bool first, void* out) {
-  visit_float(type, [&](auto t) {
-    forward_kernel<<<cuda::blocks_for_rows(n), cuda::kThreads, 0, cuda::stream()>>>(
-        n, c, v0, vlen, ids, table, first, static_cast<decltype(t)*>(out));
+void embedding_forward<Device::Cuda>(FloatType table_type, FloatType type, int64_t n, int64_t c, int64_t v0,
+                                     int64_t vlen, const int32_t* ids, const void* table, bool first, void* out) {
+  visit_float(table_type, [&](auto tt) {
+    visit_float(type, [&](auto t) {
+      forward_kernel<<<cuda::blocks_for_rows(n), cuda::kThreads, 0, cuda::stream()>>>(
+          n, c, v0, vlen, ids, static_cast<const decltype(tt)*>(table), first, static_cast<decltype(t)*>(out));
+    });
   });
   cuda::check_launch("embedding_forward");
 }
