@@ -349,15 +349,16 @@ class RMSNorm(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    """A (num_embeddings, features) float32 table looked up by int32 ids, into rows of `dtype`."""
+    """A (num_embeddings, features) table looked up by int32 ids, into rows of `dtype`: float32, or as
+    `base_dtype` says (a frozen base's bfloat16 table, read as it is by the lookup and by `attend`)."""
 
     def __init__(self, num_embeddings: int, features: int, *, tiles, seed: int, name: str, std: float = 0.02,
                  dtype: str = "float32"):
         self.dtype = dtype
         self.weight = _param(lambda: values_ops.random_normal((num_embeddings, features),
                                                            param_seed(seed, name + ".weight"), std=std,
-                                                           tile_shape=tuple(tiles)),
-                             (num_embeddings, features), tuple(tiles))
+                                                           tile_shape=tuple(tiles), dtype=_linear_weight_dtype),
+                             (num_embeddings, features), tuple(tiles), _linear_weight_dtype)
 
     def __call__(self, ids: Tensor) -> Tensor:
         return embedding_ops.embedding(ids, self.weight.get_value(), dtype=self.dtype)
