@@ -227,7 +227,7 @@ def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-only", metavar="REGEX", help="train only the parameters whose path matches")
     parser.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank on a frozen base (with "
                         "--dtype bfloat16 the base is stored in bfloat16)")
-    add_quantize_flag(parser, "the frozen base's projection weights (with --lora-rank)")
+    add_quantize_flag(parser, "the frozen projection weights (with --lora-rank, --freeze or --train-only)")
     parser.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: updates are scaled by alpha / rank "
                         "(default: twice the rank)")
     parser.add_argument("--lora-dropout", type=float, metavar="P", help="dropout rate of each adapter's input in "

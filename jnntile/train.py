@@ -218,8 +218,9 @@ def _base(args) -> dict:
 
 
 def _resumed_base(path: Path, record: dict, args, finetune) -> dict:
-    """The base of checkpoint `path` (its state.json's `record`), checked against this run's flags: a LoRA
-    checkpoint's frozen base is built again from them, and the seed also draws the batches. Raises naming both.
+    """The base of checkpoint `path` (its state.json's `record`), checked against this run's flags: the frozen base
+    of a LoRA checkpoint or a quantized one is built again from them, and the seed also draws the batches. Raises
+    naming both.
     A full fine-tune whose --init-from-hf folder is gone resumes all the same: its checkpoint holds every parameter.
     """
     saved_args = record.get("args", {})
@@ -238,9 +239,11 @@ def _resumed_base(path: Path, record: dict, args, finetune) -> dict:
         raise ValueError(f"checkpoint {path} was trained from --init-from-hf {recorded}: give --init-from-hf "
                          f"{recorded} to resume it")
     if not Path(args.init_from_hf).exists():
-        if finetune.lora is not None:
-            raise ValueError(f"--init-from-hf {args.init_from_hf} does not exist: checkpoint {path} holds the LoRA "
-                             "adapters alone, whose frozen base is that folder; put it back to resume")
+        if finetune.rebuilds_base:
+            held = ("the LoRA adapters alone" if finetune.lora is not None
+                    else "its quantized frozen weights dequantized")
+            raise ValueError(f"--init-from-hf {args.init_from_hf} does not exist: checkpoint {path} holds {held}, "
+                             "whose frozen base is that folder; put it back to resume")
         print(f"note: --init-from-hf {args.init_from_hf} does not exist; resuming from {path}, which holds every "
               "parameter", file=sys.stderr)
         return saved
@@ -470,8 +473,9 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         jnntile.runtime.configure(**runtime_settings)
     jnntile.runtime.start()
 
-    # A checkpoint holds every parameter, except under LoRA: the frozen base comes from where it came from.
-    restores_all = resume_from is not None and finetune.lora is None
+    # A checkpoint holds every parameter, except under LoRA, and a quantized frozen base is not read back from
+    # it: the frozen base comes from where it came from.
+    restores_all = resume_from is not None and not finetune.rebuilds_base
 
     def make_model():
         if args.init_from_hf and not restores_all:

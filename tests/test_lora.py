@@ -33,6 +33,7 @@ from jnntile import generate as generate_mod
 from jnntile.training import step as step_mod
 from jnntile import train as train_mod
 from jnntile.models import families
+from jnntile.ops import quant
 
 DATA = Path(__file__).parent / "data"
 
@@ -372,6 +373,36 @@ def test_lora_base_in_bfloat16_stays_bitwise_unchanged(dataset, tmp_path):
     assert len(moments) == 2 * len(jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, jnntile.Tensor)))
 
 
+# The embedding tables and a separate head of each family, by parameter path.
+TABLES = {"hf_tiny_llama": ("embed_tokens.weight", "lm_head.weight"), "hf_tiny_gpt2": ("wte.weight", "wpe.weight")}
+
+
+@pytest.mark.parametrize("file_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("hf", TABLES)
+def test_lora_base_in_bfloat16_stores_the_tables_and_head_in_bfloat16(hf, file_dtype, tmp_path):
+    """The embedding tables and the head (Llama's own lm_head, GPT-2's tied wte) of a bfloat16 LoRA base are
+    bfloat16 tensors holding the file's values rounded, read as they are: the logits are those of float32
+    tables computing in bfloat16."""
+    directory = DATA / hf
+    if file_dtype == "bfloat16":
+        shutil.copytree(directory, tmp_path / hf)
+        directory = tmp_path / hf
+        tensorfile.write_file(directory / "model.safetensors", _tensors(DATA / hf / "model.safetensors"),
+                              metadata={"format": "pt"}, float_dtype="bfloat16")
+    build = lambda: families.from_hf(directory, batch_size=2, seq_len=16, dtype="bfloat16")  # noqa: E731
+    model, _ = lora.FineTune(lora=lora.LoRASettings(2, 4.0)).build(build, "bfloat16")
+    full = build()  # float32 masters, as a run training everything has them
+    mine, masters = model.named_params(), full.named_params()
+    for name in TABLES[hf]:
+        table, master = mine[name].get_value(), masters[name].get_value()
+        assert table.dtype == "bfloat16" and master.dtype == "float32", name
+        rounded = np.asarray(jnntile.to_array(jnntile.convert(master, "bfloat16")))
+        assert np.array_equal(np.asarray(jnntile.to_array(table)).view(np.uint16), rounded.view(np.uint16)), name
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 16)).astype(np.int32)
+    logits, reference = (np.asarray(jnntile.to_array(m(m.token_tensor(ids))[0]), np.float32) for m in (model, full))
+    assert np.linalg.norm(logits - reference) <= BFLOAT16_TOL * np.linalg.norm(reference)
+
+
 def test_freeze_keeps_frozen_weights_bitwise_and_gives_them_no_state(dataset, tmp_path):
     _train(dataset, tmp_path / "out", "--model", "tiny", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
            "--steps", "3", "--freeze", r"wte|wpe|h\.0\.", hf=None)
@@ -651,7 +682,8 @@ def test_lora_on_an_nf4_base_trains_as_on_a_bfloat16_one(dataset, tmp_path, hf_l
 
 def test_quantize_base_needs_lora_and_a_resume_keeps_it(dataset, tmp_path):
     flags = ["--lora-rank", "2", "--checkpoint-interval", "1"]
-    with pytest.raises(ValueError, match="--quantize-base int8 quantizes a frozen base.*give --lora-rank"):
+    with pytest.raises(ValueError, match="--quantize-base int8 quantizes frozen projection weights, and this run "
+                                         "freezes none: give --lora-rank, --freeze or --train-only"):
         _train(dataset, tmp_path / "full", "--steps", "1", "--quantize-base", "int8")
     first = _train(dataset, tmp_path / "out", "--steps", "1", *flags, "--quantize-base", "int8")
     assert json.loads((tmp_path / "out" / "ckpt-0000001" / "state.json").read_text())["finetune"]["quantize_base"] \
@@ -660,6 +692,41 @@ def test_quantize_base_needs_lora_and_a_resume_keeps_it(dataset, tmp_path):
         _train(dataset, tmp_path / "out", "--steps", "2", *flags, "--resume")
     resumed = _train(dataset, tmp_path / "out", "--steps", "2", *flags, "--quantize-base", "int8", "--resume")
     assert np.isfinite(first["losses"] + resumed["losses"]).all()
+
+
+def test_frozen_layers_quantized_without_lora_train_as_their_dequantized_weights(dataset, tmp_path, hf_llama_64):
+    """--freeze with --quantize-base nf4: the frozen projection weights are stored quantized (their biases, the
+    norms and the trained weights stay float32), and training equals training the model whose frozen weights are
+    those dequantized, stored in float32; a resume builds the quantized base again and continues the same."""
+    freeze = ["--freeze", r"layers\.0\."]
+    finetune = lora.FineTune(freeze=freeze[1], quantize_base="nf4")
+    model, _ = finetune.build(lambda: families.from_hf(hf_llama_64, batch_size=2, seq_len=16), "float32")
+    stored = {name: p.get_value() for name, p in model.named_params().items()}
+    quantized = sorted(name for name, value in stored.items() if isinstance(value, quant.Quantized))
+    assert quantized == [f"layers.0.{m}.weight" for m in ("mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj",
+                                                          "self_attn.qkv_proj")]
+    assert all(value.dtype == "float32" for name, value in stored.items() if name not in quantized)
+    families.save_hf(model, tmp_path / "dequantized")
+
+    flags = ["--checkpoint-interval", "2", *freeze]
+    plain = [_train(dataset, tmp_path / "plain", "--steps", str(steps), *flags, *resume, "--init-from-hf",
+                    str(tmp_path / "dequantized"), hf=None)["losses"] for steps, resume in ((2, []), (4, ["--resume"]))]
+    nf4 = ["--quantize-base", "nf4", "--init-from-hf", str(hf_llama_64)]
+    first = _train(dataset, tmp_path / "nf4", "--steps", "2", *flags, *nf4, hf=None)
+    with pytest.raises(ValueError, match="'quantize_base': 'nf4'.*this run asks for"):
+        _train(dataset, tmp_path / "nf4", "--steps", "4", *flags, "--init-from-hf", str(hf_llama_64), "--resume",
+               hf=None)
+    resumed = _train(dataset, tmp_path / "nf4", "--steps", "4", *flags, *nf4, "--resume", hf=None)
+    losses = first["losses"] + resumed["losses"]
+    assert losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, plain[0] + plain[1], rtol=1e-5)
+    saved = _tensors(tmp_path / "nf4" / "ckpt-0000004" / "model.safetensors")
+    for name, value in _tensors(tmp_path / "dequantized" / "model.safetensors").items():
+        if "layers.0." in name and "layernorm" not in name:  # frozen: the dequantized values, unchanged
+            np.testing.assert_array_equal(saved[name], value)
+    with pytest.raises(ValueError, match="--freeze 'norm' freezes no projection weight to quantize; their paths "
+                                         r"look like layers\.0\.mlp\.down_proj\.weight"):
+        _train(dataset, tmp_path / "norms", "--steps", "1", "--freeze", "norm", *nf4, hf=None)
 
 
 def test_generate_on_a_quantized_model(hf_llama_64, dataset, capsys):

@@ -19,6 +19,7 @@ from jnntile.models.decoding import KVCache
 from jnntile.ops import attention as attention_ops
 from jnntile.ops import embedding as embedding_ops
 from jnntile.ops import loss as loss_ops
+from jnntile.ops import quant
 from jnntile.ops import values as values_ops
 from jnntile.models import hf
 from jnntile.core.tensor import FLOAT_DTYPES, Tensor
@@ -272,11 +273,15 @@ class LanguageModel(nnx.Module):
     def to_hf_params(self) -> dict:
         """Every parameter in Hugging Face names and layouts, unread (`hf_layout.from_model`): np.asarray(value)
         reads one whole, `save_hf` and checkpoints stream them from the tiles chunk by chunk."""
-        return self.hf_layout.from_model(self.config, {name: p.get_value() for name, p in self.named_params().items()})
+        return self.hf_layout.from_model(self.config, {name: _float(p.get_value())
+                                                       for name, p in self.named_params().items()})
 
-    def load_hf_params(self, params: dict) -> None:
+    def load_hf_params(self, params: dict, keep_quantized: bool = False) -> None:
         """Overwrites every parameter from Hugging Face tensors by name (arrays, or the unread tensors of
-        `families.open_hf`, streamed into the tiles chunk by chunk). Checks every shape before writing."""
+        `families.open_hf`, streamed into the tiles chunk by chunk). Checks every shape before writing. Inside
+        `nn.quantized_base` a frozen weight is quantized as it is loaded; with `keep_quantized`, a quantized
+        weight keeps its values (a frozen base built again from where it came from: a checkpoint holds it
+        dequantized, and int8's scales do not survive quantizing that again bit for bit)."""
         sources = self.hf_layout.to_model(self.config, hf.checked(params, self.config, "the params to load"))
         mine = self.named_params()
         if set(sources) != set(mine):
@@ -286,8 +291,17 @@ class LanguageModel(nnx.Module):
             if tuple(np.shape(sources[name])) != variable.get_value().shape:
                 raise ValueError(f"parameter {name} comes as shape {tuple(np.shape(sources[name]))}, expected "
                                  f"{variable.get_value().shape}")
+        if not keep_quantized:
+            nn.quantize_frozen(self, loading=True)
         for name, variable in mine.items():
-            variable.set_value(nn.load_into(variable.get_value(), lambda t: tensorfile.load_into(t, sources[name])))
+            if not (keep_quantized and isinstance(variable.get_value(), quant.Quantized)):
+                variable.set_value(nn.load_into(variable.get_value(),
+                                                lambda t: tensorfile.load_into(t, sources[name])))
+
+
+def _float(value):
+    """A parameter's value as a file holds it: a quantized weight dequantized to float32, the values it stands for."""
+    return quant.dequantize(value) if isinstance(value, quant.Quantized) else value
 
 
 def loss_and_grads(model: LanguageModel, idx, targets, *, dropout_seed=None, segments=None, positions=None):

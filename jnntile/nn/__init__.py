@@ -23,8 +23,9 @@ are `nnx.LoRAParam`s (a kind of `nnx.Param`); `trainable(...)` is the NNX
 filter of the parameters a step differentiates, and `value_and_grad(...,
 wrt=filter)` differentiates those alone: the others are frozen (no gradient, no
 optimizer state, and the backward skips their weight-gradient products).
-Inside `base_dtype("bfloat16")` the weights of `Linear`s are stored in
-bfloat16 (a frozen base that is never updated needs no float32 master);
+Inside `base_dtype("bfloat16")` the weights of `Linear`s and the tables of
+`Embedding`s are stored in bfloat16 (a frozen base that is never updated
+needs no float32 master);
 inside `quantized_base("nf4" | "int8")` they are `jnntile.ops.quant.Quantized`
 (frozen: their products give no weight gradient).
 """
@@ -56,6 +57,7 @@ from jnntile.core.tensor import Tensor
 _initialize = True
 _linear_weight_dtype = "float32"
 _linear_weight_quant = None
+_quantized_frozen = None  # with _linear_weight_quant: the predicate of the frozen parameters it quantizes
 
 
 @contextlib.contextmanager
@@ -76,9 +78,9 @@ def uninitialized():
 
 @contextlib.contextmanager
 def base_dtype(dtype: str):
-    """`Linear` weights built inside are stored in `dtype` ("bfloat16" or "float32"): for a frozen base
-    (`trainable`), which no optimizer updates, so it needs no float32 master. Initial values are the float32
-    ones rounded (drawn tile by tile); a loader writes the file's values rounded."""
+    """`Linear` weights and `Embedding` tables built inside are stored in `dtype` ("bfloat16" or "float32"):
+    for a frozen base (`trainable`), which no optimizer updates, so it needs no float32 master. Initial values
+    are the float32 ones rounded (drawn tile by tile); a loader writes the file's values rounded."""
     global _linear_weight_dtype
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"base_dtype: {dtype!r} is not one of {FLOAT_DTYPES}")
@@ -90,18 +92,50 @@ def base_dtype(dtype: str):
 
 
 @contextlib.contextmanager
-def quantized_base(kind: str | None):
+def quantized_base(kind: str | None, frozen: Callable | None = None):
     """`Linear` weights built inside are stored quantized as `kind` ("nf4" or "int8", `jnntile.ops.quant`; None:
     as `base_dtype` says), for a frozen base. Initial values are drawn in float, then quantized; a loader
-    quantizes the file's values (`load_into`)."""
-    global _linear_weight_quant
+    quantizes the file's values (`load_into`). With `frozen`, a predicate of (path, variable) as NNX filters
+    take them, only the weights it names are (--freeze): a Linear, which does not know its path, is built in
+    float, and `quantize_frozen(model)` quantizes those of the built model."""
+    global _linear_weight_quant, _quantized_frozen
     if kind is not None and kind not in quant.QUANTIZATIONS:
         raise ValueError(f"quantized_base: {kind!r} is not one of {quant.QUANTIZATIONS}")
-    saved, _linear_weight_quant = _linear_weight_quant, kind
+    saved = _linear_weight_quant, _quantized_frozen
+    _linear_weight_quant, _quantized_frozen = kind, frozen
     try:
         yield
     finally:
-        _linear_weight_quant = saved
+        _linear_weight_quant, _quantized_frozen = saved
+
+
+def _check_quantizable(name: str, shape, tile_shape, kind: str) -> None:
+    try:
+        quant.layouts(shape, tile_shape, kind)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e} (int8, --quantize-base int8, has no such constraint)") from None
+
+
+def quantize_frozen(model: nnx.Module, *, loading: bool = False) -> list[str]:
+    """Inside `quantized_base(kind, frozen)`: stores the weight of each `Linear` of `model` that `frozen` names
+    quantized, its float tensor dropped; with `loading` (a model built `uninitialized()`, about to be loaded) as
+    an empty `Quantized` that `load_into` fills one weight at a time. Returns the paths of the model's
+    quantized weights."""
+    kind, frozen = _linear_weight_quant, _quantized_frozen
+    quantized = []
+    for path, module in nnx.iter_graph(model):
+        if not isinstance(module, Linear):
+            continue
+        name, weight = ".".join(str(p) for p in (*path, "weight")), module.weight.get_value()
+        if kind is not None and frozen is not None and not isinstance(weight, quant.Quantized) \
+                and frozen((*path, "weight"), module.weight):
+            _check_quantizable(name, weight.shape, weight.tile_shape, kind)
+            weight = (quant.empty(weight.shape, weight.tile_shape, kind) if loading
+                      else quant.quantize(weight, kind))
+            module.weight.set_value(weight)
+        if isinstance(weight, quant.Quantized):
+            quantized.append(name)
+    return quantized
 
 
 def load_into(value, write: Callable[[Tensor], Tensor]):
@@ -151,14 +185,11 @@ class Linear(nnx.Module):
             return values_ops.random_normal(shape, param_seed(seed, name + ".weight"), std=std,
                                             tile_shape=weight_tiles, dtype=dtype)
 
-        kind = _linear_weight_quant
+        kind = _linear_weight_quant if _quantized_frozen is None else None  # else quantize_frozen decides
         if kind is None:
             self.weight = _param(lambda: draw(_linear_weight_dtype), shape, weight_tiles, _linear_weight_dtype)
         else:  # drawn in float32, kept quantized alone
-            try:
-                quant.layouts(shape, weight_tiles, kind)
-            except ValueError as e:
-                raise ValueError(f"{name}.weight: {e} (int8, --quantize-base int8, has no such constraint)") from None
+            _check_quantizable(name + ".weight", shape, weight_tiles, kind)
             self.weight = nnx.Param(quant.quantize(draw("float32"), kind) if _initialize
                                     else quant.empty(shape, weight_tiles, kind))
         self.bias = _param(lambda: values_ops.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,

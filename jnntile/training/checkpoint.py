@@ -322,8 +322,8 @@ def restore(path: str | os.PathLike, *, model, opt_state, finetune=None):
 
     if adapters_only:
         lora.load_peft(model, path)
-    else:
-        model.load_hf_params(params)
+    else:  # quantized frozen weights were built from the base, as they were at the start (rebuilds_base)
+        model.load_hf_params(params, keep_quantized=True)
 
     def saved_value(i, index):  # an old fused A's part is read whole and cut (adapters are small); the rest streams
         saved = saved_leaves[_leaf_name(i)]

@@ -323,8 +323,8 @@ class FineTune:
     """What a training run trains: every parameter (the default), those `train_only` / `freeze` select
     (regular expressions searched in parameter paths), or LoRA adapters on a frozen base (`lora`). Frozen
     parameters get no gradient and no optimizer state; with adapters in bfloat16 the base is stored in
-    bfloat16 (no float32 copy exists), and with `quantize_base` ("nf4", "int8") quantized
-    (`nn.quantized_base`)."""
+    bfloat16 (no float32 copy exists), and with `quantize_base` ("nf4", "int8") its projection weights, or
+    the frozen ones of `freeze` / `train_only`, quantized (`nn.quantized_base`)."""
 
     freeze: str | None = None
     train_only: str | None = None
@@ -332,10 +332,9 @@ class FineTune:
     quantize_base: str | None = None
 
     def __post_init__(self):
-        if self.quantize_base is not None and self.lora is None:
-            raise ValueError(f"--quantize-base {self.quantize_base} quantizes a frozen base, and only LoRA freezes "
-                             "every projection here: give --lora-rank (frozen layers of --freeze / --train-only "
-                             "are not quantized yet), or leave --quantize-base out")
+        if self.quantize_base is not None and self.trains_everything:
+            raise ValueError(f"--quantize-base {self.quantize_base} quantizes frozen projection weights, and this run "
+                             "freezes none: give --lora-rank, --freeze or --train-only, or leave --quantize-base out")
         self.filter()  # checks the patterns and their combination now
 
     @property
@@ -356,6 +355,12 @@ class FineTune:
         """The NNX filter of the trained parameters (`nn.trainable`)."""
         return nn.trainable(self.freeze, self.train_only, adapters_only=self.lora is not None)
 
+    @property
+    def rebuilds_base(self) -> bool:
+        """Whether a resume builds the frozen base again from where it came from rather than from the
+        checkpoint: LoRA's (the checkpoint holds the adapters alone) and a quantized one (held dequantized)."""
+        return self.lora is not None or self.quantize_base is not None
+
     def base_dtype(self, dtype: str) -> str:
         """The dtype the Linear weights of a model computing in `dtype` are stored in."""
         return dtype if self.lora is not None else "float32"
@@ -363,8 +368,18 @@ class FineTune:
     def build(self, make_model, dtype: str, seed: int = 0):
         """`make_model()` (a family's constructor or loader) with the base in `base_dtype(dtype)` (quantized as
         `quantize_base` says) and the adapters applied; returns (model, the LoRA settings resolved or None)."""
-        with nn.base_dtype(self.base_dtype(dtype)), nn.quantized_base(self.quantize_base):
+        trained = nnx.filterlib.to_predicate(self.filter())
+        frozen = None if self.lora is not None else lambda path, variable: not trained(path, variable)
+        with nn.base_dtype(self.base_dtype(dtype)), nn.quantized_base(self.quantize_base, frozen):
             model = make_model()
+            quantized = nn.quantize_frozen(model)
+        if self.quantize_base is not None and not quantized:
+            projections = [".".join(str(p) for p in (*path, "weight")) for path, module in nnx.iter_graph(model)
+                           if isinstance(module, nn.Linear)]
+            given = " ".join(f"{flag} {pattern!r}" for flag, pattern in (("--freeze", self.freeze),
+                                                                         ("--train-only", self.train_only)) if pattern)
+            raise ValueError(f"--quantize-base {self.quantize_base}: {given} freezes no projection weight to quantize; "
+                             "their paths look like " + ", ".join(projections[:3]))
         settings = apply(model, self.lora, seed) if self.lora is not None else None
         if not self.trains_everything and not nnx.state(model, self.filter()):
             raise ValueError(f"--train-only {self.train_only!r} / --freeze {self.freeze!r} leave no parameter to "
