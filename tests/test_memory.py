@@ -745,3 +745,19 @@ def test_a_quantized_base_plans_its_frozen_weights_at_their_quantized_bytes(kind
     quantized, total = frozen_projections(kind)
     assert plain / quantized == pytest.approx(ratio, rel=0.12)  # the scales add 1/32 (nf4), 4/C (int8)
     assert plain_total - total == plain - quantized  # the plan counts them so
+
+
+def test_a_bfloat16_lora_base_plans_its_embedding_tables_and_head_in_bfloat16():
+    from jnntile.models import resolve_tiles
+    from jnntile.models.llama.config import LlamaConfig
+    from jnntile.training import lora
+
+    config = dataclasses.replace(LlamaConfig(hidden_size=128, num_attention_heads=2, intermediate_size=128),
+                                 dtype="bfloat16", tile_embd=128, tile_hidden=128)
+    assert not config.tie_word_embeddings  # a head of its own
+    spec = planning.StepSpec(config, 2, 16, finetune=lora.FineTune(lora=lora.LoRASettings(2, 4.0)))
+    step = planning.record.trace_step(config, 2, 16, resolve_tiles(config, 2, 16), spec.finetune)
+    frozen = {t.name: t.nbytes for t in step.frozen}
+    assert frozen["embed_tokens.weight"] == frozen["lm_head.weight"] == 2 * config.vocab_size * config.hidden_size
+    assert not [name for name in step.copies if "embed_tokens" in name or "lm_head" in name]  # read as stored
+    assert planning.plan(spec, workers=2).frozen_parameters == sum(frozen.values())

@@ -362,7 +362,7 @@ class FineTune:
         return self.lora is not None or self.quantize_base is not None
 
     def base_dtype(self, dtype: str) -> str:
-        """The dtype the Linear weights of a model computing in `dtype` are stored in."""
+        """The dtype the Linear weights and Embedding tables of a model computing in `dtype` are stored in."""
         return dtype if self.lora is not None else "float32"
 
     def build(self, make_model, dtype: str, seed: int = 0):
