@@ -40,7 +40,8 @@ def train(steps: int, before_step=lambda step: None):
     from jnntile.training.step import make_steps
 
     ranks = jnntile.runtime.world_size()
-    model = gpt2.GPT2(GPT2Config(**CONFIG), batch_size=BATCH // ranks, seq_len=SEQ, seed=3)
+    with distributed.sharded_state():  # with --shard-state: each tile of the parameters on one rank
+        model = gpt2.GPT2(GPT2Config(**CONFIG), batch_size=BATCH // ranks, seq_len=SEQ, seed=3)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.chain(optim.clip_by_global_norm(0.5), optim.adamw(LEARNING_RATE))
     opt_state = tx.init(params)
@@ -96,11 +97,12 @@ def main() -> None:
     p.add_argument("--at-step", type=int, default=2)
     p.add_argument("--on-rank", type=int, default=1)
     p.add_argument("--watchdog-s", type=float, default=60)
+    p.add_argument("--shard-state", action="store_true")
     args = p.parse_args()
 
     import jnntile
 
-    jnntile.runtime.start(distributed=True, workers=1, watchdog_s=args.watchdog_s)
+    jnntile.runtime.start(distributed=True, workers=1, watchdog_s=args.watchdog_s, shard_state=args.shard_state)
     rank = jnntile.runtime.rank()
 
     def before_step(step):

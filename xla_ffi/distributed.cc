@@ -277,6 +277,28 @@ void transfer_done(int source) {
   end_pending();
 }
 
+namespace {
+void on_sent(void*) { transfer_done(-1); }
+void on_received(void* source) { transfer_done(int(reinterpret_cast<intptr_t>(source))); }
+}  // namespace
+
+void send_tile(starpu_data_handle_t handle, int dest, int64_t tag) {
+  transfer_posted(-1, int64_t(starpu_data_get_size(handle)));
+  if (starpu_mpi_isend_detached(handle, dest, tag, MPI_COMM_WORLD, on_sent, nullptr) != 0) {
+    transfer_done(-1);
+    throw std::runtime_error("StarPU-MPI refused a send to rank " + std::to_string(dest));
+  }
+}
+
+void receive_tile(starpu_data_handle_t handle, int source, int64_t tag) {
+  transfer_posted(source, 0);
+  void* arg = reinterpret_cast<void*>(intptr_t(source));
+  if (starpu_mpi_irecv_detached(handle, source, tag, MPI_COMM_WORLD, on_received, arg) != 0) {
+    transfer_done(source);
+    throw std::runtime_error("StarPU-MPI refused a receive from rank " + std::to_string(source));
+  }
+}
+
 std::string distributed_stall() {
   Mpi& m = mpi();
   if (!m.receiving) return "";
@@ -325,6 +347,8 @@ void distributed_abandon() {}
 std::vector<std::string> allgather(const std::string&, const std::string&, double, bool) { unavailable(); }
 void transfer_posted(int, int64_t) { unavailable(); }
 void transfer_done(int) { unavailable(); }
+void send_tile(starpu_data_handle_t, int, int64_t) { unavailable(); }
+void receive_tile(starpu_data_handle_t, int, int64_t) { unavailable(); }
 std::string distributed_stall() { return ""; }
 int64_t mpi_bytes_sent() { return 0; }
 

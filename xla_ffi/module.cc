@@ -17,6 +17,7 @@
 #include "kernels/rotary.h"
 #include "ops/values.h"
 #include "runtime.h"
+#include "sharding.h"
 #include "task.h"
 #include "tensor.h"
 
@@ -193,6 +194,9 @@ NB_MODULE(_xla_ffi, m) {
   m.def("tensor_exists", &tensor_exists);
   m.def("tensor_grad", &tensor_grad);
   m.def("tensor_compute_copy", &tensor_compute_copy);
+  m.def("tensor_shard", &tensor_shard);
+  m.def("tensor_shard_like", &tensor_shard_like);
+  m.def("tensor_owners", &tensor_owners);
   // Whole tensors, or the block of tiles tiles_from <= i < tiles_to (per axis)
   // when those are given: the array is then that block alone (see TileBox).
   m.def(

@@ -13,6 +13,7 @@
 
 #include "kernels/device.h"
 #include "runtime.h"
+#include "sharding.h"
 #include "tensor.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -93,13 +94,16 @@ inline starpu_data_handle_t temporary_vector(int64_t n, size_t elem_size) {
 template <class Args>
 void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const Args& args,
                  double flops = 0.0, TaskGroup* group = nullptr) {
+  // With sharded state, a task that writes another rank's shard runs there: this rank only counts its writes.
+  const bool runs_here = !sharding_in_use() || shard_admit(buffers);
   // Before anything is submitted: a read of a tile that holds nothing is an error.
   for (const Buffer& b : buffers)
-    if (b.mode & STARPU_R) check_readable(b.handle);
+    if (runs_here && (b.mode & STARPU_R)) check_readable(b.handle);
   for (const Buffer& b : buffers) {
     if (!(b.mode & STARPU_R)) mark_written(b.handle);
     if (b.mode & STARPU_W) count_write(b.handle);
   }
+  if (!runs_here) return;
   starpu_task* task = starpu_task_create();
   task->cl = cl;
   task->nbuffers = int(buffers.size());
@@ -159,12 +163,14 @@ struct TaskTiles {
 
 // Cuts tiles 0..numel.size()-1 (their sizes in elements) into tasks, in order: a tile of small_numel_limit
 // elements or more alone, smaller ones together, up to kTilesPerTask of them, small_numel_limit elements and
-// bytes_limit bytes (bytes[i]: what the task holds for tile i, all its buffers). By default the limits of
+// bytes_limit bytes (bytes[i]: what the task holds for tile i, all its buffers), and of one owner (owners[i],
+// when given: with sharded state a task runs on the owner of what it writes). By default the limits of
 // small tiles (small_tile_numel) and of the bytes a task may hold (task_group_bytes_limit).
 inline std::vector<std::vector<size_t>> tile_groups(const std::vector<int64_t>& numel,
                                                     const std::vector<int64_t>& bytes,
                                                     int64_t small_numel_limit = small_tile_numel(),
-                                                    int64_t bytes_limit = task_group_bytes_limit()) {
+                                                    int64_t bytes_limit = task_group_bytes_limit(),
+                                                    const std::vector<int>& owners = {}) {
   std::vector<std::vector<size_t>> groups;
   std::vector<size_t> small;
   int64_t small_numel = 0, small_bytes = 0;
@@ -173,8 +179,9 @@ inline std::vector<std::vector<size_t>> tile_groups(const std::vector<int64_t>& 
       groups.push_back({i});
       continue;
     }
+    const bool other_owner = !owners.empty() && !small.empty() && owners[i] != owners[small.front()];
     if (!small.empty() && (small.size() == size_t(kTilesPerTask) || small_numel + numel[i] > small_numel_limit ||
-                           small_bytes + bytes[i] > bytes_limit)) {
+                           small_bytes + bytes[i] > bytes_limit || other_owner)) {
       groups.push_back(std::move(small));
       small.clear();
       small_numel = small_bytes = 0;
@@ -247,6 +254,7 @@ inline ffi::Error run_op(OpSubmit submit_fn, ffi::Buffer<ffi::S32> id_buffer, co
       if (buffer.has_error()) throw std::invalid_argument("missing extra input " + std::to_string(i));
       inputs.push_back(buffer.value());
     }
+    ShardedOp op;
     submit_fn(OpCall{std::move(ids), attrs, std::move(inputs)});
     zero_grads(grad_ids);
   } catch (const std::exception& e) {

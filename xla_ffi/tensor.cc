@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "runtime.h"
+#include "sharding.h"
 
 namespace jnntile {
 namespace {
@@ -195,6 +196,7 @@ int64_t tensor_compute_copy(int64_t id, DType dtype) {
   }
   int64_t copy_id = tensor_create(t.shape, t.tile_shape, dtype);
   t.copy_id = copy_id;
+  tensor_shard_like(copy_id, id);  // a sharded weight's owner converts and sends its copy
   return copy_id;
 }
 
@@ -260,6 +262,7 @@ void tensor_invalidate(const TiledTensor& t) {
     starpu_data_invalidate_submit(handle);
     mark_invalidated(handle);
   }
+  if (t.sharded_until_invalidated) tensor_unshard(const_cast<TiledTensor&>(t));
 }
 
 int64_t tensor_count() {

@@ -40,6 +40,10 @@ struct TileState {
   // its master tile's count is the one it was made from (`copy_of_version`).
   std::atomic<uint64_t> version{0};
   std::atomic<uint64_t> copy_of_version{UINT64_MAX};
+  // Sharded state (sharding.h): the rank that owns the tile (-1: every rank holds it), and whether the other
+  // ranks received its current values for the op in progress. Every rank keeps the same account.
+  int32_t owner = -1;
+  bool replicas_fresh = false;
 };
 
 struct TiledTensor {
@@ -52,6 +56,8 @@ struct TiledTensor {
   std::unique_ptr<TileState[]> tile_states;  // one per tile, user data of its handle
   int64_t grad_id = -1;  // companion gradient tensor, created on demand
   int64_t copy_id = -1;  // compute copy in another float dtype (a bfloat16 copy of a float32 weight), on demand
+  int64_t shard_key = -1;  // sharded (sharding.h): the order it was sharded in, the same on every rank
+  bool sharded_until_invalidated = false;  // a summed gradient: every rank writes its next partial sums
 
   int ndim() const { return int(shape.size()); }
   int64_t numel() const;

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
+import math
 import os
 import struct
 
+import numpy as np
+
 from jnntile import _xla_ffi
 from jnntile.core import runtime
+from jnntile.core import tensor as tensor_mod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +144,51 @@ def require_same(what: str, description: dict) -> None:
 def _agree_on_the_runtime() -> None:
     # Every rank must sum gradients the same way; this also waits for every rank to start.
     if runtime.config().distributed:
-        require_same("the runtime", {"allreduce": runtime.config().allreduce})
+        require_same("the runtime", {"allreduce": runtime.config().allreduce,
+                                     "shard_state": runtime.config().shard_state})
 
 
 runtime.after_start(_agree_on_the_runtime)
+
+
+def sharding() -> bool:
+    """Whether this run shards its training state across ranks (`runtime.start(distributed=True,
+    shard_state=True)` with several ranks)."""
+    return runtime.config().shard_state and runtime.world_size() > 1
+
+
+@contextlib.contextmanager
+def sharded_state():
+    """Shards every tensor created inside (a model's parameters, as it builds them): each tile gets one owner
+    rank, the rank holding the fewest bytes of the block so far (ties: the lowest), so every rank holds about
+    1/N of them. Only the owner computes and stores a tile's values; other ranks fetch it for the op that
+    reads it and drop it after (docs/distributed.md, "Sharded state"). Every rank must create the same tensors
+    in the same order, as building the same model does. Does nothing unless `sharding()`."""
+    if not sharding():
+        yield
+        return
+    held = [0] * runtime.world_size()
+
+    def shard(handle):
+        owners = []
+        for tile_bytes in _tile_bytes(handle.shape, handle.tile_shape, handle.dtype):
+            owner = min(range(len(held)), key=lambda r: (held[r], r))
+            held[owner] += tile_bytes
+            owners.append(owner)
+        _xla_ffi.tensor_shard(handle.id, owners)
+
+    with tensor_mod.on_creation(shard):
+        yield
+
+
+def owners(handle) -> list[int]:
+    """The owner rank of each tile of a tensor (row-major), empty when every rank holds it."""
+    return list(_xla_ffi.tensor_owners(handle.id)) if handle.native else []
+
+
+def _tile_bytes(shape, tile_shape, dtype) -> list[int]:
+    extents = [[min(t, n - start) for start in range(0, n, t)] for n, t in zip(shape, tile_shape)]
+    return [math.prod(tile) * np.dtype(dtype).itemsize for tile in itertools.product(*extents)]
 
 
 @contextlib.contextmanager
@@ -173,4 +219,4 @@ def checked_together(what: str):
 
 
 __all__ = ["DataParallel", "DEFAULT_OWNERSHIP", "SetUpError", "checked_together", "launched_ranks", "local_rows",
-           "mean_and_any", "require_same", "wait_for_every_rank"]
+           "mean_and_any", "owners", "require_same", "sharded_state", "sharding", "wait_for_every_rank"]

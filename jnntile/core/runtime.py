@@ -174,6 +174,8 @@ class RuntimeConfig:
     # One of several processes (MPI ranks, e.g. under mpirun) training one model; see docs/distributed.md.
     distributed: bool = False
     allreduce: str = "tree"  # how gradient tiles are summed across ranks: "tree" or "ring"
+    # With distributed: each tile of the training state has one owner rank (jnntile.distributed.sharded_state).
+    shard_state: bool = False
 
     def validate(self) -> None:
         if not 1 <= self.workers <= MAX_CPU_WORKERS:
@@ -203,6 +205,9 @@ class RuntimeConfig:
             raise ValueError(f"matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS}")
         if self.distributed and not HAS_MPI:
             raise ValueError(f"distributed=True: {_xla_ffi.mpi_unavailable_reason()}")
+        if self.shard_state and not self.distributed:
+            raise ValueError("shard_state=True shards the training state across the ranks of a distributed run: "
+                             "start the runtime with distributed=True too (under mpirun)")
         if self.allreduce not in ALLREDUCE_SCHEDULES:
             raise ValueError(f"allreduce={self.allreduce!r}: use one of {sorted(ALLREDUCE_SCHEDULES)}")
 

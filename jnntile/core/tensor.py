@@ -365,6 +365,21 @@ def native_view(array: np.ndarray) -> np.ndarray:
     return array.view(np.uint16) if array.dtype.name == "bfloat16" else array
 
 
+# Called with every tensor created while set (`on_creation`): jnntile.distributed.sharded_state shards them.
+_creation_hook = None
+
+
+@contextlib.contextmanager
+def on_creation(hook):
+    """Calls `hook(handle)` with each tensor created inside, before anything writes it."""
+    global _creation_hook
+    previous, _creation_hook = _creation_hook, hook
+    try:
+        yield
+    finally:
+        _creation_hook = previous
+
+
 def new_handle(shape, dtype, tile_shape) -> _Handle:
     """A handle for a new tensor. Its tiles hold nothing: the first op must write them.
 
@@ -393,7 +408,10 @@ def new_handle(shape, dtype, tile_shape) -> _Handle:
                          f"larger than the GPU memory limit of {gpu_mb} MB: use smaller tiles or raise "
                          "gpu_memory_limit_mb")
     tensor_id = _xla_ffi.tensor_create(list(shape), list(tile_shape), DTYPES[dtype])
-    return _Handle(tensor_id, shape, dtype, tile_shape)
+    handle = _Handle(tensor_id, shape, dtype, tile_shape)
+    if _creation_hook is not None:
+        _creation_hook(handle)
+    return handle
 
 
 def compute_copy_handle(handle: _Handle, dtype: str) -> _Handle:

@@ -45,6 +45,15 @@ def zeros(shape: Sequence[int], dtype="float32", tile_shape=None) -> Tensor:
     return full(shape, 0.0, dtype, tile_shape)
 
 
+def zeros_like(t: Tensor) -> Tensor:
+    """Zeros of t's shape, tiles and dtype; sharded as t is (an optimizer's moments beside a sharded
+    parameter: each rank fills and keeps its own shard)."""
+    handle = tensor_mod.new_handle(t.shape, t.dtype, t.tile_shape)
+    if t.handle.native and handle.native:
+        _xla_ffi.tensor_shard_like(handle.id, t.handle.id)
+    return Tensor(call("fill", [handle], [], value=0.0), handle)
+
+
 def _random(shape, seed, normal, a, b, tile_shape, dtype) -> Tensor:
     name = dtype_name(dtype)
     if name not in tensor_mod.FLOAT_DTYPES:

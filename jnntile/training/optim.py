@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jnntile import _xla_ffi
 from jnntile.core import distributed, runtime
 from jnntile.core import tensor as tensor_mod
 from jnntile.core.grad import grad_of
@@ -159,7 +160,7 @@ def adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, e
     state_type = _declared(AdamWState, rule)
 
     def init(params):
-        zeros = lambda p: values_ops.zeros(p.shape, tile_shape=p.tile_shape)  # noqa: E731
+        zeros = values_ops.zeros_like  # sharded as its parameter
         return state_type(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params, is_leaf=_is_tensor),
                           nu=jax.tree.map(zeros, params, is_leaf=_is_tensor))
 
@@ -199,8 +200,23 @@ def global_norm(grads) -> Tensor:
     grad_leaves = _leaves(grads)
     values = [grad_of(g) for g in grad_leaves]  # clipped ones scaled first
     norm = tensor_mod.new_handle((), "float32", ())
+    if distributed.sharding():
+        # Each owner sums the squares of its gradient tiles into a partial sum sharded as the tile; the norm's
+        # sum reads every partial, which its owner sends to every rank: all of them sum the same values in the
+        # same order, those of one process.
+        values = [_sharded_partial_sums(g, v) for g, v in zip(grad_leaves, values)]
     token = call("sumsq", [v.handle for v in values] + [norm], [v.token for v in values], sqrt=True)
     return Tensor(token, norm)
+
+
+def _sharded_partial_sums(g: Tensor, value: Tensor) -> Tensor:
+    """The sums of squares of `value`'s tiles (int64 holding doubles, one per tile) on the owners of g's."""
+    tiles = math.prod(value.grid)
+    partials = tensor_mod.new_handle((tiles,), "int64", (1,))
+    owners = distributed.owners(g.handle)
+    if owners:
+        _xla_ffi.tensor_shard(partials.id, owners)
+    return Tensor(call("sumsq", [value.handle, partials], [value.token], partials=1), partials)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -266,6 +282,39 @@ def allreduce_sum(ownership: distributed.DataParallel = distributed.DEFAULT_OWNE
         return jax.tree.map(lambda g: Gradient(token, g.handle, summed=True), grads, is_leaf=_is_tensor), state
 
     return optax.GradientTransformation(init, update)
+
+
+class SumToOwners:
+    """With sharded state (`jnntile.distributed.sharded_state`): each gradient summed over the ranks up to the
+    owners of its parameter's tiles, as soon as the gradient is final (`on_final`, which
+    `jnntile.value_and_grad` calls inside the backward), so a rank never holds more than the gradients of the
+    layers in flight beside its own shard's. The ranks that own no tile drop their partial sums once sent.
+    `finish` sums those the backward did not hand over and marks them all summed."""
+
+    def __init__(self, params):
+        self.params = {p.handle for p in _leaves(params)}
+        self.summed = {}
+
+    def _sum(self, values: list[Tensor], params: list) -> object:
+        roots = [owner for p in params for owner in distributed.owners(p)]
+        return call("allreduce", [v.handle for v in values], [v.token for v in values], roots=roots,
+                    key=next(_allreduce_keys), schedule=runtime.ALLREDUCE_SCHEDULES[runtime.config().allreduce],
+                    to_owner=1)
+
+    def on_final(self, x: Tensor):
+        if x.handle not in self.params:  # an activation
+            return None
+        value = grad_of(x)
+        self.summed[x.handle] = token = self._sum([value], [x.handle])
+        return token
+
+    def finish(self, grads):
+        leaves = [g for g in _leaves(grads) if g.handle not in self.summed]
+        if leaves:
+            token = self._sum([grad_of(g) for g in leaves], [g.handle for g in leaves])
+            self.summed.update((g.handle, token) for g in leaves)
+        return jax.tree.map(lambda g: Gradient(self.summed[g.handle], g.handle, summed=True), grads,
+                            is_leaf=_is_tensor)
 
 
 # ---- the update fused into the backward ------------------------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jnntile.core import runtime
+from jnntile.core import distributed, runtime
 from jnntile.training import optim
 from jnntile.core.grad import mark_computed, value_and_grad
 from jnntile.core.tensor import pack
@@ -55,6 +55,9 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     over the ranks (`jnntile.optim.allreduce_sum`) before `tx`, so every rank
     applies the update of the whole batch. The loss returned is this rank's share of the step's loss times N,
     so that `jnntile.distributed.mean_and_any`, which averages it over the ranks, gives the step's loss.
+    With sharded state (`jnntile.distributed.sharded_state`) each gradient is summed up to the owners of its
+    parameter's tiles as soon as the backward finishes it (`jnntile.optim.SumToOwners`), and each owner
+    clips and updates its own tiles.
     """
     ranks = runtime.world_size()
     summed = optim.allreduce_sum()
@@ -77,6 +80,11 @@ def make_steps(graphdef, tx, grad_accum_steps: int = 1, fused_update: str = "aut
     @functools.partial(jax.jit, static_argnames="setting")
     def last_and_update(packed, grads, batch, dropout_seed, scale, setting):
         params, opt_state, frozen = packed.unpack()
+        if distributed.sharding():
+            to_owners = optim.SumToOwners(params)
+            loss, grads = gradients(params, grads, batch, dropout_seed, scale, frozen, on_final=to_owners.on_final)
+            updates, opt_state = tx.update(to_owners.finish(grads), opt_state, params)
+            return pack((optax.apply_updates(params, updates), opt_state)), loss, None
         fused = optim.fused_update(opt_state, params, setting)
         on_final = fused if fused is not None and fused.mode != "after" else None
         loss, grads = gradients(params, grads, batch, dropout_seed, scale, frozen, on_final=on_final)

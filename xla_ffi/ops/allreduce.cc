@@ -14,6 +14,7 @@
 // (2(N-1) hops). Both send 2(N-1)/N of the gradients per rank per step.
 #include "distributed.h"
 #include "kernels/elementwise.h"
+#include "sharding.h"
 #include "task.h"
 
 #if JNNTILE_MPI
@@ -66,26 +67,6 @@ starpu_mpi_tag_t tag(int64_t key, int64_t tile, int phase) {
   return (key << (kTileBits + 1)) | (tile << 1) | phase;
 }
 
-void on_sent(void*) { transfer_done(-1); }
-void on_received(void* source) { transfer_done(int(reinterpret_cast<intptr_t>(source))); }
-
-void send(starpu_data_handle_t handle, int dest, starpu_mpi_tag_t data_tag) {
-  transfer_posted(-1, int64_t(starpu_data_get_size(handle)));
-  if (starpu_mpi_isend_detached(handle, dest, data_tag, MPI_COMM_WORLD, on_sent, nullptr) != 0) {
-    transfer_done(-1);
-    throw std::runtime_error("StarPU-MPI refused a send to rank " + std::to_string(dest));
-  }
-}
-
-void receive(starpu_data_handle_t handle, int source, starpu_mpi_tag_t data_tag) {
-  transfer_posted(source, 0);
-  void* arg = reinterpret_cast<void*>(intptr_t(source));
-  if (starpu_mpi_irecv_detached(handle, source, data_tag, MPI_COMM_WORLD, on_received, arg) != 0) {
-    transfer_done(source);
-    throw std::runtime_error("StarPU-MPI refused a receive from rank " + std::to_string(source));
-  }
-}
-
 struct GateArgs {};
 
 // Runs when the local tile is final and only then makes the receive buffer
@@ -107,7 +88,9 @@ void add_kernel(void** buffers, const AddArgs& a) {
 }
 
 // ids: the gradient tensors (every rank the same, in the same order);
-// attrs: roots (one rank per tile, tensors in order, tiles row-major), schedule, key.
+// attrs: roots (one rank per tile, tensors in order, tiles row-major), schedule, key, and optionally
+// to_owner = 1: the sums stay at their roots, the owners of the parameters' tiles in a run with sharded
+// state (sharding.h), and the other ranks drop their partial sums once sent (a reduce-scatter).
 void allreduce_submit(const OpCall& call) {
   if (!runtime_config().distributed)
     throw std::invalid_argument("allreduce needs the runtime started with distributed=True "
@@ -116,6 +99,8 @@ void allreduce_submit(const OpCall& call) {
   const Index roots = attr_index(call.attrs, "roots");
   const auto schedule = Schedule(attr<int64_t>(call.attrs, "schedule"));
   const int64_t key = attr<int64_t>(call.attrs, "key");
+  auto to_owner_attr = call.attrs.get<int64_t>("to_owner");
+  const bool to_owner = !to_owner_attr.has_error() && to_owner_attr.value() != 0;
   int64_t tiles = 0;
   for (size_t i = 0; i < call.ids.size(); ++i) tiles += call.tensor(i).num_tiles();
   if (int64_t(roots.size()) != tiles)
@@ -133,8 +118,10 @@ void allreduce_submit(const OpCall& call) {
   for (size_t i = 0; i < call.ids.size(); ++i) {
     const TiledTensor& g = call.tensor(i);
     if (g.dtype != DType::F32) throw std::invalid_argument("allreduce: needs float32 tensors: " + g.describe());
+    std::vector<int> owners;
     for (int64_t t = 0; t < g.num_tiles(); ++t, ++index) {
-      const Route r = route(schedule, int(roots[size_t(index)]), me, n);
+      owners.push_back(int(roots[size_t(index)]));
+      const Route r = route(schedule, owners.back(), me, n);
       starpu_data_handle_t tile = g.tiles[t];
       // Partial sums of other ranks: gates (which only read the tile, so run together), receives,
       // then additions in the route's order, which fixes the order of the sum.
@@ -143,16 +130,22 @@ void allreduce_submit(const OpCall& call) {
         partials.push_back(temporary_vector(starpu_vector_get_nx(tile), sizeof(float)));
         submit_task(gate_cl, {{tile, STARPU_R}, {partials.back(), STARPU_W}}, GateArgs{});
       }
-      for (size_t c = 0; c < r.reduce_from.size(); ++c) receive(partials[c], r.reduce_from[c], tag(key, index, 0));
+      for (size_t c = 0; c < r.reduce_from.size(); ++c) receive_tile(partials[c], r.reduce_from[c], tag(key, index, 0));
       for (starpu_data_handle_t partial : partials) {
         submit_task(add_cl, {{partial, STARPU_R}, {tile, STARPU_RW}}, AddArgs{g.tile_numel(t)},
                     double(g.tile_numel(t)));
         starpu_data_unregister_submit(partial);
       }
-      if (r.reduce_to >= 0) send(tile, r.reduce_to, tag(key, index, 0));
-      if (r.result_from >= 0) receive(tile, r.result_from, tag(key, index, 1));
-      for (int dest : r.result_to) send(tile, dest, tag(key, index, 1));
+      if (r.reduce_to >= 0) send_tile(tile, r.reduce_to, tag(key, index, 0));
+      if (to_owner) {
+        // Its memory goes once the send read it; every rank still counts the tile as holding values.
+        if (owners.back() != me) starpu_data_invalidate_submit(tile);
+        continue;
+      }
+      if (r.result_from >= 0) receive_tile(tile, r.result_from, tag(key, index, 1));
+      for (int dest : r.result_to) send_tile(tile, dest, tag(key, index, 1));
     }
+    if (to_owner) tensor_shard_until_invalidated(g.id, owners);
   }
 }
 JNNTILE_OP(allreduce, allreduce_submit);

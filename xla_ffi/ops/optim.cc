@@ -89,14 +89,17 @@ struct UpdateOperands {
               double flops_per_element) const {
     std::vector<std::pair<size_t, int64_t>> tiles;  // (parameter, tile)
     std::vector<int64_t> numel, bytes;
+    std::vector<int> owners;
     for (size_t k = 0; k < params.size(); ++k)
       for (int64_t t = 0; t < params[k][0]->num_tiles(); ++t) {
         tiles.push_back({k, t});
+        owners.push_back(tile_owner(params[k][0]->tiles[t]));
         numel.push_back(params[k][0]->tile_numel(t));
         bytes.push_back(0);
         for (const TiledTensor* tensor : params[k]) bytes.back() += int64_t(starpu_data_get_size(tensor->tiles[t]));
       }
-    for (const std::vector<size_t>& group : tile_groups(numel, bytes)) {
+    for (const std::vector<size_t>& group :
+         tile_groups(numel, bytes, small_tile_numel(), task_group_bytes_limit(), owners)) {
       std::vector<Buffer> buffers;
       TaskTiles& task_tiles = args.layout.tiles;
       task_tiles.count = 0;

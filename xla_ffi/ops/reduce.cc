@@ -42,12 +42,15 @@ struct PartialSum {
 void submit_partials(const std::vector<PartialSum>& sums, std::vector<starpu_data_handle_t>& temporaries) {
   static starpu_codelet* cl = JNNTILE_CODELET(TaskTiles, partial_kernel, "sumsq_partial");
   std::vector<int64_t> numel, bytes;
+  std::vector<int> owners;  // with sharded state, a partial sum is its tile's owner's
   for (const PartialSum& s : sums) {
     if (s.x->dtype != DType::F32) throw std::invalid_argument("sumsq: needs float32 inputs: " + s.x->describe());
+    owners.push_back(tile_owner(s.partial));
     numel.push_back(s.x->tile_numel(s.tile));
     bytes.push_back(int64_t(starpu_data_get_size(s.x->tiles[s.tile]) + starpu_data_get_size(s.partial)));
   }
-  for (const std::vector<size_t>& group : tile_groups(numel, bytes)) {
+  for (const std::vector<size_t>& group :
+       tile_groups(numel, bytes, small_tile_numel(), task_group_bytes_limit(), owners)) {
     std::vector<Buffer> buffers;
     TaskTiles tiles;
     for (size_t i : group) {

@@ -41,6 +41,7 @@ TileBox checked_box(const TiledTensor& t, const TileBox& box) {
 
 void host_copy(int64_t id, void* data, int64_t nbytes, Direction direction, const TileBox& requested) {
   require_runtime();
+  ShardedOp op;  // a read of another rank's shard fetches it, when every rank reads (sharding.h)
   TiledTensor& t = tensor_get(id);
   TileBox box = checked_box(t, requested);
   // The box's first element and shape: the host array is the box alone, row-major.

@@ -1,0 +1,260 @@
+#include "sharding.h"
+
+#include <atomic>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "distributed.h"
+#include "task.h"
+
+namespace jnntile {
+namespace {
+
+std::atomic<bool> in_use{false};
+
+TileState* state_of(starpu_data_handle_t handle) {
+  return static_cast<TileState*>(starpu_data_get_user_data(handle));
+}
+
+int my_rank() {
+  static const int rank = mpi_world().first;
+  return rank;
+}
+
+// The ops' bookkeeping: what the op in progress fetched, and the marks that gate fetches. Ops are submitted
+// one after the other (XLA calls them in token order), so one state serves.
+struct OpState {
+  std::mutex mutex;
+  int depth = 0;
+  std::vector<starpu_data_handle_t> fetched;  // tiles whose replicas the op in progress brought
+  starpu_data_handle_t input = nullptr;       // the first tile every rank holds that the op reads
+  starpu_data_handle_t gate = nullptr;        // written once the op before this one could run
+  int64_t next_key = 0;
+};
+
+OpState& op_state() {
+  static OpState* s = new OpState();
+  return *s;
+}
+
+struct NoArgs {};
+void gate_kernel(void**, const NoArgs&) {}
+
+struct CopyArgs {
+  size_t bytes;
+};
+// buffers: the gate, the tile, the copy sent
+void copy_kernel(void** buffers, const CopyArgs& a) {
+  std::memcpy(reinterpret_cast<void*>(STARPU_VECTOR_GET_PTR(buffers[2])),
+              reinterpret_cast<const void*>(STARPU_VECTOR_GET_PTR(buffers[1])), a.bytes);
+}
+
+// Submitted past submit_task's bookkeeping: these tasks move or order a tile's values without changing
+// them, so no rank counts them (every rank must keep the same account of each tile).
+void submit_unchecked(starpu_codelet* cl, std::initializer_list<Buffer> buffers, void* arg, size_t arg_size) {
+  starpu_task* task = starpu_task_create();
+  task->cl = cl;
+  task->nbuffers = int(buffers.size());
+  int i = 0;
+  for (const Buffer& b : buffers) {
+    task->handles[i] = b.handle;
+    task->modes[i++] = b.mode;
+  }
+  task->cl_arg = malloc(arg_size);
+  std::memcpy(task->cl_arg, arg, arg_size);
+  task->cl_arg_size = arg_size;
+  task->cl_arg_free = 1;
+  submit(task, nullptr);
+}
+
+starpu_codelet* gate_codelet() {
+  static starpu_codelet* cl = codelet<NoArgs, gate_kernel>("shard_gate");
+  return cl;
+}
+
+// The owner sends the tile to every other rank, which receives it into its replica. With a gate (the op
+// before has its input), the transfer waits for it on both sides: the owner sends a copy made once the
+// gate is written (StarPU-MPI posts a send as soon as its data is readable, and a receiver with no request
+// posted yet allocates the data it gets), the others receive once their own gate is written.
+void fetch(starpu_data_handle_t tile, starpu_data_handle_t gate) {
+  const auto [me, n] = mpi_world();
+  const TileState* state = state_of(tile);
+  const int64_t tag = shard_tag(tile, ShardTransfer::Fetch);
+  if (state->owner == me) {
+    starpu_data_handle_t sent = tile;
+    if (gate != nullptr) {
+      sent = temporary_vector(int64_t(starpu_vector_get_nx(tile)), starpu_vector_get_elemsize(tile));
+      static starpu_codelet* copy_cl = codelet<CopyArgs, copy_kernel>("shard_send_copy");
+      CopyArgs args{starpu_data_get_size(tile)};
+      submit_unchecked(copy_cl, {{gate, STARPU_R}, {tile, STARPU_R}, {sent, STARPU_W}}, &args, sizeof args);
+    }
+    for (int r = 0; r < n; ++r)
+      if (r != me) send_tile(sent, r, tag);
+    if (sent != tile) starpu_data_unregister_submit(sent);
+    return;
+  }
+  NoArgs none;
+  if (gate != nullptr) submit_unchecked(gate_codelet(), {{gate, STARPU_R}, {tile, STARPU_W}}, &none, sizeof none);
+  receive_tile(tile, state->owner, tag);
+}
+
+}  // namespace
+
+bool sharding_in_use() { return in_use.load(std::memory_order_relaxed); }
+
+void tensor_shard(int64_t id, const std::vector<int>& owners) {
+  TiledTensor& t = tensor_get(id);
+  const int n = mpi_world().second;
+  if (int64_t(owners.size()) != t.num_tiles())
+    throw std::invalid_argument("sharding " + t.describe() + ": " + std::to_string(owners.size()) + " owners for " +
+                                std::to_string(t.num_tiles()) + " tiles");
+  for (int owner : owners)
+    if (owner < 0 || owner >= n)
+      throw std::invalid_argument("sharding " + t.describe() + ": rank " + std::to_string(owner) + " is not one of " +
+                                  std::to_string(n));
+  for (int64_t i = 0; i < t.num_tiles(); ++i)
+    if (TileContent(t.tile_states[i].content.load()) != TileContent::NeverWritten)
+      throw std::invalid_argument("sharding " + t.describe() + ": shard a tensor before anything writes it");
+  OpState& s = op_state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (t.shard_key < 0) t.shard_key = s.next_key++;
+  if (t.shard_key >= (int64_t(1) << 29) || t.num_tiles() >= (int64_t(1) << 32))
+    throw std::invalid_argument("sharding " + t.describe() + ": beyond the range of StarPU-MPI tags");
+  for (int64_t i = 0; i < t.num_tiles(); ++i) t.tile_states[i].owner = owners[size_t(i)];
+  in_use.store(true);
+}
+
+void tensor_shard_like(int64_t id, int64_t like) {
+  std::vector<int> owners = tensor_owners(like);
+  if (!owners.empty()) {
+    check_same_tiling(tensor_get(id), tensor_get(like), "tensor_shard_like");
+    tensor_shard(id, owners);
+  }
+}
+
+void tensor_shard_until_invalidated(int64_t id, const std::vector<int>& owners) {
+  TiledTensor& t = tensor_get(id);
+  {
+    OpState& s = op_state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (t.shard_key < 0) t.shard_key = s.next_key++;
+  }
+  for (int64_t i = 0; i < t.num_tiles(); ++i) {
+    t.tile_states[i].owner = owners[size_t(i)];
+    t.tile_states[i].replicas_fresh = false;
+  }
+  t.sharded_until_invalidated = true;
+  in_use.store(true);
+}
+
+void tensor_unshard(TiledTensor& t) {
+  for (int64_t i = 0; i < t.num_tiles(); ++i) t.tile_states[i].owner = -1;
+  t.sharded_until_invalidated = false;
+}
+
+std::vector<int> tensor_owners(int64_t id) {
+  const TiledTensor& t = tensor_get(id);
+  if (t.num_tiles() == 0 || t.tile_states[0].owner < 0) return {};
+  std::vector<int> owners;
+  for (int64_t i = 0; i < t.num_tiles(); ++i) owners.push_back(t.tile_states[i].owner);
+  return owners;
+}
+
+int tile_owner(starpu_data_handle_t handle) {
+  const TileState* state = state_of(handle);
+  return state == nullptr ? -1 : state->owner;
+}
+
+bool holds_tile(starpu_data_handle_t handle) {
+  const int owner = tile_owner(handle);
+  return owner < 0 || owner == my_rank();
+}
+
+int64_t shard_tag(starpu_data_handle_t tile, ShardTransfer kind) {
+  const TileState* state = state_of(tile);
+  const TiledTensor& t = *state->tensor;
+  const int64_t index = int64_t(state - t.tile_states.get());
+  // Bit 62 keeps these apart from the gradient sums' tags (ops/allreduce.cc), which stay below it.
+  return (int64_t(1) << 62) | (t.shard_key << 33) | (index << 1) | int64_t(kind);
+}
+
+bool shard_admit(const std::vector<Buffer>& buffers) {
+  const int me = my_rank();
+  int writer = -1;
+  bool writes_unsharded = false;
+  for (const Buffer& b : buffers) {
+    if (!(b.mode & STARPU_W)) continue;
+    const int owner = tile_owner(b.handle);
+    if (owner < 0) {
+      writes_unsharded = true;
+    } else if (writer >= 0 && owner != writer) {
+      throw std::invalid_argument("a task writes tiles of the shards of ranks " + std::to_string(writer) + " and " +
+                                  std::to_string(owner) + " (" + state_of(b.handle)->tensor->describe() +
+                                  "): tensors updated together must be sharded alike");
+    } else {
+      writer = owner;
+    }
+  }
+  if (writer >= 0 && writes_unsharded)
+    throw std::invalid_argument("a task writes tiles of rank " + std::to_string(writer) +
+                                "'s shard and tiles every rank holds: shard its outputs alike");
+  for (const Buffer& b : buffers)
+    if (b.mode & STARPU_W)
+      if (TileState* state = state_of(b.handle)) state->replicas_fresh = false;
+  if (writer >= 0 && writer != me) return false;
+
+  OpState& s = op_state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  for (const Buffer& b : buffers) {
+    if (!(b.mode & STARPU_R)) continue;
+    TileState* state = state_of(b.handle);
+    if (state == nullptr) continue;
+    if (state->owner < 0) {
+      if (s.input == nullptr) s.input = b.handle;
+      continue;
+    }
+    if (writer >= 0) {
+      if (state->owner != writer)
+        throw std::invalid_argument("a task of rank " + std::to_string(writer) + "'s shard reads " +
+                                    state->tensor->describe() + " of rank " + std::to_string(state->owner) +
+                                    "'s: shard the tensors of an update alike");
+      continue;
+    }
+    if (state->replicas_fresh) continue;
+    fetch(b.handle, s.gate);
+    state->replicas_fresh = true;
+    s.fetched.push_back(b.handle);
+  }
+  return true;
+}
+
+ShardedOp::ShardedOp() {
+  if (!sharding_in_use()) return;
+  OpState& s = op_state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.depth++ == 0) s.input = nullptr;
+}
+
+ShardedOp::~ShardedOp() {
+  if (!sharding_in_use()) return;
+  OpState& s = op_state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.depth == 0 || --s.depth > 0) return;
+  const int me = my_rank();
+  for (starpu_data_handle_t tile : s.fetched) {
+    TileState* state = state_of(tile);
+    state->replicas_fresh = false;
+    if (state->owner != me) starpu_data_invalidate_submit(tile);
+  }
+  s.fetched.clear();
+  if (s.input == nullptr) return;
+  // The next op's fetches wait for this op's input: they travel while this op runs.
+  starpu_data_handle_t gate = temporary_vector(1, 1);
+  NoArgs none;
+  submit_unchecked(gate_codelet(), {{s.input, STARPU_R}, {gate, STARPU_W}}, &none, sizeof none);
+  if (s.gate != nullptr) starpu_data_unregister_submit(s.gate);
+  s.gate = gate;
+}
+
+}  // namespace jnntile
