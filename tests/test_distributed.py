@@ -142,6 +142,33 @@ def test_ranks_train_like_one_process(ranks, one_process, tmp_path):
         assert "summed over the ranks already; chain it once" in twice
 
 
+@needs_mpirun
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_with_sharded_state_train_like_one_process(ranks, one_process, tmp_path):
+    """Each tile of the parameters, their moments and summed gradients on one rank (docs/distributed.md,
+    "Sharded state"): the losses and parameters of one process, every tile fetched for the ops that read it."""
+    result = mpirun((ranks, WORKER, tmp_path, "--steps", STEPS, "--shard-state"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [np.load(tmp_path / f"rank{r}.npz") for r in range(ranks)]
+    losses, params = one_process
+    names = sorted(params)
+    for r, run in enumerate(runs):
+        for name in names:  # read by every rank together: each tile from its owner
+            np.testing.assert_array_equal(run[f"param:{name}"], runs[0][f"param:{name}"], err_msg=f"rank {r}: {name}")
+        np.testing.assert_array_equal(run["losses"], runs[0]["losses"])
+    assert rel_err(runs[0]["losses"], losses) <= 1e-5, (runs[0]["losses"], losses)
+    assert_trained_params_close({name: runs[0][f"param:{name}"] for name in names}, params, STEPS,
+                                distributed_worker.LEARNING_RATE, 1e-4)
+    # Per step, every parameter tile goes from its owner to the N-1 other ranks for each op that reads it: at
+    # least the forward and the backward of each of the 2 micro-batches (3 ops read the tied embedding), and
+    # the gradient's partial sums go up once; the final reads of the parameters add one fetch of each.
+    per_fetch = (ranks - 1) * _tile_bytes(params)
+    sent = sum(int(run["sent"]) for run in runs)
+    micro = distributed_worker.MICRO_BATCHES
+    assert (2 * micro + 1) * STEPS * per_fetch <= sent <= ((3 * micro + 1) * STEPS + 1) * per_fetch * 1.01, \
+        sent / per_fetch
+
+
 SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--eval-batches", "1",
          "--quiet", "--steps", "3", "--eval-interval", "3", "--workers", "1"]
 
