@@ -213,11 +213,20 @@ def add_quantize_flag(parser: argparse.ArgumentParser, what: str) -> None:
                         help=f"store {what} quantized: nf4 (4-bit NormalFloat, blocks of 64 along each weight's input "
                              "axis, which and whose tiles must be multiples of 64) or int8 (a scale per output row); "
                              "each product dequantizes a tile inside its task (default: none)")
+    parser.add_argument("--double-quant", action="store_true",
+                        help="with --quantize-base nf4: quantize its absmax scales too, QLoRA's double quantization "
+                             "(8-bit codes in blocks of 256 less their mean, as bitsandbytes' compress_statistics): "
+                             "about 0.37 fewer bits per weight")
 
 
 def quantize_base(args) -> str | None:
-    """--quantize-base as `nn.quantized_base` takes it: "nf4", "int8" or None."""
-    return None if args.quantize_base == "none" else args.quantize_base
+    """--quantize-base and --double-quant as `nn.quantized_base` takes them: "nf4", "nf4_dq", "int8" or None."""
+    if args.double_quant and args.quantize_base != "nf4":
+        raise ValueError(f"--double-quant quantizes the scales of NF4 weights, and --quantize-base is "
+                         f"{args.quantize_base}: give --quantize-base nf4, or leave --double-quant out")
+    if args.quantize_base == "none":
+        return None
+    return "nf4_dq" if args.double_quant else args.quantize_base
 
 
 def add_finetune_flags(parser: argparse.ArgumentParser) -> None:

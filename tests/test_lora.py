@@ -694,12 +694,16 @@ def test_quantize_base_needs_lora_and_a_resume_keeps_it(dataset, tmp_path):
     assert np.isfinite(first["losses"] + resumed["losses"]).all()
 
 
-def test_frozen_layers_quantized_without_lora_train_as_their_dequantized_weights(dataset, tmp_path, hf_llama_64):
-    """--freeze with --quantize-base nf4: the frozen projection weights are stored quantized (their biases, the
-    norms and the trained weights stay float32), and training equals training the model whose frozen weights are
-    those dequantized, stored in float32; a resume builds the quantized base again and continues the same."""
+@pytest.mark.parametrize("kind, quantize", [("nf4", ["--quantize-base", "nf4"]),
+                                            ("nf4_dq", ["--quantize-base", "nf4", "--double-quant"])])
+def test_frozen_layers_quantized_without_lora_train_as_their_dequantized_weights(dataset, tmp_path, hf_llama_64,
+                                                                                 kind, quantize):
+    """--freeze with --quantize-base nf4 (and --double-quant): the frozen projection weights are stored quantized
+    (their biases, the norms and the trained weights stay float32), and training equals training the model whose
+    frozen weights are those dequantized, stored in float32; a resume builds the quantized base again and
+    continues the same."""
     freeze = ["--freeze", r"layers\.0\."]
-    finetune = lora.FineTune(freeze=freeze[1], quantize_base="nf4")
+    finetune = lora.FineTune(freeze=freeze[1], quantize_base=kind)
     model, _ = finetune.build(lambda: families.from_hf(hf_llama_64, batch_size=2, seq_len=16), "float32")
     stored = {name: p.get_value() for name, p in model.named_params().items()}
     quantized = sorted(name for name, value in stored.items() if isinstance(value, quant.Quantized))
@@ -711,9 +715,9 @@ def test_frozen_layers_quantized_without_lora_train_as_their_dequantized_weights
     flags = ["--checkpoint-interval", "2", *freeze]
     plain = [_train(dataset, tmp_path / "plain", "--steps", str(steps), *flags, *resume, "--init-from-hf",
                     str(tmp_path / "dequantized"), hf=None)["losses"] for steps, resume in ((2, []), (4, ["--resume"]))]
-    nf4 = ["--quantize-base", "nf4", "--init-from-hf", str(hf_llama_64)]
+    nf4 = [*quantize, "--init-from-hf", str(hf_llama_64)]
     first = _train(dataset, tmp_path / "nf4", "--steps", "2", *flags, *nf4, hf=None)
-    with pytest.raises(ValueError, match="'quantize_base': 'nf4'.*this run asks for"):
+    with pytest.raises(ValueError, match=f"'quantize_base': '{kind}'.*this run asks for"):
         _train(dataset, tmp_path / "nf4", "--steps", "4", *flags, "--init-from-hf", str(hf_llama_64), "--resume",
                hf=None)
     resumed = _train(dataset, tmp_path / "nf4", "--steps", "4", *flags, *nf4, "--resume", hf=None)
@@ -732,9 +736,12 @@ def test_frozen_layers_quantized_without_lora_train_as_their_dequantized_weights
 def test_generate_on_a_quantized_model(hf_llama_64, dataset, capsys):
     prompt = ["--prompt", "alpha beta", "--tokenizer", str(dataset.parent), "--max-new-tokens", "6", "--temperature",
               "0", "--quiet"]
-    for kind in ("nf4", "int8"):
+    for kind in (["nf4"], ["nf4", "--double-quant"], ["int8"]):
         text = generate_mod.generate(generate_mod.parse_args(["--hf", str(hf_llama_64), *prompt,
-                                                              "--quantize-base", kind]))
+                                                              "--quantize-base", *kind]))
         assert len(text) == 1 and text[0].startswith("alpha beta") and len(text[0]) > len("alpha beta")
+    assert generate_mod.main(["--hf", str(hf_llama_64), *prompt, "--quantize-base", "int8", "--double-quant"]) == 2
+    assert "--double-quant quantizes the scales of NF4 weights, and --quantize-base is int8: give --quantize-base " \
+           "nf4" in capsys.readouterr().err
     assert generate_mod.main(["--hf", str(DATA / "hf_tiny_llama"), *prompt, "--quantize-base", "nf4"]) == 2
     assert "self_attn.qkv_proj.weight: quantize: nf4" in capsys.readouterr().err  # names the weight and the way out

@@ -725,26 +725,38 @@ def test_beyond_ram_benchmark_runs_in_quick_mode(tmp_path):
     assert os.listdir(tmp_path) == []  # swap, checkpoint and outputs removed
 
 
-@pytest.mark.parametrize("kind, ratio", [("nf4", 4), ("int8", 2)])
-def test_a_quantized_base_plans_its_frozen_weights_at_their_quantized_bytes(kind, ratio):
+def _frozen_projections(quantize_base):
+    """(bytes of the frozen projection weights in the traced step, the plan's frozen bytes) of LoRA on a bfloat16
+    Llama of hidden size 128 (one tile per axis) whose base is quantized as `quantize_base`."""
     from jnntile.models import resolve_tiles
     from jnntile.models.llama.config import LlamaConfig
     from jnntile.training import lora
 
     config = dataclasses.replace(LlamaConfig(hidden_size=128, num_attention_heads=2, intermediate_size=128),
                                  dtype="bfloat16", tile_embd=128, tile_hidden=128)
-    lora_only = lora.LoRASettings(2, 4.0)
+    finetune = lora.FineTune(lora=lora.LoRASettings(2, 4.0), quantize_base=quantize_base)
+    spec = planning.StepSpec(config, 2, 16, finetune=finetune)
+    step = planning.record.trace_step(config, 2, 16, resolve_tiles(config, 2, 16), spec.finetune)
+    plan = planning.plan(spec, workers=2)
+    return sum(t.nbytes for t in step.frozen if "proj" in t.name), plan.frozen_parameters
 
-    def frozen_projections(quantize_base):
-        spec = planning.StepSpec(config, 2, 16, finetune=lora.FineTune(lora=lora_only, quantize_base=quantize_base))
-        step = planning.record.trace_step(config, 2, 16, resolve_tiles(config, 2, 16), spec.finetune)
-        plan = planning.plan(spec, workers=2)
-        return sum(t.nbytes for t in step.frozen if "proj" in t.name), plan.frozen_parameters
 
-    plain, plain_total = frozen_projections(None)
-    quantized, total = frozen_projections(kind)
+@pytest.mark.parametrize("kind, ratio", [("nf4", 4), ("int8", 2)])
+def test_a_quantized_base_plans_its_frozen_weights_at_their_quantized_bytes(kind, ratio):
+    plain, plain_total = _frozen_projections(None)
+    quantized, total = _frozen_projections(kind)
     assert plain / quantized == pytest.approx(ratio, rel=0.12)  # the scales add 1/32 (nf4), 4/C (int8)
     assert plain_total - total == plain - quantized  # the plan counts them so
+
+
+def test_double_quantization_plans_about_0_37_fewer_bits_per_frozen_weight():
+    plain, _ = _frozen_projections(None)
+    nf4, nf4_total = _frozen_projections("nf4")
+    double, double_total = _frozen_projections("nf4_dq")
+    weights = plain // 2  # bfloat16
+    # 32 bits per 64 weights become 8, plus a block absmax per 256 scales and a mean per tile: 0.5 - 0.125 - 0.004
+    assert (nf4 - double) * 8 / weights == pytest.approx(0.371, abs=0.002)
+    assert nf4_total - double_total == nf4 - double
 
 
 def test_a_bfloat16_lora_base_plans_its_embedding_tables_and_head_in_bfloat16():

@@ -60,9 +60,11 @@ NB_MODULE(_xla_ffi, m) {
       .value("silu", Unary::Silu)
       .value("sigmoid", Unary::Sigmoid);
   m.attr("rotary_max_head_dim") = 2 * kRotaryMaxHalf;
-  // jnntile.ops.quant: the quantizations of a frozen weight and NF4's block (kernels/quant.h).
-  nb::enum_<Quant>(m, "Quant").value("nf4", Quant::NF4).value("int8", Quant::Int8);
+  // jnntile.ops.quant: the quantizations of a frozen weight (nf4_dq: NF4 with double quantization), NF4's block
+  // and the double quantization's blocks of scales (kernels/quant.h).
+  nb::enum_<Quant>(m, "Quant").value("nf4", Quant::NF4).value("int8", Quant::Int8).value("nf4_dq", Quant::NF4Double);
   m.attr("nf4_block") = kNf4Block;
+  m.attr("scale_block") = kScaleBlock;
 
   nb::enum_<Placement>(m, "Placement")
       .value("any", Placement::Any)

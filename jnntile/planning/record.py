@@ -95,7 +95,7 @@ def record_step(build_model, loss, trainable=nnx.Param) -> RecordedStep:
     for path, variable in variables:
         kind = "param" if trained(path, variable) else "frozen"
         name, value = ".".join(str(p) for p in path), variable.get_value()
-        parts = ([(value.codes, name + ".codes"), (value.scales, name + ".scales")]
+        parts = ([(t, f"{name}.{part}") for part, t in value.stored()]
                  if isinstance(value, quant.Quantized) else [(value, name)])  # a quantized base: its stored bytes
         (params if kind == "param" else frozen).extend(describe(t, kind, part) for t, part in parts)
     ops, inputs = [], []

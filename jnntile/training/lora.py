@@ -323,7 +323,7 @@ class FineTune:
     """What a training run trains: every parameter (the default), those `train_only` / `freeze` select
     (regular expressions searched in parameter paths), or LoRA adapters on a frozen base (`lora`). Frozen
     parameters get no gradient and no optimizer state; with adapters in bfloat16 the base is stored in
-    bfloat16 (no float32 copy exists), and with `quantize_base` ("nf4", "int8") its projection weights, or
+    bfloat16 (no float32 copy exists), and with `quantize_base` ("nf4", "nf4_dq", "int8") its projection weights, or
     the frozen ones of `freeze` / `train_only`, quantized (`nn.quantized_base`)."""
 
     freeze: str | None = None
@@ -333,8 +333,8 @@ class FineTune:
 
     def __post_init__(self):
         if self.quantize_base is not None and self.trains_everything:
-            raise ValueError(f"--quantize-base {self.quantize_base} quantizes frozen projection weights, and this run "
-                             "freezes none: give --lora-rank, --freeze or --train-only, or leave --quantize-base out")
+            raise ValueError(f"{self._quantize_flags} quantizes frozen projection weights, and this run freezes "
+                             "none: give --lora-rank, --freeze or --train-only, or leave --quantize-base out")
         self.filter()  # checks the patterns and their combination now
 
     @property
@@ -354,6 +354,12 @@ class FineTune:
     def filter(self):
         """The NNX filter of the trained parameters (`nn.trainable`)."""
         return nn.trainable(self.freeze, self.train_only, adapters_only=self.lora is not None)
+
+    @property
+    def _quantize_flags(self) -> str:
+        """The flags that ask for `quantize_base`."""
+        kind, double = self.quantize_base.removesuffix("_dq"), self.quantize_base.endswith("_dq")
+        return f"--quantize-base {kind}" + (" --double-quant" if double else "")
 
     @property
     def rebuilds_base(self) -> bool:
@@ -378,7 +384,7 @@ class FineTune:
                            if isinstance(module, nn.Linear)]
             given = " ".join(f"{flag} {pattern!r}" for flag, pattern in (("--freeze", self.freeze),
                                                                          ("--train-only", self.train_only)) if pattern)
-            raise ValueError(f"--quantize-base {self.quantize_base}: {given} freezes no projection weight to quantize; "
+            raise ValueError(f"{self._quantize_flags}: {given} freezes no projection weight to quantize; "
                              "their paths look like " + ", ".join(projections[:3]))
         settings = apply(model, self.lora, seed) if self.lora is not None else None
         if not self.trains_everything and not nnx.state(model, self.filter()):

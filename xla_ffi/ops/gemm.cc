@@ -23,7 +23,8 @@
 // each dy tile, in the order of the separate pass it replaces (the same bits), without that pass's tasks
 // and its second read of dy (168 of GPT-2 124M's tasks per step at 4 x 256).
 // B may be quantized (a frozen base's weight, kernels/quant.h): each task dequantizes its B tiles, one at a time,
-// into its scratch in A's dtype and multiplies that, so no float copy of the weight exists outside a task.
+// into its scratch in A's dtype and multiplies that, so no float copy of the weight exists outside a task. A
+// double-quantized NF4 B tile's scales are 8-bit codes, read with their tile of statistics.
 #include <algorithm>
 #include <limits>
 
@@ -53,7 +54,7 @@ struct GemmArgs {
   bool round;    // C is the float32 sum of a bfloat16 tile, into which it is rounded last
   BiasGradFrom bias_grad;  // db += the column sums of operand A or B (dy of a linear layer), or nothing
   bool bias_grad_overwrite;  // db holds nothing yet: db = the sums
-  Quant quant_b;  // B's tiles are codes, each with its scales tile, dequantized into scratch
+  Quant quant_b;  // B's tiles are codes, each with its scales (and statistics) tile, dequantized into scratch
   int64_t b_cols[kTilesPerTask];  // with quant_b: the contiguous extent of each B tile
 };
 
@@ -70,8 +71,8 @@ bool sums_in_scratch(const GemmArgs& g) { return g.k_tiles > 1 && g.types.c == F
 
 // buffers: A and B of each K tile (A_0, .., A_{k_tiles-1}, B_0, ..), C, the bias tile when adding one, the
 // bfloat16 tile when widening or rounding, the bias gradient's tile when summing into it, the residual tile
-// when adding onto one, the scales of each B tile when B is quantized, and scratch when an operand is bfloat16
-// or B is quantized
+// when adding onto one, the scales of each B tile when B is quantized (then each one's statistics under
+// NF4Double), and scratch when an operand is bfloat16 or B is quantized
 template <Device D>
 void gemm_kernel(void** buffers, const GemmArgs& g) {
   const int n_k = g.k_tiles;
@@ -80,8 +81,9 @@ void gemm_kernel(void** buffers, const GemmArgs& g) {
   void* c_bf16 = g.widen || g.round ? tile_ptr<void>(buffers[next++]) : nullptr;
   float* db = g.bias_grad != BiasGradFrom::None ? tile_ptr<float>(buffers[next++]) : nullptr;
   const void* residual = g.residual ? tile_ptr<void>(buffers[next++]) : nullptr;
-  const int b_scales = next;
+  const int b_scales = next, b_stats = next + n_k;
   if (g.quant_b != Quant::None) next += n_k;
+  if (g.quant_b == Quant::NF4Double) next += n_k;
   float* scratch = has_scratch(g) ? tile_ptr<float>(buffers[next]) : nullptr;
   // The dequantized B tile: the first floats of scratch, k x n values of A's dtype.
   void* b_dequantized = scratch;
@@ -106,7 +108,9 @@ void gemm_kernel(void** buffers, const GemmArgs& g) {
     void *a = tile_ptr<void>(buffers[t]), *b = tile_ptr<void>(buffers[n_k + t]);
     if (g.quant_b != Quant::None) {
       dequantize<D>(g.quant_b, g.k[t] * g.n / g.b_cols[t], g.b_cols[t], static_cast<const uint8_t*>(b),
-                    tile_ptr<float>(buffers[b_scales + t]), g.types.a, b_dequantized);
+                    tile_ptr<void>(buffers[b_scales + t]),
+                    g.quant_b == Quant::NF4Double ? tile_ptr<float>(buffers[b_stats + t]) : nullptr, g.types.a,
+                    b_dequantized);
       b = b_dequantized;
     }
     // dy is A transposed (stored k x m) or B (stored k x n): k rows of dy, m or n bias elements, in K order.
@@ -171,11 +175,12 @@ struct BiasGrad {
 
 // C = alpha op(A) op(B) + beta C (+ bias), or with `residual` (a tensor of C's layout) C = residual + alpha
 // op(A) op(B) (+ bias): a residual connection added by the product's own tasks (beta is then ignored). With
-// `b_scales`, B is the quantized_view of codes quantized as `quant_b`.
+// `b_scales` (and `b_stats` under NF4Double), B is the quantized_view of codes quantized as `quant_b`.
 void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C, bool trans_a, bool trans_b,
                 float alpha, float beta, int ndim, int batch_ndim, const TiledTensor* bias = nullptr,
                 const BiasGrad* bias_grad = nullptr, const TiledTensor* residual = nullptr,
-                const TiledTensor* b_scales = nullptr, Quant quant_b = Quant::None) {
+                const TiledTensor* b_scales = nullptr, const TiledTensor* b_stats = nullptr,
+                Quant quant_b = Quant::None) {
   int m_ndim = A.ndim() - batch_ndim - ndim;
   int n_ndim = B.ndim() - batch_ndim - ndim;
   if (m_ndim < 0 || n_ndim < 0 || C.ndim() != batch_ndim + m_ndim + n_ndim)
@@ -300,6 +305,8 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
           buffers.push_back({b_scales->tile(ks[group[t]].b_coord), STARPU_R});
           args.b_cols[t] = B.tile_extent(ks[group[t]].b_coord).back();
         }
+      if (quant_b == Quant::NF4Double)
+        for (size_t t : group) buffers.push_back({stats_tile(*b_stats, ks[t].b_coord), STARPU_R});
       starpu_data_handle_t scratch = nullptr;
       if (has_scratch(args)) {
         // Sized before StarPU picks the worker; cuBLAS writes a bfloat16 C itself, so on the GPU alone none
@@ -326,10 +333,12 @@ void gemm_tiles(const TiledTensor& A, const TiledTensor& B, const TiledTensor& C
 namespace {
 
 // A product's B: the tensor at ids[1], or with attr quant_b (a Quant) the float view of those codes and the
-// scales at ids[at]. A quantized B is a frozen weight's: B without batch axes.
+// scales at ids[at] (and under NF4Double their statistics at ids[at + 1]). A quantized B is a frozen weight's:
+// B without batch axes.
 struct OperandB {
   TiledTensor view;
   const TiledTensor* scales = nullptr;
+  const TiledTensor* stats = nullptr;
   Quant quant = Quant::None;
   const TiledTensor& tensor(const OpCall& call) const { return scales != nullptr ? view : call.tensor(1); }
 };
@@ -340,21 +349,23 @@ OperandB operand_b(const OpCall& call, size_t at, DType dtype, const char* op) {
   b.quant = quant.has_error() ? Quant::None : Quant(quant.value());
   if (b.quant == Quant::None) return b;
   b.scales = &call.tensor(at);
-  b.view = quantized_view(call.tensor(1), *b.scales, b.quant, dtype, op);
+  if (b.quant == Quant::NF4Double) b.stats = &call.tensor(at + 1);
+  b.view = quantized_view(call.tensor(1), *b.scales, b.stats, b.quant, dtype, op);
   if (attr<int64_t>(call.attrs, "batch_ndim") != 0)
     throw std::invalid_argument(std::string(op) + ": a quantized B is a weight, without batch axes");
   return b;
 }
 
 // ids [A, B, C], then optionally the bias (or -1), then optionally the residual (or -1), then B's scales when
-// B is quantized (attr quant_b)
+// B is quantized (attr quant_b), then their statistics under NF4Double
 void gemm_submit(const OpCall& call) {
   auto optional = [&](size_t i) { return call.ids.size() > i && call.ids[i] >= 0 ? &call.tensor(i) : nullptr; };
   const OperandB b = operand_b(call, 5, call.tensor(0).dtype, "gemm");
   gemm_tiles(call.tensor(0), b.tensor(call), call.tensor(2), attr<int64_t>(call.attrs, "trans_a") != 0,
              attr<int64_t>(call.attrs, "trans_b") != 0, float(attr<double>(call.attrs, "alpha")),
              float(attr<double>(call.attrs, "beta")), int(attr<int64_t>(call.attrs, "ndim")),
-             int(attr<int64_t>(call.attrs, "batch_ndim")), optional(3), nullptr, optional(4), b.scales, b.quant);
+             int(attr<int64_t>(call.attrs, "batch_ndim")), optional(3), nullptr, optional(4), b.scales, b.stats,
+             b.quant);
 }
 JNNTILE_OP(gemm, gemm_submit);
 
@@ -362,7 +373,7 @@ JNNTILE_OP(gemm, gemm_submit);
 // gradient is summed in gB's tasks, the bias gradient; accumulates into the gradients that are given, or
 // writes one whose attribute fresh_a / fresh_b / fresh_bias says it holds nothing yet (its zero-fill was
 // pending: the product's first K tile then writes its tiles). A quantized B (attr quant_b) is frozen: its
-// scales follow at ids[5] and only A's gradient is taken.
+// scales follow at ids[5] (their statistics at ids[6] under NF4Double) and only A's gradient is taken.
 void gemm_backward_submit(const OpCall& call) {
   const OperandB quantized = operand_b(call, 5, call.tensor(4).dtype, "gemm backward");
   const TiledTensor &A = call.tensor(0), &B = quantized.tensor(call), &gC = call.tensor(4);
@@ -381,7 +392,7 @@ void gemm_backward_submit(const OpCall& call) {
     const TiledTensor& gA = call.tensor(2);
     if (!ta)  // dA = dC op(B)^T
       gemm_tiles(gC, B, gA, false, !tb, alpha, beta_a, n_ndim, batch_ndim, nullptr, nullptr, nullptr,
-                 quantized.scales, quantized.quant);
+                 quantized.scales, quantized.stats, quantized.quant);
     else gemm_tiles(B, gC, gA, tb, true, alpha, beta_a, n_ndim, batch_ndim);       // dA^T = op(B) dC^T
   }
   const bool with_bias_grad = call.ids.size() > 5 && quantized.scales == nullptr;
