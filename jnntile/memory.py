@@ -12,7 +12,7 @@ import dataclasses
 import sys
 
 from jnntile import flags
-from jnntile.core import runtime
+from jnntile.core import distributed, runtime
 from jnntile.models import families
 from jnntile.training.optim import OPTIMIZER_STATES
 from jnntile.planning import MB, MemoryPlan, fit, plan
@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_runtime_flags(parser)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     flags.add_update_flags(parser)
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="plan one rank of a run of this many (mpirun -n N): its rows of each batch, and with "
+                             "--shard-state its shard of the state, the parameters it fetches and the bytes it "
+                             "sends and receives per step (default: 1)")
 
 
 def config_from_args(args):
@@ -50,15 +54,30 @@ def plan_from_args(args) -> MemoryPlan:
     (`flags.check_step_flags`)."""
     flags.check_step_flags(args)
     args = flags.one_batch_per_step(args)
+    shards = _shards(args)
     config = config_from_args(args)
     seq_len = args.seq_len if args.seq_len is not None else config.max_positions
     if seq_len > config.max_positions:  # as python -m jnntile.train does: the positions grow to the sequence
         config = dataclasses.replace(config, **families.size_overrides(args.model, max_positions=seq_len))
     limits = flags.limits(args, what_if=True)
-    spec, note = fit(flags.step_spec(args, config, seq_len=seq_len), limits)
+    rows = distributed.DEFAULT_OWNERSHIP.batch_rows(args.batch_size, 0, args.ranks)  # every rank's as many
+    spec, note = fit(flags.step_spec(args, config, seq_len=seq_len, batch_size=rows.stop - rows.start,
+                                     shards=shards), limits)
     memory_plan = plan(spec, workers=limits.workers, gpu_mb=limits.gpu_mb)
     memory_plan.tiles_note = note
     return memory_plan
+
+
+def _shards(args) -> int:
+    """The ranks the state is sharded across (1: not sharded), from --ranks and --shard-state."""
+    if args.ranks < 1:
+        raise ValueError(f"--ranks {args.ranks}: give the number of ranks, at least 1")
+    if not args.shard_state:
+        return 1
+    if args.ranks == 1:
+        raise ValueError("--shard-state shards the training state across ranks, and --ranks is 1: give --ranks N, "
+                         "the ranks mpirun starts, or leave --shard-state out")
+    return args.ranks
 
 
 def main(argv=None) -> int:
@@ -84,7 +103,11 @@ def main(argv=None) -> int:
     swap = f" and {swap_mb} MB of swap" if swap_mb else ""
     verdict = memory_plan.verdict(limits)
     print(f"{gpu}memory limit {limit} MB{swap}: {verdict}")
-    if verdict.startswith("needs"):
+    if memory_plan.shards > 1:
+        print(f"per step this rank sends {memory_plan.sent / MB:,.1f} MB and receives {memory_plan.received / MB:,.1f} "
+              f"MB: the parameters of each op that reads them, from their owners (forward and backward), and the "
+              f"gradients, summed up to their owners")
+    if verdict.startswith("needs") and memory_plan.shards == 1:  # swap traffic of a shard: not modelled
         written, read = memory_plan.swap_traffic(limit, args.grad_clip > 0)
         how = {"after": "the update after the backward", "fused": "the update fused into the backward",
                "speculative": "the update fused into the backward, speculative until the norm is known "

@@ -44,6 +44,7 @@ from jnntile import flags, nn, planning
 from jnntile.training import run_dir
 from jnntile.training import step as step_mod
 from jnntile import data as data_mod
+from jnntile.io import tensorfile
 from jnntile.models import families
 
 DEFAULTS = dict(model="tiny", batch_size=8, seq_len=128, steps=1500, lr=3e-3, warmup_steps=50,
@@ -377,7 +378,7 @@ def generate_samples(model, datasets, args) -> list[str]:
     """
     window = min(args.seq_len, model.max_positions)
     new_tokens = min(args.sample_tokens, window - 1)
-    if new_tokens < args.sample_tokens:
+    if new_tokens < args.sample_tokens and jnntile.runtime.rank() == 0:
         print(f"samples of {new_tokens} tokens: the model was trained on {window} positions")
     prompt_len = min(16, window + 1 - new_tokens)
     dataset = next(d for d in datasets if d is not None and len(d) > prompt_len)
@@ -420,6 +421,9 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     # An error on one rank stops every rank here, before anything runs.
     with distributed.checked_together("the training set-up") as same:
         _check_args(args)
+        if args.shard_state and ranks == 1:
+            raise ValueError("--shard-state shards the state across the ranks of an mpirun; with one process there is "
+                             "nothing to shard: run it under mpirun -n N (N > 1), or leave --shard-state out")
         one_batch = flags.one_batch_per_step(args)
         schedule_note = (f" ({args.grad_accum_steps} micro-batches of {args.batch_size} through each layer together)"
                          if one_batch is not args else "")
@@ -450,9 +454,12 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         config = _config(args, train_data.vocab_size, resume_from if record and gone else None)
 
         runtime_settings = flags.runtime_settings(args)
-        runtime_config = flags.runtime_config(args)
+        if args.shard_state:
+            runtime_settings["shard_state"] = True
+        runtime_config = dataclasses.replace(flags.runtime_config(args), **runtime_settings)
         limits = flags.limits(args)
-        spec, tiles_note = planning.fit(flags.step_spec(args, config, batch_size=batch_size, finetune=finetune), limits)
+        spec, tiles_note = planning.fit(flags.step_spec(args, config, batch_size=batch_size, finetune=finetune,
+                                                        shards=ranks if args.shard_state else 1), limits)
         config = spec.config
         plan = planning.plan(spec, workers=limits.workers, gpu_mb=limits.gpu_mb)
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.
@@ -484,7 +491,8 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         with nn.uninitialized() if restores_all else contextlib.nullcontext():  # no initial values to overwrite
             return families.build(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)
 
-    model, lora_settings = finetune.build(make_model, config.dtype, args.seed)
+    with distributed.sharded_state():  # with --shard-state: each tile of the model, frozen or not, on one rank
+        model, lora_settings = finetune.build(make_model, config.dtype, args.seed)
     if args.init_lora and resume_from is None:
         base = args.init_from_hf or args.model
         named = lora.other_base(args.init_lora, base)
@@ -523,6 +531,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
             print(_examples_summary(train_data, args), flush=True)
 
     tokens_per_step = args.grad_accum_steps * args.batch_size * args.seq_len
+    sharded = distributed.sharding()  # every rank then takes part in what reads the state: saves, exports, samples
 
     def save(step):
         state = {"data_position": step * tokens_per_step, "data_order": args.data_order,
@@ -587,9 +596,10 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                 mem_mb=f"{_memory_in_use_mb():.0f}", refresh=False)
                 if args.checkpoint_interval and step % args.checkpoint_interval == 0 and step < args.steps:
-                    if lead:
+                    if lead or sharded:
                         save(step)
-                    # Rank 0 alone writes it, longer than a watchdog for a large model: the others wait here.
+                    # Rank 0 alone writes it (or finishes it), longer than a watchdog for a large model: the
+                    # others wait here.
                     distributed.wait_for_every_rank("a checkpoint")
     except OSError as e:  # a full disk; writes through a file object do not name their file
         e.filename = e.filename or str(metrics_path)
@@ -602,30 +612,45 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
         bar.close()
-    if not lead:
+    if not lead and not sharded:
         return {"interrupted": stopping, "step": step, "losses": losses}
     if stopping:
         path = save(step)
         name = signal.Signals(stop_requested[0]).name if stop_requested else "another rank"
-        print(f"\ninterrupted ({name}) at step {step}: checkpoint saved to {path}; continue with --resume", flush=True)
+        if lead:
+            print(f"\ninterrupted ({name}) at step {step}: checkpoint saved to {path}; continue with --resume",
+                  flush=True)
         return {"interrupted": True, "signal": stop_requested[0] if stop_requested else signal.SIGINT, "step": step,
                 "losses": losses}
     trained = step > start_step  # else a finished run's checkpoint is exported as it is
     path = save(step) if trained else resume_from
-    if trained:
+    if trained and lead:
         plot_losses(metrics_path, out / "loss.png")
     final_model = step_mod.merged(graphdef, params, frozen)
+
+    def export(directory, write, copy_from=None):
+        with tensorfile.collective_writes():  # sharded: every rank writes its tiles of the weights' files
+            if lead:
+                run_dir.export(directory, out, step, write, copy_from)
+            else:  # rank 0 writes the rest
+                write(Path(directory))
+
     if args.export_lora:
-        run_dir.export(args.export_lora, out, step, lambda d: lora.save_peft(final_model, lora_settings, d,
-                                                                      base_model=args.init_from_hf or args.model))
-        print(f"exported LoRA adapters (PEFT) to {args.export_lora}")
+        export(args.export_lora, lambda d: lora.save_peft(final_model, lora_settings, d,
+                                                          base_model=args.init_from_hf or args.model))
+        if lead:
+            print(f"exported LoRA adapters (PEFT) to {args.export_lora}")
     if args.export_hf:
         if lora_settings is not None:
             lora.merge(final_model)
-        run_dir.export(args.export_hf, out, step, lambda d: families.save_hf(final_model, d, args.export_dtype),
-                _tokenizer_dir(args))
-        print(f"exported Hugging Face checkpoint ({args.export_dtype}{', adapters merged' if lora_settings else ''}) "
-              f"to {args.export_hf}")
+        export(args.export_hf, lambda d: families.save_hf(final_model, d, args.export_dtype), _tokenizer_dir(args))
+        if lead:
+            print(f"exported Hugging Face checkpoint ({args.export_dtype}{', adapters merged' if lora_settings else ''}) "
+                  f"to {args.export_hf}")
+    if not lead:  # sharded: after its part in the checkpoint and the exports, its part in the samples' reads
+        if trained and args.samples:
+            generate_samples(final_model, (val_data, train_data), args)
+        return {"interrupted": False, "step": step, "losses": losses}
     if not trained:
         print(f"nothing to train: {path} is at --steps ({step}); its weights were exported")
         return {"interrupted": False, "step": step, "losses": [], "checkpoint": str(path)}

@@ -773,3 +773,56 @@ def test_a_bfloat16_lora_base_plans_its_embedding_tables_and_head_in_bfloat16():
     assert frozen["embed_tokens.weight"] == frozen["lm_head.weight"] == 2 * config.vocab_size * config.hidden_size
     assert not [name for name in step.copies if "embed_tokens" in name or "lm_head" in name]  # read as stored
     assert planning.plan(spec, workers=2).frozen_parameters == sum(frozen.values())
+
+
+# A GPT-2 of 0.5M parameters in small tiles, so the tiles split evenly across 2 and 4 ranks.
+SHARDED = ["--vocab-size", "512", "--n-layer", "2", "--seq-len", "32", "--tile-embd", "32", "--tile-hidden", "128",
+           "--tile-vocab", "128", "--workers", "1"]
+
+
+def _planned(*argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    memory.add_arguments(parser)
+    return memory.plan_from_args(parser.parse_args([*SHARDED, *argv]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_rank_with_sharded_state_plans_its_share_of_the_state(ranks, dtype):
+    whole = _planned("--dtype", dtype)
+    rank = _planned("--dtype", dtype, "--ranks", str(ranks), "--shard-state")
+    assert rank.n_params == whole.n_params and rank.shards == ranks
+    for kind in ("parameters", "gradients", "optimizer_state", "compute_copies"):
+        assert getattr(rank, kind) == pytest.approx(getattr(whole, kind) / ranks, rel=0.02), kind
+    assert rank.batch_size == whole.batch_size // ranks  # its rows
+    # Beside its shard and rows: the other ranks' tiles of the parameters of the op in flight and the next.
+    assert 0 < rank.fetched < whole.parameters / 4
+    assert rank.peak < whole.peak
+    # With micro-batches, every rank keeps every parameter's partial gradient until the last one.
+    accumulating = _planned("--dtype", dtype, "--ranks", str(ranks), "--shard-state", "--grad-accum-steps", "2")
+    assert accumulating.gradients == whole.gradients
+    assert accumulating.peak > rank.peak
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_memory_cli_prints_the_bytes_a_rank_sends_and_receives(ranks, capsys):
+    assert memory.main([*SHARDED, "--ranks", str(ranks), "--shard-state"]) == 0
+    out = capsys.readouterr().out
+    sent, received = map(float, re.search(r"per step this rank sends ([\d.]+) MB and receives ([\d.]+) MB", out)
+                         .groups())
+    plan = _planned("--ranks", str(ranks), "--shard-state")
+    parameters, embedding = plan.n_params * 4, 512 * 128 * 4
+    # Each op fetches the parameters it reads in the forward and the backward, (N-1)/N of 2 x their bytes, and the
+    # gradients go up to their owners, (N-1)/N of their bytes: 3 (N-1)/N of the parameters' bytes; GPT-2's tied
+    # embedding is read by two ops (the embedding and the head), fetched twice more.
+    expected = (ranks - 1) / ranks * (3 * parameters + 2 * embedding) / planning.MB
+    assert sent == pytest.approx(expected, abs=0.06) and received == pytest.approx(expected, abs=0.06)
+    assert "this rank's 1/%d" % ranks in out and "parameters fetched (peak)" in out
+
+
+def test_sharded_state_on_one_rank_is_refused_naming_why(capsys):
+    assert memory.main([*SHARDED, "--shard-state"]) == 2
+    assert capsys.readouterr().err == ("error: --shard-state shards the training state across ranks, and --ranks is 1: "
+                                       "give --ranks N, the ranks mpirun starts, or leave --shard-state out\n")

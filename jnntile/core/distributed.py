@@ -170,12 +170,8 @@ def sharded_state():
     held = [0] * runtime.world_size()
 
     def shard(handle):
-        owners = []
-        for tile_bytes in _tile_bytes(handle.shape, handle.tile_shape, handle.dtype):
-            owner = min(range(len(held)), key=lambda r: (held[r], r))
-            held[owner] += tile_bytes
-            owners.append(owner)
-        _xla_ffi.tensor_shard(handle.id, owners)
+        itemsize = np.dtype(handle.dtype).itemsize
+        _xla_ffi.tensor_shard(handle.id, least_held_owners(tile_bytes(handle.shape, handle.tile_shape, itemsize), held))
 
     with tensor_mod.on_creation(shard):
         yield
@@ -186,9 +182,22 @@ def owners(handle) -> list[int]:
     return list(_xla_ffi.tensor_owners(handle.id)) if handle.native else []
 
 
-def _tile_bytes(shape, tile_shape, dtype) -> list[int]:
+def least_held_owners(tiles_bytes, held: list[int]) -> list[int]:
+    """The owner of each tile (`tiles_bytes`: their bytes, in order): the rank holding the fewest bytes so far
+    (`held`, one count a rank, which grows by the tile's bytes; ties: the lowest rank). `sharded_state` shards
+    with it, and the memory planner plans a rank's shard with it (jnntile/planning/sharding.py)."""
+    owners = []
+    for n_bytes in tiles_bytes:
+        owner = min(range(len(held)), key=lambda r: (held[r], r))
+        held[owner] += n_bytes
+        owners.append(owner)
+    return owners
+
+
+def tile_bytes(shape, tile_shape, itemsize: int) -> list[int]:
+    """The bytes of each tile (row-major) of a tensor of `shape` cut into `tile_shape` tiles."""
     extents = [[min(t, n - start) for start in range(0, n, t)] for n, t in zip(shape, tile_shape)]
-    return [math.prod(tile) * np.dtype(dtype).itemsize for tile in itertools.product(*extents)]
+    return [math.prod(tile) * itemsize for tile in itertools.product(*extents)]
 
 
 @contextlib.contextmanager
@@ -218,5 +227,6 @@ def checked_together(what: str):
     require_same(what, description)
 
 
-__all__ = ["DataParallel", "DEFAULT_OWNERSHIP", "SetUpError", "checked_together", "launched_ranks", "local_rows",
-           "mean_and_any", "owners", "require_same", "sharded_state", "sharding", "wait_for_every_rank"]
+__all__ = ["DataParallel", "DEFAULT_OWNERSHIP", "SetUpError", "checked_together", "launched_ranks", "least_held_owners",
+           "local_rows", "mean_and_any", "owners", "require_same", "sharded_state", "sharding", "tile_bytes",
+           "wait_for_every_rank"]

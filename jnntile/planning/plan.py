@@ -13,7 +13,7 @@ import math
 from jnntile.core import runtime
 from jnntile.models import Tiles, resolve_tiles
 from jnntile.training.optim import OPTIMIZER_STATES, UPDATE_MODES
-from jnntile.planning import record, swap, timeline
+from jnntile.planning import record, sharding, swap, timeline
 from jnntile.planning.record import RecordedStep, T
 from jnntile.planning.spec import Limits, StepSpec
 
@@ -56,6 +56,13 @@ class MemoryPlan:
     finetune: object = None  # jnntile.lora.FineTune: what trains (None: everything)
     tiles_note: str = ""  # how the tiles were chosen, when not the automatic ones (see fit_tiles)
     update: str = "after"  # how the update meets the backward (jnntile.optim.UPDATE_MODES)
+    # With the state sharded across `shards` ranks (sharding.py), the state's bytes are one rank's part of it,
+    # beside the parameters it fetches for the ops in flight (`fetched`, at most) and what it sends and
+    # receives in a step.
+    shards: int = 1
+    fetched: int = 0
+    sent: int = 0
+    received: int = 0
     step: RecordedStep = dataclasses.field(default=None, repr=False)  # what the numbers come from
 
     @property
@@ -223,16 +230,24 @@ class MemoryPlan:
 
     def rows(self) -> list[tuple[str, float, str]]:
         """(what, MB, note) rows of the table."""
+        mine = f", this rank's 1/{self.shards}" if self.shards > 1 else ""
+        gradients = ("freed by the optimizer update" + (", kept between micro-batches" if self.grad_accum_steps > 1
+                                                         else ""))
+        if self.shards > 1:
+            gradients = ("every parameter's partial sums on every rank until the last micro-batch"
+                         if self.grad_accum_steps > 1 else
+                         f"this rank's 1/{self.shards} once summed, whole for the layers in the backward")
         return [
             ("parameters", self.parameters / MB, f"{self.n_params:,} float32" + (
-                ", trained" if self.frozen_parameters else "")),
-            *([("frozen parameters", self.frozen_parameters / MB, "no gradient, no optimizer state")]
+                ", trained" if self.frozen_parameters else "") + mine),
+            *([("frozen parameters", self.frozen_parameters / MB, "no gradient, no optimizer state" + mine)]
               if self.frozen_parameters else []),
-            ("gradients", self.gradients / MB, "freed by the optimizer update" + (
-                ", kept between micro-batches" if self.grad_accum_steps > 1 else "")),
-            ("optimizer state", self.optimizer_state / MB, self.optimizer),
-            *([("compute copies", self.compute_copies / MB, "bfloat16 weights, written by the update")]
+            ("gradients", self.gradients / MB, gradients),
+            ("optimizer state", self.optimizer_state / MB, self.optimizer + mine),
+            *([("compute copies", self.compute_copies / MB, "bfloat16 weights, written by the update" + mine)]
               if self.compute_copies else []),
+            *([("parameters fetched (peak)", self.fetched / MB, "other ranks' tiles, the op in flight and the next")]
+              if self.shards > 1 else []),
             *([("next state (speculative update)", (self.parameters + self.optimizer_state + self.compute_copies) / MB,
                 "written apart in the backward, the state from the step's end")] if self.update == "speculative"
               else []),
@@ -248,8 +263,9 @@ class MemoryPlan:
         t = self.tiles
         micro = (f" per micro-batch, {self.grad_accum_steps} micro-batches per step adding to the same gradients"
                  if self.grad_accum_steps > 1 else "")
+        rows = f" on this rank (of {self.shards} sharing the state)" if self.shards > 1 else ""
         lines = [] if t is None else [
-            f"batch {self.batch_size} x seq {self.seq_len}{micro}; tiles batch={t.batch} seq={t.seq} "
+            f"batch {self.batch_size}{rows} x seq {self.seq_len}{micro}; tiles batch={t.batch} seq={t.seq} "
             f"embd={t.embd} heads={t.heads} hidden={t.hidden} vocab={t.vocab}"]
         for what, mb, note in self.rows():
             lines.append(f"  {what:<32} {mb:>12,.1f} MB   {note}")
@@ -305,8 +321,8 @@ def plan(spec: StepSpec, *, workers: int | None = None, gpu_mb: float | None = N
         workers = runtime.config().workers
     tiles = resolve_tiles(config, batch_size, seq_len, gpu_mb)
     return _plan_of(record.trace_step(config, batch_size, seq_len, tiles, spec.finetune), optimizer, workers,
-                    spec.grad_accum_steps, spec.update, batch_size=batch_size, seq_len=seq_len, tiles=tiles,
-                    config=config, finetune=spec.finetune)
+                    spec.grad_accum_steps, spec.update, spec.shards, batch_size=batch_size, seq_len=seq_len,
+                    tiles=tiles, config=config, finetune=spec.finetune)
 
 
 def plan_model(build_model, loss, optimizer: str = "adamw", workers: int | None = None,
@@ -320,19 +336,25 @@ def plan_model(build_model, loss, optimizer: str = "adamw", workers: int | None 
 
 
 def _plan_of(step: RecordedStep, optimizer: str, workers: int, grad_accum_steps: int, update: str,
-             **shape) -> MemoryPlan:
+             shards: int = 1, **shape) -> MemoryPlan:
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps={grad_accum_steps} must be at least 1")
     if update not in UPDATE_MODES:
         raise ValueError(f"update={update!r}: use one of {', '.join(UPDATE_MODES)}")
-    params = sum(p.nbytes for p in step.params)
-    activations, act_grads, peak, phase = timeline.simulate(step, optimizer, grad_accum_steps > 1, update)
+    shard = sharding.shard_of(step, shards, optimizer) if shards > 1 else None
+    held = shard.held if shard else (lambda t: t.nbytes)
+    params, whole = sum(held(p) for p in step.params), sum(p.nbytes for p in step.params)
+    activations, act_grads, peak, phase = timeline.simulate(step, optimizer, grad_accum_steps > 1, update, shard)
     largest, largest_name = _largest_of(step, optimizer, update)
+    sent, received = shard.traffic(step, grad_accum_steps) if shard else (0, 0)
     return MemoryPlan(
-        optimizer=optimizer, workers=workers, n_params=params // F32, parameters=params, gradients=params,
+        optimizer=optimizer, workers=workers, n_params=whole // F32, parameters=params,
+        gradients=whole if grad_accum_steps > 1 else params,  # partial sums on every rank
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
-        compute_copies=sum(t.nbytes for t in step.copies.values()),
-        frozen_parameters=sum(t.nbytes for t in step.frozen),
+        compute_copies=sum(held(t) for t in step.copies.values()),
+        frozen_parameters=sum(held(t) for t in step.frozen),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
         largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, step=step,
-        update=update, **shape)
+        update=update, shards=shards, sent=sent, received=received,
+        fetched=max((shard.fetched(*step.ops[i:i + 2]) for i in range(len(step.ops))), default=0) if shard else 0,
+        **shape)

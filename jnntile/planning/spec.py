@@ -16,8 +16,9 @@ class StepSpec:
     """One training step: the model config of a registered family, with its execution fields (tile_*, dtype,
     remat), `batch_size` sequences per micro-batch (on this rank) of `seq_len` tokens, `grad_accum_steps`
     micro-batches per step, the optimizer (a key of jnntile.optim.OPTIMIZER_STATES), what trains (`finetune`,
-    a jnntile.lora.FineTune; None: everything) and how the update meets the backward (`update`, one of
-    jnntile.optim.UPDATE_MODES)."""
+    a jnntile.lora.FineTune; None: everything), how the update meets the backward (`update`, one of
+    jnntile.optim.UPDATE_MODES) and the ranks the training state is sharded across (`shards`, 1: this process
+    holds all of it; docs/distributed.md, "Sharded state")."""
 
     config: object
     batch_size: int
@@ -26,6 +27,7 @@ class StepSpec:
     optimizer: str = "adamw"
     finetune: object = None
     update: str = "after"
+    shards: int = 1
 
     def with_config(self, **fields) -> StepSpec:
         """The same step with the config's `fields` replaced (the tiles or the recomputation the search chose)."""

@@ -7,6 +7,7 @@ import collections
 
 from jnntile.training.optim import OPTIMIZER_STATES
 from jnntile.planning.record import RecordedStep
+from jnntile.planning.sharding import Shard
 
 
 def fused_at(step: RecordedStep) -> dict:
@@ -31,7 +32,8 @@ def fused_at(step: RecordedStep) -> dict:
     return fused
 
 
-def simulate(step: RecordedStep, optimizer: str, accumulating: bool = False, update: str = "after"):
+def simulate(step: RecordedStep, optimizer: str, accumulating: bool = False, update: str = "after",
+             shard: Shard | None = None):
     """Walks the step's timeline; returns (activations, activation-gradient peak, peak, phase).
 
     `accumulating`: a micro-batch after the first of a step, whose parameter
@@ -39,12 +41,21 @@ def simulate(step: RecordedStep, optimizer: str, accumulating: bool = False, upd
     starts them lazily, as a step without accumulation does). `update`: a fused
     update frees the gradients of the parameters it updates in the backward; a
     speculative one also holds their next values and states until the step ends.
+    `shard`: the rank's part of a sharded state (sharding.py). The rank holds its
+    own tiles of the state, and beside them the parameters fetched for the op in
+    flight and the next one; a gradient is whole on every rank until final, then
+    summed up to its owners and dropped elsewhere (when accumulating, every
+    rank keeps every partial gradient until the last micro-batch, planned here
+    as any other).
     """
     n_state = OPTIMIZER_STATES[optimizer]
-    fused = fused_at(step) if update != "after" else {}
-    params = sum(p.nbytes for p in step.params)
-    base = (params * (1 + n_state + accumulating) + sum(t.nbytes for t in step.inputs)
-            + sum(t.nbytes for t in step.copies.values()) + sum(t.nbytes for t in step.frozen))
+    final = fused_at(step) if update != "after" or shard else {}
+    held = shard.held if shard else (lambda t: t.nbytes)
+    in_flight = shard.fetched if shard else (lambda *ops: 0)
+    params = sum(held(p) for p in step.params)
+    base = (params * (1 + n_state) + accumulating * sum(p.nbytes for p in step.params)
+            + sum(t.nbytes for t in step.inputs) + sum(held(t) for t in step.copies.values())
+            + sum(held(t) for t in step.frozen))
     live = 0  # activations, residuals, and gradients allocated so far
     peak, phase = base, "start"
 
@@ -55,8 +66,9 @@ def simulate(step: RecordedStep, optimizer: str, accumulating: bool = False, upd
                   for end, last in enumerate(step.ops) if last.region_output is not None}
     for index, op in enumerate(step.ops):  # forward
         live += sum(t.nbytes for t in op.outputs + op.residuals if t.kind != "copy")
-        if base + live > peak:
-            peak, phase = base + live, "end of forward"
+        fetched = in_flight(*step.ops[index:index + 2])
+        if base + live + fetched > peak:
+            peak, phase = base + live + fetched, "end of forward"
         live -= made_again.get(index, 0)
     activations = live
     grads = {p.name for p in step.params} if accumulating else set()
@@ -80,8 +92,9 @@ def simulate(step: RecordedStep, optimizer: str, accumulating: bool = False, upd
                 if t.kind == "act":
                     act_grad_live += t.nbytes
         act_grad_peak = max(act_grad_peak, act_grad_live)
-        if base + live > peak:
-            peak, phase = base + live, f"backward of {op.name}"
+        fetched = in_flight(*step.ops[max(index - 1, 0):index + 1])
+        if base + live + fetched > peak:
+            peak, phase = base + live + fetched, f"backward of {op.name}"
         if op.region_output is not None:  # the recomputed output goes with the first one
             live -= op.region_output.nbytes
         for t in op.outputs + op.residuals:  # released after the op's backward (a compute copy stays)
@@ -91,10 +104,13 @@ def simulate(step: RecordedStep, optimizer: str, accumulating: bool = False, upd
                 live -= t.nbytes
                 if t.kind == "act":
                     act_grad_live -= t.nbytes
-        for p in fused.get(index, []):  # updated here: the gradient dies, a speculative update's values wait
-            live -= p.nbytes
+        for p in final.get(index, []):
+            if not accumulating:  # summed up to its owners: the other ranks' tiles leave (none unsharded)
+                live -= p.nbytes - held(p)
+            if update != "after":  # updated here: the gradient dies, a speculative update's values wait
+                live -= held(p)
             if update == "speculative":
-                live += p.nbytes * (1 + n_state) + (step.copies[p.name].nbytes if p.name in step.copies else 0)
+                live += held(p) * (1 + n_state) + (held(step.copies[p.name]) if p.name in step.copies else 0)
     for p in step.params:  # parameters nobody differentiated still get a zero gradient
         if p.name not in grads:
             live += p.nbytes
