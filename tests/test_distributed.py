@@ -6,6 +6,7 @@ Each test launches Open MPI's mpirun with --oversubscribe (this machine may have
 one CPU worker per rank; models are tiny. They skip where jnntile has no StarPU-MPI or no mpirun is found.
 """
 
+import argparse
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import jnntile
 from jnntile.core import distributed
 from jnntile.training import optim
 from jnntile import data as data_mod
+from jnntile import flags, memory
 from jnntile import train as train_mod
 
 MPIRUN = shutil.which("mpirun")
@@ -238,6 +240,27 @@ def test_ranks_fine_tuning_on_examples_give_the_losses_of_one_process(ranks, cha
     assert rel_err(losses["ranks"], losses["one"]) <= 1e-5, losses
     # Validation too: each batch's mean over its targets, not the mean of the ranks' means.
     assert rows["ranks"][-1]["val_loss"] == pytest.approx(rows["one"][-1]["val_loss"], rel=1e-5)
+
+
+@needs_mpirun
+def test_sharded_state_is_planned_per_rank_as_the_planner_plans_it(dataset, tmp_path):
+    # 0.4M parameters, 6.8 MB of state, half of it on each rank: train refuses a 3 MB limit without swap either
+    # way, with the verdict `python -m jnntile.memory --ranks 2` plans (the dataset's vocabulary: 300).
+    shape = ["--n-layer", "2", "--n-head", "2", "--n-embd", "128", "--seq-len", "32", "--batch-size", "2",
+             "--workers", "1", "--memory-limit-mb", "3"]
+    parser = argparse.ArgumentParser()
+    memory.add_arguments(parser)
+    refusals = {}
+    for sharded in ([], ["--shard-state"]):
+        result = mpirun((2, "-m", "jnntile.train", "--data", dataset, *shape, *sharded, "--out", tmp_path))
+        assert result.returncode == 2, result.stderr[-3000:]
+        args = parser.parse_args([*shape, "--vocab-size", "300", "--ranks", "2", *sharded])
+        with pytest.raises(ValueError) as planned:
+            memory.plan_from_args(args).check(flags.limits(args))
+        assert result.stderr.count(f"error: {planned.value}") == 2, (result.stderr[-3000:], planned.value)
+        refusals[bool(sharded)] = str(planned.value)
+    assert "(peak 4 MB)" in refusals[True] and "(peak 7 MB)" in refusals[False]
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 @needs_mpirun
