@@ -25,8 +25,9 @@ that holds (and, with a GPU, until a CUDA worker's tasks fit its memory);
 `python -m jnntile.train` and `python -m jnntile.memory` use it.
 
 One concept a file: spec.py says what is planned (StepSpec) and under what (Limits), record.py records a step,
-timeline.py simulates its memory over time, swap.py models StarPU's swap eviction and traffic, plan.py makes the
-plan (the table and the verdict), search.py chooses recomputation and tiles (`fit`).
+timeline.py simulates its memory over time, swap.py models StarPU's swap eviction and traffic, sharding.py a rank's
+part of a state sharded across ranks, plan.py makes the plan (the table and the verdict), search.py chooses
+recomputation and tiles (`fit`).
 """
 
 from jnntile.planning.plan import MB, MemoryPlan, MemoryPlanError, plan, plan_model

@@ -41,7 +41,7 @@ class Shard:
         """(bytes sent, bytes received) by this rank in one step of `grad_accum_steps` micro-batches: each op
         fetches the parameter tiles it reads from their owners in the forward, again in the backward and in a
         recomputed forward; each gradient is summed up to its owners once a step (counted as a flat reduce: the
-        --allreduce schedules move as many bytes, spread over the ranks otherwise)."""
+        runtime's `allreduce` schedules move as many bytes in all, spread over the ranks otherwise)."""
         recomputed = {index for end, op in enumerate(step.ops) if op.region_output is not None
                       for index in range(op.region_start, end + 1)}
         sent = received = 0
