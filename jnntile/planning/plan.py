@@ -341,20 +341,19 @@ def _plan_of(step: RecordedStep, optimizer: str, workers: int, grad_accum_steps:
         raise ValueError(f"grad_accum_steps={grad_accum_steps} must be at least 1")
     if update not in UPDATE_MODES:
         raise ValueError(f"update={update!r}: use one of {', '.join(UPDATE_MODES)}")
-    shard = sharding.shard_of(step, shards, optimizer) if shards > 1 else None
-    held = shard.held if shard else (lambda t: t.nbytes)
-    params, whole = sum(held(p) for p in step.params), sum(p.nbytes for p in step.params)
-    activations, act_grads, peak, phase = timeline.simulate(step, optimizer, grad_accum_steps > 1, update, shard)
+    shard = sharding.shard_of(step, shards, optimizer)
+    params, whole = sum(shard.held(p) for p in step.params), sum(p.nbytes for p in step.params)
+    activations, act_grads, peak, phase = timeline.simulate(step, optimizer, shard, grad_accum_steps > 1, update)
     largest, largest_name = _largest_of(step, optimizer, update)
-    sent, received = shard.traffic(step, grad_accum_steps) if shard else (0, 0)
+    sent, received = shard.traffic(step, grad_accum_steps)
     return MemoryPlan(
         optimizer=optimizer, workers=workers, n_params=whole // F32, parameters=params,
         gradients=whole if grad_accum_steps > 1 else params,  # partial sums on every rank
         optimizer_state=params * OPTIMIZER_STATES[optimizer], inputs=sum(t.nbytes for t in step.inputs),
-        compute_copies=sum(held(t) for t in step.copies.values()),
-        frozen_parameters=sum(held(t) for t in step.frozen),
+        compute_copies=sum(shard.held(t) for t in step.copies.values()),
+        frozen_parameters=sum(shard.held(t) for t in step.frozen),
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
         largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, step=step,
         update=update, shards=shards, sent=sent, received=received,
-        fetched=max((shard.fetched(*step.ops[i:i + 2]) for i in range(len(step.ops))), default=0) if shard else 0,
+        fetched=max((shard.fetched(*step.ops[i:i + 2]) for i in range(len(step.ops))), default=0),
         **shape)

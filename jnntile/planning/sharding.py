@@ -21,8 +21,8 @@ SHARDED_KINDS = ("param", "frozen", "copy")  # a compute copy's tiles are owned 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """The planned rank's part of a step sharded across `ranks`: `owned` maps each parameter (trained or frozen)
-    and compute copy to the bytes of its tiles this rank owns."""
+    """The planned rank's part of a step sharded across `ranks` (1: one process, which holds it all): `owned`
+    maps each parameter (trained or frozen) and compute copy to the bytes of its tiles this rank owns."""
 
     ranks: int
     owned: dict
@@ -64,7 +64,7 @@ def _fetches(*ops: Op) -> dict:
 
 def shard_of(step: RecordedStep, ranks: int, optimizer: str) -> Shard:
     """The shard of the rank holding the most state (parameters, gradients, moments, compute copies) of `step`
-    sharded across `ranks`."""
+    sharded across `ranks` (all of it, for 1)."""
     held = [0] * ranks
     tensors = step.params + step.frozen
     tiles = {p.name: distributed.tile_bytes(p.shape, p.tile, p.itemsize) for p in tensors}

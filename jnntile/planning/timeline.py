@@ -32,8 +32,7 @@ def fused_at(step: RecordedStep) -> dict:
     return fused
 
 
-def simulate(step: RecordedStep, optimizer: str, accumulating: bool = False, update: str = "after",
-             shard: Shard | None = None):
+def simulate(step: RecordedStep, optimizer: str, shard: Shard, accumulating: bool = False, update: str = "after"):
     """Walks the step's timeline; returns (activations, activation-gradient peak, peak, phase).
 
     `accumulating`: a micro-batch after the first of a step, whose parameter
@@ -41,17 +40,16 @@ def simulate(step: RecordedStep, optimizer: str, accumulating: bool = False, upd
     starts them lazily, as a step without accumulation does). `update`: a fused
     update frees the gradients of the parameters it updates in the backward; a
     speculative one also holds their next values and states until the step ends.
-    `shard`: the rank's part of a sharded state (sharding.py). The rank holds its
-    own tiles of the state, and beside them the parameters fetched for the op in
+    `shard`: this process's part of the state (sharding.py; all of it on one
+    rank). With several, the rank holds its own tiles of the state, and beside them the parameters fetched for the op in
     flight and the next one; a gradient is whole on every rank until final, then
     summed up to its owners and dropped elsewhere (when accumulating, every
     rank keeps every partial gradient until the last micro-batch, planned here
     as any other).
     """
     n_state = OPTIMIZER_STATES[optimizer]
-    final = fused_at(step) if update != "after" or shard else {}
-    held = shard.held if shard else (lambda t: t.nbytes)
-    in_flight = shard.fetched if shard else (lambda *ops: 0)
+    final = fused_at(step)
+    held, in_flight = shard.held, shard.fetched
     params = sum(held(p) for p in step.params)
     base = (params * (1 + n_state) + accumulating * sum(p.nbytes for p in step.params)
             + sum(t.nbytes for t in step.inputs) + sum(held(t) for t in step.copies.values())
@@ -105,7 +103,7 @@ def simulate(step: RecordedStep, optimizer: str, accumulating: bool = False, upd
                 if t.kind == "act":
                     act_grad_live -= t.nbytes
         for p in final.get(index, []):
-            if not accumulating:  # summed up to its owners: the other ranks' tiles leave (none unsharded)
+            if not accumulating:  # summed up to its owners: the other ranks' tiles leave (none on one rank)
                 live -= p.nbytes - held(p)
             if update != "after":  # updated here: the gradient dies, a speculative update's values wait
                 live -= held(p)
