@@ -1,7 +1,8 @@
 """Data-parallel training on several ranks of this machine: tokens/s, bytes sent per step, the CPU of
-StarPU-MPI's progression thread, and the two reduction schedules (tree, ring).
+StarPU-MPI's progression thread, and the two reduction schedules (tree, ring); with --shard-state, sharded
+state against replicated at the same ranks (the most RAM StarPU held per rank, besides).
 
-    .venv/bin/python bench/multinode.py [--repeats 2] [--steps 6] [--json]
+    .venv/bin/python bench/multinode.py [--repeats 2] [--steps 6] [--json] [--shard-state]
 
 One model, one global batch, every configuration in processes of its own: one process with 1 and with 2
 CPU workers, then 2 and 3 ranks under mpirun with one CPU worker each (--oversubscribe: 3 ranks share 2
@@ -27,6 +28,10 @@ MODEL = dict(n_layer=4, n_head=4, n_embd=256, vocab_size=4096, n_positions=128)
 BATCH, SEQ = 6, 128
 # (ranks, CPU workers per rank, allreduce schedule); the two schedules route 2 ranks the same way.
 CONFIGS = [(1, 1, "tree"), (1, 2, "tree"), (2, 1, "tree"), (3, 1, "tree"), (3, 1, "ring")]
+# --shard-state: (ranks, CPU workers per rank, schedule, sharded), replicated and sharded at each rank count.
+SHARDED_BATCH = 4  # split by 2 and 4 ranks
+SHARDED_CONFIGS = [(1, 1, "tree", False), (2, 1, "tree", False), (2, 1, "tree", True), (4, 1, "tree", False),
+                   (4, 1, "tree", True)]
 
 
 def _thread_cpu_s() -> dict[str, float]:
@@ -46,15 +51,17 @@ def _thread_cpu_s() -> dict[str, float]:
     return out
 
 
-def measure(workers: int, schedule: str, steps: int) -> dict:
+def measure(workers: int, schedule: str, steps: int, shard_state: bool = False, batch: int = BATCH) -> dict:
     """Runs on every rank: this rank's numbers for `steps` steps after two warm-up steps."""
     import jnntile
     from jnntile.core import distributed
     from jnntile.models.gpt2.config import GPT2Config
     from steps import jnntile_step, step_seconds
 
-    jnntile.runtime.start(distributed=distributed.launched_ranks() > 1, workers=workers, allreduce=schedule)
-    step = jnntile_step(GPT2Config(dropout=0.0, **MODEL), BATCH, SEQ)
+    several = distributed.launched_ranks() > 1
+    jnntile.runtime.start(distributed=several, workers=workers, allreduce=schedule,
+                          shard_state=shard_state and several)
+    step = jnntile_step(GPT2Config(dropout=0.0, **MODEL), batch, SEQ)
     step()
     step()
     jnntile.runtime.wait_all()
@@ -64,18 +71,21 @@ def measure(workers: int, schedule: str, steps: int) -> dict:
     wall = time.perf_counter() - started
     cpu_after = _thread_cpu_s()
     params = sum(p.get_value().size for p in step.model.named_params().values())
-    return {"rank": jnntile.runtime.rank(), "tokens_per_s": BATCH * SEQ / statistics.median(times),
+    ram = next(node for node in jnntile.runtime.stats()["nodes"] if node["kind"] == "RAM")
+    return {"rank": jnntile.runtime.rank(), "tokens_per_s": batch * SEQ / statistics.median(times),
+            "peak_ram_bytes": ram["peak_used_bytes"],
             "bytes_sent_per_step": (jnntile.runtime.stats()["mpi_bytes_sent"] - sent) / steps,
             "gradient_bytes": 4 * params,
             **{f"{kind}_cores": (cpu_after[kind] - cpu.get(kind, 0.0)) / wall for kind in cpu_after}}
 
 
-def run(ranks: int, workers: int, schedule: str, steps: int) -> list[dict]:
+def run(ranks: int, workers: int, schedule: str, steps: int, shard_state: bool = False, batch: int = BATCH
+        ) -> list[dict]:
     """Every rank's numbers for one configuration, each in processes of its own."""
     here = os.path.dirname(os.path.abspath(__file__))
     results = Path(tempfile.mkdtemp(prefix="multinode-"))
     worker = [sys.executable, os.path.abspath(__file__), "--worker", str(workers), schedule, results,
-              "--steps", str(steps)]
+              "--steps", str(steps), "--batch", str(batch)] + (["--shard-state"] if shard_state else [])
     if ranks == 1:
         argv = worker
     else:
@@ -97,12 +107,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--shard-state", action="store_true", help="sharded state against replicated instead")
+    p.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
     p.add_argument("--worker", nargs=3, metavar=("WORKERS", "SCHEDULE", "RESULTS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         workers, schedule, results = args.worker
-        result = measure(int(workers), schedule, args.steps)
+        result = measure(int(workers), schedule, args.steps, args.shard_state, args.batch)
         (Path(results) / f"rank{result['rank']}.json").write_text(json.dumps(result))
+        return
+    if args.shard_state:
+        compare_sharded(args)
         return
 
     runs: dict[tuple, list[list[dict]]] = {config: [] for config in CONFIGS}
@@ -133,6 +148,37 @@ def main() -> None:
         print(f"{r['ranks']:>5} {r['workers_per_rank']:>7} {r['schedule']:>8} {r['tokens_per_s']:>9.0f} "
               f"{r['mb_sent_per_step_per_rank']:>18.2f} {r['mb_predicted']:>9.2f} {r['mpi_thread_cores']:>16.2f} "
               f"{r['worker_cores']:>12.2f}")
+
+
+def compare_sharded(args) -> None:
+    """Replicated against sharded state at 2 and 4 ranks: tokens/s, the most RAM StarPU held per rank (the
+    largest rank's), the bytes sent per step and rank against docs/distributed.md's 3 (N-1)/N of the
+    parameter bytes (data parallel: 2 (N-1)/N)."""
+    runs: dict[tuple, list[list[dict]]] = {config: [] for config in SHARDED_CONFIGS}
+    for _ in range(args.repeats):
+        for ranks, workers, schedule, sharded in SHARDED_CONFIGS:
+            runs[(ranks, workers, schedule, sharded)].append(run(ranks, workers, schedule, args.steps, sharded,
+                                                                 SHARDED_BATCH))
+    rows = []
+    for (ranks, workers, schedule, sharded), repeats in runs.items():
+        param_bytes = repeats[0][0]["gradient_bytes"]
+        rows.append({"ranks": ranks, "sharded": sharded,
+                     "tokens_per_s": statistics.median(rs[0]["tokens_per_s"] for rs in repeats),
+                     "peak_ram_mb": statistics.median(max(r["peak_ram_bytes"] for r in rs) for rs in repeats) / 2**20,
+                     "mb_sent_per_step_per_rank": statistics.median(
+                         statistics.mean(r["bytes_sent_per_step"] for r in rs) for rs in repeats) / 2**20,
+                     "mb_predicted": (3 if sharded else 2) * (ranks - 1) / ranks * param_bytes / 2**20,
+                     "state_mb": 4 * param_bytes / 2**20})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"GPT-2 {MODEL}, global batch {SHARDED_BATCH} x {SEQ}, state {rows[0]['state_mb']:.1f} MB (parameters, gradients, "
+          f"AdamW moments); medians of {args.repeats} interleaved runs of {args.steps} steps")
+    print(f"{'ranks':>5} {'state':>10} {'tokens/s':>9} {'peak RAM MB/rank':>17} {'MB sent/step/rank':>18} "
+          f"{'predicted':>9}")
+    for r in rows:
+        print(f"{r['ranks']:>5} {'sharded' if r['sharded'] else 'replicated':>10} {r['tokens_per_s']:>9.0f} "
+              f"{r['peak_ram_mb']:>17.1f} {r['mb_sent_per_step_per_rank']:>18.2f} {r['mb_predicted']:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def jnntile_step(config, batch_size: int, seq_len: int, fused_update: str = "aut
     In a distributed run each rank trains on its rows of the batch and the loss is the mean over the ranks.
     """
     idx, targets = (distributed.local_rows(a) for a in random_batch(config, batch_size, seq_len))
-    model = families.build(config, batch_size=idx.shape[0], seq_len=seq_len)
+    with distributed.sharded_state():  # a run with shard_state=True: each tile of the state on one rank
+        model = families.build(config, batch_size=idx.shape[0], seq_len=seq_len)
     tx = optax.chain(optim.clip_by_global_norm(MAX_NORM), optim.adamw(LEARNING_RATE))
     graphdef, params = nnx.split(model, nnx.Param)
     state = {"params": params, "opt": tx.init(params)}

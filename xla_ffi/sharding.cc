@@ -28,8 +28,8 @@ struct OpState {
   std::mutex mutex;
   int depth = 0;
   std::vector<starpu_data_handle_t> fetched;  // tiles whose replicas the op in progress brought
-  starpu_data_handle_t input = nullptr;       // the first tile every rank holds that the op reads
   starpu_data_handle_t gate = nullptr;        // written once the op before this one could run
+  starpu_data_handle_t next_gate = nullptr;   // written once this op can run: the next op's gate
   int64_t next_key = 0;
 };
 
@@ -211,7 +211,12 @@ bool shard_admit(const std::vector<Buffer>& buffers) {
     TileState* state = state_of(b.handle);
     if (state == nullptr) continue;
     if (state->owner < 0) {
-      if (s.input == nullptr) s.input = b.handle;
+      if (s.next_gate == nullptr && TileContent(state->content.load()) == TileContent::Valid) {
+        // Marked now, as the op reads it: the op may release its input before it ends.
+        s.next_gate = temporary_vector(1, 1);
+        NoArgs none;
+        submit_unchecked(gate_codelet(), {{b.handle, STARPU_R}, {s.next_gate, STARPU_W}}, &none, sizeof none);
+      }
       continue;
     }
     if (writer >= 0) {
@@ -233,7 +238,7 @@ ShardedOp::ShardedOp() {
   if (!sharding_in_use()) return;
   OpState& s = op_state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  if (s.depth++ == 0) s.input = nullptr;
+  ++s.depth;
 }
 
 ShardedOp::~ShardedOp() {
@@ -248,13 +253,11 @@ ShardedOp::~ShardedOp() {
     if (state->owner != me) starpu_data_invalidate_submit(tile);
   }
   s.fetched.clear();
-  if (s.input == nullptr) return;
+  if (s.next_gate == nullptr) return;
   // The next op's fetches wait for this op's input: they travel while this op runs.
-  starpu_data_handle_t gate = temporary_vector(1, 1);
-  NoArgs none;
-  submit_unchecked(gate_codelet(), {{s.input, STARPU_R}, {gate, STARPU_W}}, &none, sizeof none);
   if (s.gate != nullptr) starpu_data_unregister_submit(s.gate);
-  s.gate = gate;
+  s.gate = s.next_gate;
+  s.next_gate = nullptr;
 }
 
 }  // namespace jnntile
