@@ -745,3 +745,24 @@ def test_generate_on_a_quantized_model(hf_llama_64, dataset, capsys):
            "nf4" in capsys.readouterr().err
     assert generate_mod.main(["--hf", str(DATA / "hf_tiny_llama"), *prompt, "--quantize-base", "nf4"]) == 2
     assert "self_attn.qkv_proj.weight: quantize: nf4" in capsys.readouterr().err  # names the weight and the way out
+
+
+def test_a_drawn_quantized_base_holds_one_weight_in_float32_at_a_time():
+    """Each weight drawn for a quantized base (random initial values: llama-70b's shape in bench/qlora.py) is
+    quantized before the next is drawn. Without the wait, the draws, which depend on nothing, ran ahead of the
+    quantizations waiting for them, and every weight of the model existed in float32 at once: 8x the NF4 base,
+    stalling the run without swap or writing all of it to swap and back."""
+    jnntile.runtime.start()
+    jnntile.runtime.wait_all()
+
+    def ram():
+        return next(node for node in jnntile.runtime.stats()["nodes"] if node["kind"] == "RAM")
+
+    before = ram()["used_bytes"]
+    jnntile.runtime.reset_peaks()
+    with nn.quantized_base("nf4"):
+        weights = [nn.Linear((2048,), (2048,), in_tiles=(512,), out_tiles=(512,), seed=0, name=f"w{i}",
+                             use_bias=False) for i in range(8)]
+    jnntile.runtime.wait_all()
+    float32_mb, nf4_mb = 2048 * 2048 * 4 / 2**20, 2048 * 2048 * (0.5 + 4 / 64) / 2**20
+    assert (ram()["peak_used_bytes"] - before) / 2**20 <= 2 * float32_mb + len(weights) * nf4_mb

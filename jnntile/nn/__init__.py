@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jnntile.core import grad as grad_mod
+from jnntile.core import runtime
 from jnntile.core.tensor import FLOAT_DTYPES
 from jnntile.ops import values as values_ops
 from jnntile.ops import dropout as dropout_ops
@@ -146,6 +147,16 @@ def load_into(value, write: Callable[[Tensor], Tensor]):
     return quant.quantize(write(values_ops.empty(value.shape, "float32", tile_shape=value.tile_shape)), value.quant)
 
 
+def _quantize_drawn(weight: Tensor, kind: str) -> quant.Quantized:
+    """A drawn float32 `weight` quantized, returned once the quantization has run: one weight at a time exists
+    in float32 (each is freed before the next is drawn). Without the wait the next weights' draws, which depend
+    on nothing, run ahead of the quantizations waiting for them, and every weight of the model exists in float32
+    at once (8x an NF4 base)."""
+    quantized = quant.quantize(weight, kind)
+    runtime.wait_all()
+    return quantized
+
+
 def _param(initial: Callable[[], Tensor], shape, tile_shape, dtype: str = "float32",
            kind: type = nnx.Param) -> nnx.Param:
     """A `kind` parameter holding `initial()` (of `dtype`), or an empty one inside `uninitialized()`."""
@@ -190,7 +201,7 @@ class Linear(nnx.Module):
             self.weight = _param(lambda: draw(_linear_weight_dtype), shape, weight_tiles, _linear_weight_dtype)
         else:  # drawn in float32, kept quantized alone
             _check_quantizable(name + ".weight", shape, weight_tiles, kind)
-            self.weight = nnx.Param(quant.quantize(draw("float32"), kind) if _initialize
+            self.weight = nnx.Param(_quantize_drawn(draw("float32"), kind) if _initialize
                                     else quant.empty(shape, weight_tiles, kind))
         self.bias = _param(lambda: values_ops.zeros(out_shape, tile_shape=tuple(out_tiles)), out_shape,
                            tuple(out_tiles)) if use_bias else None
