@@ -201,6 +201,11 @@ def add_update_flags(parser: argparse.ArgumentParser) -> None:
                              "once the norm is known, the new state beside the old until then. auto: on without "
                              "clipping, with clipping only with --swap-dir and not right after a step whose norm "
                              "clipped (default: auto). The results are the same bits either way")
+    parser.add_argument("--shard-state", action="store_true",
+                        help="under mpirun: give each tile of the parameters (frozen ones too), their gradients and "
+                             "their optimizer state one owner rank, which alone holds it, so that each rank holds "
+                             "about 1/N of the state; every rank writes its own tiles of each checkpoint "
+                             "(docs/distributed.md)")
 
 
 def update_mode(args) -> str:

@@ -23,6 +23,7 @@ from conftest import assert_trained_params_close, rel_err
 import distributed_worker
 import jnntile
 from jnntile.core import distributed
+from jnntile.io import tensorfile
 from jnntile.training import optim
 from jnntile import data as data_mod
 from jnntile import flags, memory
@@ -298,3 +299,65 @@ def test_a_rank_that_stops_is_named_by_the_others_within_the_watchdog_time(tmp_p
     # SIGTERM): the other may then find it answering. So at least one names it, and none names another rank.
     assert result.stderr.count("rank 1 does not answer: died or stopped") >= 1, result.stderr[-3000:]
     assert not re.search(r"rank [02] does not answer|ranks .* do not answer", result.stderr), result.stderr[-3000:]
+
+
+# ---- --shard-state: the command and its checkpoints ------------------------------------------
+
+# Tensors of several tiles (chunks of tiles of both ranks' shards), a batch that 2 and 3 ranks split.
+SHARDED = [*SMALL, "--batch-size", "6", "--tile-embd", "16", "--tile-vocab", "128", "--samples", "0"]
+
+
+def test_shard_state_on_one_process_is_refused_naming_why(dataset, tmp_path, capsys):
+    assert train_mod.main(["--data", str(dataset), *SHARDED, "--out", str(tmp_path), "--shard-state"]) == 2
+    assert ("error: --shard-state shards the state across the ranks of an mpirun; with one process there is nothing "
+            "to shard: run it under mpirun -n N (N > 1), or leave --shard-state out") in capsys.readouterr().err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@needs_mpirun
+def test_sharded_llama_in_bfloat16_on_three_ranks_gives_the_losses_of_one_process(dataset, tmp_path):
+    common = ["--data", str(dataset), *SHARDED, "--model", "llama-tiny", "--dtype", "bfloat16"]
+    train_mod.train(train_mod.parse_args([*common, "--out", str(tmp_path / "one")]))
+    result = mpirun((3, "-m", "jnntile.train", *common, "--out", tmp_path / "three", "--shard-state"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert rel_err(_losses(tmp_path / "three"), _losses(tmp_path / "one")) <= 1e-5
+    assert result.stdout.count("done: 3 steps") == 1  # rank 0 alone prints
+
+
+def _resumable_from(out, step: int, to):
+    """A copy of run `out` whose latest checkpoint is that of `step`, as if the run had stopped there."""
+    shutil.copytree(out, to, ignore=shutil.ignore_patterns(".lock"))
+    for later in (p for p in to.glob("ckpt-*") if p.name > f"ckpt-{step:07d}"):
+        shutil.rmtree(later)
+    (to / "latest").write_text(f"ckpt-{step:07d}")
+    return to
+
+
+@needs_mpirun
+def test_checkpoint_of_sharded_ranks_resumes_on_one_process_and_on_three_sharded_ranks(dataset, tmp_path):
+    """Every rank writes its own tiles of each checkpoint (and export) into the files one process writes, which
+    one process and 3 sharded ranks resume with the losses of the uninterrupted run."""
+    common = ["--data", str(dataset), *SHARDED, "--steps", "4", "--grad-accum-steps", "2", "--checkpoint-interval",
+              "2"]
+    train_mod.train(train_mod.parse_args([*common, "--out", str(tmp_path / "one")]))
+    result = mpirun((2, "-m", "jnntile.train", *common, "--out", tmp_path / "two", "--shard-state", "--export-hf",
+                     tmp_path / "export"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = _losses(tmp_path / "one")
+    assert rel_err(_losses(tmp_path / "two"), reference) <= 1e-5
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        ".lock", "ckpt-0000002", "ckpt-0000004", "latest", "loss.png", "metrics.jsonl"]  # no temporaries left
+    # The export is the final checkpoint's weights, bit for bit, in the layout one process writes.
+    exported = tensorfile.SafetensorsFile(tmp_path / "export" / "model.safetensors")
+    saved = tensorfile.SafetensorsFile(tmp_path / "two" / "ckpt-0000004" / "model.safetensors")
+    assert list(exported) == list(saved)
+    for name in saved:
+        np.testing.assert_array_equal(exported[name].read(), saved[name].read(), err_msg=name)
+
+    alone = _resumable_from(tmp_path / "two", 2, tmp_path / "alone")
+    train_mod.train(train_mod.parse_args([*common, "--out", str(alone), "--resume"]))
+    three = _resumable_from(tmp_path / "two", 2, tmp_path / "three")
+    result = mpirun((3, "-m", "jnntile.train", *common, "--out", three, "--resume", "--shard-state"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for run in (alone, three):
+        assert len(_losses(run)) == 4 and rel_err(_losses(run), reference) <= 1e-5, run

@@ -18,6 +18,8 @@ damaged file is refused with the problem and the file named.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -29,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from jnntile.ops import values as values_ops
+from jnntile.core import distributed, runtime
 from jnntile.core.tensor import Tensor
 
 # Bytes per element of every safetensors dtype, and the numpy type that reads
@@ -40,6 +43,24 @@ _NUMPY = {"BOOL": "?", "U8": "u1", "I8": "i1", "I16": "<i2", "U16": "<u2", "F16"
 _CODES = {np.dtype(v).newbyteorder("="): k for k, v in _NUMPY.items()}
 # The safetensors library refuses larger headers; so does this reader, before allocating one.
 MAX_HEADER_BYTES = 100_000_000
+# Inside `collective_writes` of a sharded run: every rank writes each file together.
+_collective = False
+
+
+@contextlib.contextmanager
+def collective_writes():
+    """Inside, with sharded state (jnntile.distributed.sharding), every rank calls `write_file` and
+    `write_atomically` on the same files in the same order, in a directory every rank sees: each rank writes
+    the tiles it owns in place, rank 0 the header and the rest (arrays, tensors every rank holds), so a file
+    streams from every rank at once and is the file one process writes. Each call returns once every rank has
+    written its part. The reads of the tiles are every rank's (they are collective). Does nothing unless
+    sharding."""
+    global _collective
+    previous, _collective = _collective, distributed.sharding()
+    try:
+        yield
+    finally:
+        _collective = previous
 
 
 def dtype_code(dtype) -> str:
@@ -326,10 +347,17 @@ def write_file(path, tensors: Mapping, metadata: dict | None = None, float_dtype
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
     data_start = 8 + len(raw)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    lead = not _collective or runtime.rank() == 0
+    if lead:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    if _collective:  # rank 0 made it empty before anyone writes
+        distributed.wait_for_every_rank(f"the creation of {path}")
+    if not lead:
+        fd = _open_shared(path)
     try:
-        _pwrite(fd, np.frombuffer(len(raw).to_bytes(8, "little") + raw, np.uint8), 0)
-        for block, runs in _blocks(entries.values(), data_start):
+        if lead:
+            _pwrite(fd, np.frombuffer(len(raw).to_bytes(8, "little") + raw, np.uint8), 0)
+        for block, runs in _blocks(entries.values(), data_start, lead):
             done = 0
             for offset, length in runs:
                 _pwrite(fd, block[done:done + length], offset)
@@ -337,23 +365,55 @@ def write_file(path, tensors: Mapping, metadata: dict | None = None, float_dtype
             del block  # before the next one is read
     finally:
         os.close(fd)
+    if _collective:
+        distributed.wait_for_every_rank(f"the writes into {path}")
 
 
-def _blocks(entries, data_start):
-    """(flat array, [(file offset, elements)] of its runs) for all data of `entries` (value, dtype written,
-    header entry), in file order: arrays whole, tiled tensors a chunk at a time."""
+def _open_shared(path):
+    """The file rank 0 created, for another rank's writes; refused where this rank does not see it."""
+    try:
+        return os.open(path, os.O_WRONLY)  # not created here: its tiles would be written where nobody reads them
+    except FileNotFoundError:
+        raise ValueError(f"rank {runtime.rank()} does not see {path}, which rank 0 created: with --shard-state every "
+                         "rank writes its tiles into the same files, so --out (and --export-hf, --export-lora) must "
+                         "name one directory every rank sees, on a shared file system") from None
+
+
+def _blocks(entries, data_start, lead: bool):
+    """(flat array, [(file offset, elements)] of its runs) for the data of `entries` (value, dtype written,
+    header entry) this rank writes, in file order: arrays whole, tiled tensors a chunk at a time (in
+    `collective_writes`, the tiles of the chunk it owns). Every rank reads all of it: the reads are collective."""
     for value, dtype, entry in entries:
         begin = data_start + entry["data_offsets"][0]
         if isinstance(value, (np.ndarray, Derived)):
             array = np.asarray(value).reshape(-1).astype(dtype, copy=False)
-            yield array, [(begin, array.size)]
+            if lead:
+                yield array, [(begin, array.size)]
             continue
         itemsize = dtype.itemsize
-        for chunk, block in values_ops.read_chunks(value.tensor):
+        for start, stop, block in _written_parts(value.tensor, lead):
             yield block.reshape(-1).astype(dtype, copy=False), [
-                (begin + offset * itemsize, length) for offset, length in _runs(value.tensor.shape, chunk.start,
-                                                                                chunk.stop)]
+                (begin + offset * itemsize, length) for offset, length in _runs(value.tensor.shape, start, stop)]
             del block  # one chunk in memory at a time
+
+
+def _written_parts(t: Tensor, lead: bool):
+    """(start, stop, values) of the blocks of `t` this rank writes, chunk by chunk: each whole chunk on rank 0
+    (or one process), or, in `collective_writes` of a sharded `t`, each tile of the chunk this rank owns."""
+    owners = distributed.owners(t.handle) if _collective else []
+    grid = [-(-n // s) for n, s in zip(t.shape, t.tile_shape)]
+    for chunk, block in values_ops.read_chunks(t):
+        if not owners:
+            if lead:
+                yield chunk.start, chunk.stop, block
+            continue
+        for index in itertools.product(*map(range, chunk.tile_lo, chunk.tile_hi)):
+            if owners[int(np.ravel_multi_index(index, grid))] != runtime.rank():
+                continue
+            start = tuple(i * s for i, s in zip(index, t.tile_shape))
+            stop = tuple(min(a + s, n) for a, s, n in zip(start, t.tile_shape, t.shape))
+            yield start, stop, np.ascontiguousarray(block[tuple(slice(a - c, b - c) for a, b, c in
+                                                                zip(start, stop, chunk.start))])
 
 
 def checked_parameters(tensors: Mapping, config, source, model: str) -> dict:
@@ -404,6 +464,9 @@ def load_into(t: Tensor, source) -> Tensor:
 
 def write_atomically(path: Path, write) -> None:
     """Calls write(temporary path) and renames the result to `path`: a crash never leaves a half-written file."""
+    if _collective:
+        _write_atomically_together(path, write)
+        return
     # The temporary file lives in the same directory so os.replace is a rename
     # within one file system, which is atomic.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -416,3 +479,14 @@ def write_atomically(path: Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_atomically_together(path: Path, write) -> None:
+    """`write_atomically` in `collective_writes`: every rank calls write(the same temporary path), then rank 0
+    renames it once every rank has written. A text file is written by every rank alike: the same bytes."""
+    tmp = path.parent / f".{path.name}.shared.tmp"
+    write(tmp)
+    distributed.wait_for_every_rank(f"the writes into {tmp}")
+    if runtime.rank() == 0:
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)

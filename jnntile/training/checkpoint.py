@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jnntile.core import distributed, runtime
 from jnntile.io import jsonfile, tensorfile
 from jnntile.training import lora
 from jnntile.models import families
@@ -134,25 +135,42 @@ def _differing_leaves(file, saved_leaves, n_leaves: int, model, finetune) -> str
 def save(out_dir: str | os.PathLike, *, model, opt_state, step: int, state: dict, keep: int = 2,
          finetune=None) -> Path:
     """Writes checkpoint `ckpt-<step>` atomically and returns its path. `finetune` (jnntile.lora.FineTune)
-    says what trains: with LoRA adapters only they are written, not the base."""
+    says what trains: with LoRA adapters only they are written, not the base.
+
+    With sharded state (jnntile.distributed.sharding) every rank calls it at the same point and writes the
+    tiles it owns into the same files (`tensorfile.collective_writes`), which are those one process writes;
+    rank 0 then writes state.json and points `latest` at it, once every rank's tiles are written."""
     out_dir = Path(out_dir)
     final = out_dir / f"ckpt-{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=out_dir))
+    together = distributed.sharding()
+    lead = runtime.rank() == 0 or not together
+    if together:  # one name every rank knows; rank 0 makes it empty before anyone writes
+        tmp = out_dir / f".{final.name}.tmp-shared"
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        distributed.wait_for_every_rank(f"the creation of {tmp}")
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=out_dir))
     try:
         record = {"step": step, "config": dataclasses.asdict(model.config),
                   "finetune": (finetune or lora.FineTune()).record(), **state}
-        if finetune is not None and finetune.lora is not None:
-            lora.save_peft(model, lora.applied_settings(model), tmp)
-        else:
-            families.save_hf(model, tmp)
-        tensorfile.write_file(tmp / OPTIMIZER_FILE, _optimizer_values(opt_state),
-                              metadata={TRAINED_KEY: json.dumps(_trained_names(model, finetune))})
+        with tensorfile.collective_writes():  # each returns once every rank has written its part
+            if finetune is not None and finetune.lora is not None:
+                lora.save_peft(model, lora.applied_settings(model), tmp)
+            else:
+                families.save_hf(model, tmp)
+            tensorfile.write_file(tmp / OPTIMIZER_FILE, _optimizer_values(opt_state),
+                                  metadata={TRAINED_KEY: json.dumps(_trained_names(model, finetune))})
+        if not lead:
+            return final
         (tmp / STATE_FILE).write_text(json.dumps(record, indent=2))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and not e.filename:  # a full disk: say where (writes go through descriptors)
             e.filename = str(final)
         raise
