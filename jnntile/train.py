@@ -334,7 +334,9 @@ PER_RANK_FLAGS = {"data", "out", "quiet", "init_from_hf", "export_hf", "export_d
 def _same_on_every_rank(args, config, dataset) -> dict:
     """What the ranks of a distributed run must agree on: flags, the model with its tiles, the data."""
     tokens = np.asarray(dataset.tokens)
-    return {**{f"--{k.replace('_', '-')}": v for k, v in vars(args).items() if k not in PER_RANK_FLAGS},
+    # Sharded, every rank writes its tiles into each export's files: in one dtype.
+    per_rank = PER_RANK_FLAGS - {"export_dtype"} if args.shard_state else PER_RANK_FLAGS
+    return {**{f"--{k.replace('_', '-')}": v for k, v in vars(args).items() if k not in per_rank},
             "model": dataclasses.asdict(config),
             "data": {"tokens": len(dataset), "vocab_size": dataset.vocab_size,
                      "crc32": zlib.crc32(tokens[:65536].tobytes() + tokens[-65536:].tobytes())}}
@@ -598,8 +600,8 @@ def _train(args, held: contextlib.ExitStack) -> dict:
                 if args.checkpoint_interval and step % args.checkpoint_interval == 0 and step < args.steps:
                     if lead or sharded:
                         save(step)
-                    # Rank 0 alone writes it (or finishes it), longer than a watchdog for a large model: the
-                    # others wait here.
+                    # Rank 0 alone writes it (sharded: its state.json and `latest`, last), longer than a watchdog
+                    # for a large model: the others wait here.
                     distributed.wait_for_every_rank("a checkpoint")
     except OSError as e:  # a full disk; writes through a file object do not name their file
         e.filename = e.filename or str(metrics_path)

@@ -361,3 +361,14 @@ def test_checkpoint_of_sharded_ranks_resumes_on_one_process_and_on_three_sharded
     assert result.returncode == 0, result.stderr[-3000:]
     for run in (alone, three):
         assert len(_losses(run)) == 4 and rel_err(_losses(run), reference) <= 1e-5, run
+
+
+@needs_mpirun
+def test_sharded_ranks_with_other_export_dtypes_are_refused(dataset, tmp_path):
+    # Every rank writes its own tiles into the export's files: ranks writing other dtypes would mix them.
+    common = ["-m", "jnntile.train", "--data", dataset, *SHARDED, "--out", tmp_path, "--shard-state", "--export-hf",
+              tmp_path / "export"]
+    result = mpirun((1, *common, "--export-dtype", "float32"), (1, *common, "--export-dtype", "bfloat16"))
+    assert result.returncode == 2
+    assert "--export-dtype is \"float32\" on rank 0; \"bfloat16\" on rank 1" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "export").exists()
