@@ -342,6 +342,18 @@ def _same_on_every_rank(args, config, dataset) -> dict:
                      "crc32": zlib.crc32(tokens[:65536].tobytes() + tokens[-65536:].tobytes())}}
 
 
+def _require_one_out(out: Path) -> None:
+    """Refuses, on every rank, --out that is not one directory every rank sees (rank 0's lock file, with its
+    PID, is not what every rank reads there): sharded, every rank writes its tiles of each checkpoint into it."""
+    lock = out / run_dir.LOCK_FILE
+    try:
+        distributed.require_same("--out", {"lock": lock.read_text() if lock.is_file() else None})
+    except distributed.SetUpError:
+        raise distributed.SetUpError(f"--out {out} is not one directory that every rank sees (rank 0's lock file, "
+                                     f"{lock.name}, is not there on every rank): with --shard-state every rank writes its tiles of each "
+                                     "checkpoint into it; give a directory on a file system every rank shares") from None
+
+
 # ---- outputs -----------------------------------------------------------------------
 
 def plot_losses(metrics_path: Path, png_path: Path) -> None:
@@ -472,6 +484,8 @@ def _train(args, held: contextlib.ExitStack) -> dict:
             raise ValueError(f"{resume_from} is at step {resumed_step}, past --steps {args.steps}: give --steps "
                              f"{resumed_step} to export it")
         same.update(_same_on_every_rank(args, config, train_data))
+    if args.shard_state:
+        _require_one_out(out)
     if resumed_step >= args.steps and not exports:  # at --steps with exports: they are written from the checkpoint
         if lead:
             print(f"nothing to do: {resume_from} is at step {resumed_step} and --steps is {args.steps}; give a larger "

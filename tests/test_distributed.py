@@ -372,3 +372,16 @@ def test_sharded_ranks_with_other_export_dtypes_are_refused(dataset, tmp_path):
     assert result.returncode == 2
     assert "--export-dtype is \"float32\" on rank 0; \"bfloat16\" on rank 1" in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "export").exists()
+
+
+@needs_mpirun
+def test_sharded_ranks_refuse_an_out_that_is_not_one_directory(dataset, tmp_path):
+    # Every rank writes its tiles of each checkpoint into --out: refused before training, not at the first save.
+    common = ["-m", "jnntile.train", "--data", dataset, *SHARDED, "--shard-state"]
+    result = mpirun((1, *common, "--out", tmp_path / "a"), (1, *common, "--out", tmp_path / "b"))
+    assert result.returncode == 2
+    for out in "ab":  # each rank says it, naming its own
+        assert (f"error: --out {tmp_path / out} is not one directory that every rank sees (rank 0's "
+                "lock file, .lock, is not there on every rank): with --shard-state every rank writes its tiles of "
+                "each checkpoint into it") in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
