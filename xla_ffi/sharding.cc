@@ -30,7 +30,11 @@ struct OpState {
   std::vector<starpu_data_handle_t> fetched;  // tiles whose replicas the op in progress brought
   starpu_data_handle_t gate = nullptr;        // written once the op before this one could run
   starpu_data_handle_t next_gate = nullptr;   // written once this op can run: the next op's gate
+  // Keys of tensors sharded from Python (as models are built and programs traced) and of gradients sharded
+  // when their sums run: two counters, as a rank may trace its next program while the last one runs.
   int64_t next_key = 0;
+  int64_t next_summed_key = kSummedKeys;
+  static constexpr int64_t kSummedKeys = int64_t(1) << 28;
 };
 
 OpState& op_state() {
@@ -119,7 +123,7 @@ void tensor_shard(int64_t id, const std::vector<int>& owners) {
   OpState& s = op_state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (t.shard_key < 0) t.shard_key = s.next_key++;
-  if (t.shard_key >= (int64_t(1) << 29) || t.num_tiles() >= (int64_t(1) << 32))
+  if (t.shard_key >= OpState::kSummedKeys || t.num_tiles() >= (int64_t(1) << 32))
     throw std::invalid_argument("sharding " + t.describe() + ": beyond the range of StarPU-MPI tags");
   for (int64_t i = 0; i < t.num_tiles(); ++i) t.tile_states[i].owner = owners[size_t(i)];
   in_use.store(true);
@@ -138,7 +142,7 @@ void tensor_shard_until_invalidated(int64_t id, const std::vector<int>& owners) 
   {
     OpState& s = op_state();
     std::lock_guard<std::mutex> lock(s.mutex);
-    if (t.shard_key < 0) t.shard_key = s.next_key++;
+    if (t.shard_key < 0) t.shard_key = s.next_summed_key++;
   }
   for (int64_t i = 0; i < t.num_tiles(); ++i) {
     t.tile_states[i].owner = owners[size_t(i)];

@@ -142,7 +142,9 @@ def apply(model, settings: LoRASettings, seed: int = 0) -> LoRASettings:
         raise ValueError("the model already has LoRA adapters")
     settings = settings.resolved(model)
     hf = _hf_module(model)
-    modules = set(hf.LORA_TARGETS.values())
+    # In the family's order, never a set's: the adapters' creation order numbers their dropout sites and, with
+    # sharded state, the tags of their tiles' transfers, which must be the same in every process.
+    modules = list(dict.fromkeys(hf.LORA_TARGETS.values()))
     site = 1 + max((m.site for _, m in nnx.iter_graph(model) if isinstance(m, nn.Dropout)), default=-1)
     wrapped = []
     for path, parent in list(nnx.iter_graph(model)):
