@@ -342,6 +342,28 @@ def test_sharded_lora_on_two_ranks_gives_the_losses_of_one_process(dataset, tmp_
     assert rel_err(_losses(tmp_path / "two"), _losses(tmp_path / "one")) <= 1e-5
 
 
+SHARDS_IN_ANOTHER_ORDER = """
+import jnntile
+from jnntile.core import distributed
+from jnntile.ops import values
+jnntile.runtime.start(distributed=True, shard_state=True, workers=1)
+shapes = [(4, 4), (8, 4)][::1 if jnntile.runtime.rank() == 0 else -1]
+try:
+    with distributed.sharded_state():
+        tensors = [values.zeros(shape, tile_shape=(4, 4)) for shape in shapes]
+except distributed.SetUpError as e:
+    print("refused:", e)
+"""
+
+
+@needs_mpirun
+def test_ranks_that_shard_other_tensors_are_refused_before_anything_is_sent():
+    result = mpirun((2, "-c", SHARDS_IN_ANOTHER_ORDER))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("refused: the tensors sharded differs across ranks: count is") == 0
+    assert result.stdout.count("refused: the tensors sharded differs across ranks: layout is") == 2, result.stdout
+
+
 def _resumable_from(out, step: int, to):
     """A copy of run `out` whose latest checkpoint is that of `step`, as if the run had stopped there."""
     shutil.copytree(out, to, ignore=shutil.ignore_patterns(".lock"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -168,13 +169,19 @@ def sharded_state():
         yield
         return
     held = [0] * runtime.world_size()
+    layouts = []
 
     def shard(handle):
         itemsize = np.dtype(handle.dtype).itemsize
         _xla_ffi.tensor_shard(handle.id, least_held_owners(tile_bytes(handle.shape, handle.tile_shape, itemsize), held))
+        layouts.append(f"{handle.shape} {handle.tile_shape} {handle.dtype}")
 
     with tensor_mod.on_creation(shard):
         yield
+    # Tensors created in another order would give their tiles other transfer tags on each rank: StarPU-MPI
+    # would then match a tile with another's, or wait forever. Said here, before anything is sent.
+    require_same("the tensors sharded", {"count": len(layouts),
+                                         "layout": hashlib.sha256("\n".join(layouts).encode()).hexdigest()[:16]})
 
 
 def owners(handle) -> list[int]:
