@@ -51,10 +51,18 @@ def _skip_reason() -> str | None:
 needs_mpirun = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
 
 
-def mpirun(*groups, timeout: float = 300) -> subprocess.CompletedProcess:
+# Open MPI's transports between ranks as between machines: TCP, and `self` (a rank to itself), with the ob1
+# point-to-point layer that uses them (UCX's layer would bring its own shared memory). vader, the shared-memory
+# transport, is off. JNNTILE_TEST_TCP_ONLY=1 runs every test's job so.
+TCP_ONLY = ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"]
+
+
+def mpirun(*groups, timeout: float = 300, tcp_only: bool = os.environ.get("JNNTILE_TEST_TCP_ONLY") == "1",
+           options=()) -> subprocess.CompletedProcess:
     """Runs each group `(n, *arguments)` as `python *arguments` on n ranks, all in one job (MPMD); a group
-    `(n, {name: value}, *arguments)` with those environment variables."""
-    argv = [MPIRUN, "--oversubscribe", "--bind-to", "none"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    `(n, {name: value}, *arguments)` with those environment variables. `options` go to mpirun."""
+    argv = [MPIRUN, "--oversubscribe", "--bind-to", "none", *(TCP_ONLY if tcp_only else []), *options] + (
+        ["--allow-run-as-root"] if os.geteuid() == 0 else [])
     for i, (count, *arguments) in enumerate(groups):
         env = [f"{k}={v}" for k, v in arguments.pop(0).items()] if arguments and isinstance(arguments[0], dict) else []
         argv += ([":"] if i else []) + ["-n", str(count), *(["env", *env] if env else []), sys.executable,
@@ -175,6 +183,25 @@ def test_ranks_with_sharded_state_train_like_one_process(ranks, one_process, tmp
         sent / per_fetch
 
 
+# The worker's state every rank's (data parallel) and sharded (each rank then also waits for parameter tiles).
+STATES = pytest.mark.parametrize("state", [[], ["--shard-state"]], ids=["replicated", "sharded"])
+
+
+@needs_mpirun
+@STATES
+def test_ranks_over_tcp_alone_train_like_one_process(state, one_process, tmp_path):
+    """Shared memory off, as between machines (docs/distributed.md, "On several machines"): every transfer goes
+    through TCP, and the ranks give one process's losses."""
+    result = mpirun((2, WORKER, tmp_path, "--steps", STEPS, *state), tcp_only=True,
+                    options=["--mca", "btl_base_verbose", "10"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Open MPI names the transport each rank uses to the other: TCP, not vader (shared memory).
+    said = result.stdout + result.stderr
+    assert said.count("Using tcp btl for send to") == 2 and "Using vader" not in said, said[-3000:]
+    for r in range(2):
+        assert rel_err(np.load(tmp_path / f"rank{r}.npz")["losses"], one_process[0]) <= 1e-5
+
+
 SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--eval-batches", "1",
          "--quiet", "--steps", "3", "--eval-interval", "3", "--workers", "1"]
 
@@ -287,20 +314,24 @@ def test_ranks_with_different_settings_are_refused(dataset, tmp_path):
 
 
 @needs_mpirun
-def test_a_rank_that_dies_ends_the_run(tmp_path):
-    result = mpirun((2, WORKER, tmp_path, "--signal", "KILL", "--at-step", "2", "--on-rank", "1"))
+@STATES
+def test_a_rank_that_dies_ends_the_run(state, tmp_path):
+    result = mpirun((2, WORKER, tmp_path, "--signal", "KILL", "--at-step", "2", "--on-rank", "1", *state))
     assert result.returncode != 0
     assert "rank 1" in result.stderr and "signal 9" in result.stderr, result.stderr[-3000:]
 
 
 @needs_mpirun
-def test_a_rank_that_stops_is_named_by_the_others_within_the_watchdog_time(tmp_path):
-    result = mpirun((3, WORKER, tmp_path, "--signal", "STOP", "--at-step", "2", "--on-rank", "1", "--watchdog-s", "3"))
+@STATES
+def test_a_rank_that_stops_is_named_by_the_others_within_the_watchdog_time(state, tmp_path):
+    result = mpirun((3, WORKER, tmp_path, "--signal", "STOP", "--at-step", "2", "--on-rank", "1", "--watchdog-s", "3",
+                     *state), timeout=120)
     assert result.returncode != 0
     # Ranks 0 and 2 wait for tiles from rank 1, and for each other's sums, which wait for rank 1: a ping tells.
     # Whichever of them reports first exits, and mpirun, ending the job, resumes rank 1 (SIGCONT before its
     # SIGTERM): the other may then find it answering. So at least one names it, and none names another rank.
     assert result.stderr.count("rank 1 does not answer: died or stopped") >= 1, result.stderr[-3000:]
+    assert "no StarPU task completed for 3.0 s while waiting" in result.stderr  # the watchdog's time, not longer
     assert not re.search(r"rank [02] does not answer|ranks .* do not answer", result.stderr), result.stderr[-3000:]
 
 
