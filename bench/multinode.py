@@ -2,7 +2,7 @@
 StarPU-MPI's progression thread, and the two reduction schedules (tree, ring); with --shard-state, sharded
 state against replicated at the same ranks (the most RAM StarPU held per rank, besides).
 
-    .venv/bin/python bench/multinode.py [--repeats 2] [--steps 6] [--json] [--shard-state]
+    .venv/bin/python bench/multinode.py [--repeats 2] [--steps 6] [--json] [--shard-state] [--tcp]
 
 One model, one global batch, every configuration in processes of its own: one process with 1 and with 2
 CPU workers, then 2 and 3 ranks under mpirun with one CPU worker each (--oversubscribe: 3 ranks share 2
@@ -31,7 +31,7 @@ BATCH, SEQ = 6, 128
 # --shard-state --model: the default's model; one whose state (16 bytes a parameter) outweighs its activations;
 # GPT-2 124M's shape, as (GPT-2 config, sequence length).
 SHARDED_MODELS = {"default": (MODEL, SEQ),
-                  "state": (dict(n_layer=8, n_head=8, n_embd=512, vocab_size=8192, n_positions=32, tile_vocab=1024), 32),
+                  "state": (dict(n_layer=16, n_head=8, n_embd=512, vocab_size=8192, n_positions=32, tile_vocab=1024), 32),
                   "124m": (dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=128), 128)}
 # (ranks, CPU workers per rank, allreduce schedule); the two schedules route 2 ranks the same way.
 CONFIGS = [(1, 1, "tree"), (1, 2, "tree"), (2, 1, "tree"), (3, 1, "tree"), (3, 1, "ring")]
@@ -97,8 +97,10 @@ def measure(workers: int, schedule: str, steps: int, shard_state: bool = False, 
 
 
 def run(ranks: int, workers: int, schedule: str, steps: int, shard_state: bool = False, batch: int = BATCH,
-        model: str = "default") -> list[dict]:
-    """Every rank's numbers for one configuration, each in processes of its own."""
+        model: str = "default", tcp: bool = False) -> list[dict]:
+    """Every rank's numbers for one configuration, each in processes of its own; with `tcp`, Open MPI's ranks
+    talk through TCP alone, as between machines (its ob1 layer with the tcp and self transports: no shared
+    memory)."""
     here = os.path.dirname(os.path.abspath(__file__))
     results = Path(tempfile.mkdtemp(prefix="multinode-"))
     worker = [sys.executable, os.path.abspath(__file__), "--worker", str(workers), schedule, results,
@@ -110,6 +112,7 @@ def run(ranks: int, workers: int, schedule: str, steps: int, shard_state: bool =
         if mpirun is None:
             raise SystemExit("mpirun not found: apt-get install openmpi-bin (make test installs it)")
         argv = [mpirun, "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
+                *(["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"] if tcp else []),
                 *(["--allow-run-as-root"] if os.geteuid() == 0 else []), *worker]
     result = subprocess.run(list(map(str, argv)), capture_output=True, text=True, cwd=here)
     if result.returncode != 0:
@@ -124,6 +127,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--tcp", action="store_true", help="ranks talk through TCP alone, as between machines (Open "
+                   "MPI's shared-memory transport off)")
     p.add_argument("--shard-state", action="store_true", help="sharded state against replicated instead")
     p.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
     p.add_argument("--model", choices=sorted(SHARDED_MODELS), default="default",
@@ -143,7 +148,7 @@ def main() -> None:
     runs: dict[tuple, list[list[dict]]] = {config: [] for config in CONFIGS}
     for _ in range(args.repeats):
         for config in CONFIGS:
-            runs[config].append(run(*config, args.steps))
+            runs[config].append(run(*config, args.steps, tcp=args.tcp))
     rows = []
     for (ranks, workers, schedule), repeats in runs.items():
         gradient_bytes = repeats[0][0]["gradient_bytes"]
@@ -178,7 +183,7 @@ def compare_sharded(args) -> None:
     runs: dict[tuple, list[list[dict]]] = {config: [] for config in configs}
     for _ in range(args.repeats):
         for ranks, sharded in configs:
-            runs[(ranks, sharded)].append(run(ranks, 1, "tree", args.steps, sharded, SHARDED_BATCH, args.model))
+            runs[(ranks, sharded)].append(run(ranks, 1, "tree", args.steps, sharded, SHARDED_BATCH, args.model, args.tcp))
     rows = []
     for (ranks, sharded), repeats in runs.items():
         param_bytes = repeats[0][0]["gradient_bytes"]

@@ -7,6 +7,7 @@ one CPU worker per rank; models are tiny. They skip where jnntile has no StarPU-
 """
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -432,6 +434,61 @@ def test_checkpoint_of_sharded_ranks_resumes_on_one_process_and_on_three_sharded
     assert result.returncode == 0, result.stderr[-3000:]
     for run in (alone, three):
         assert len(_losses(run)) == 4 and rel_err(_losses(run), reference) <= 1e-5, run
+
+
+# `python -m jnntile.train` that kills itself (SIGKILL) as it begins step AT (0-based), or as it begins writing
+# the optimizer state of checkpoint AT: `python -c DIES_AT step|checkpoint AT FLAGS...`.
+DIES_AT = """
+import os, signal, sys
+from jnntile import train
+from jnntile.io import tensorfile
+where, at = sys.argv.pop(1), int(sys.argv.pop(1))
+step_batch, write_file = train._step_batch, tensorfile.write_file
+def dies_at_step(dataset, step, args, **fields):
+    if where == "step" and step == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return step_batch(dataset, step, args, **fields)
+def dies_in_checkpoint(path, *args, **kwargs):
+    if where == "checkpoint" and path.parent.name.startswith(f".ckpt-{at:07d}.") and path.name.startswith("optim"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write_file(path, *args, **kwargs)
+train._step_batch, tensorfile.write_file = dies_at_step, dies_in_checkpoint
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def _wait_until_unlocked(out: Path, timeout: float = 60) -> None:
+    """mpirun may return before a rank it ended has exited, which then still holds the lock of --out (and the
+    next run there is refused, naming its PID): waits until no process holds it."""
+    deadline = time.monotonic() + timeout
+    with open(out / ".lock") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"{out} is still locked {timeout} s after mpirun ended"
+                time.sleep(0.2)
+
+
+@needs_mpirun
+@pytest.mark.parametrize("where, at", [("step", 3), ("checkpoint", 4)])
+def test_a_sharded_rank_that_dies_leaves_the_last_checkpoint_resumable(where, at, dataset, tmp_path):
+    """Rank 1 of 2 sharded ranks killed mid-step, or while every rank writes its tiles of a checkpoint: the job
+    ends, and the last complete checkpoint (step 2) resumes on one process with the uninterrupted losses."""
+    common = ["--data", str(dataset), *SHARDED, "--steps", "6", "--checkpoint-interval", "2"]
+    train_mod.train(train_mod.parse_args([*common, "--out", str(tmp_path / "one")]))
+    out = tmp_path / "two"
+    result = mpirun((1, "-m", "jnntile.train", *common, "--out", out, "--shard-state"),
+                    (1, "-c", DIES_AT, where, at, *common, "--out", out, "--shard-state"))
+    assert result.returncode != 0 and "signal 9" in result.stderr, result.stderr[-3000:]
+    assert len(_losses(out)) == at  # the steps done before rank 1 died
+    assert (out / "latest").read_text() == "ckpt-0000002" and (out / "ckpt-0000002" / "state.json").exists()
+    _wait_until_unlocked(out)
+    train_mod.train(train_mod.parse_args([*common, "--out", str(out), "--resume"]))
+    assert rel_err(_losses(out), _losses(tmp_path / "one")) <= 1e-5
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-0000004", "ckpt-0000006"]
+    assert not list(out.glob(".ckpt-*")), "the resumed run removed what the killed write left"
 
 
 @needs_mpirun
