@@ -12,7 +12,7 @@ NATIVE_SOURCES := $(shell find xla_ffi -name '*.cc' -o -name '*.h' -o -name '*.c
 PYTHON_DEPS := jax flax optax numpy safetensors tokenizers jinja2 tqdm matplotlib pytest nanobind scikit-build-core cmake ninja
 
 .PHONY: setup system-packages build train test bench bench-torch bench-memory cuda cuda-python-deps test-gpu \
-	emulated-gpu test-emulated-gpu clean
+	emulated-gpu test-emulated-gpu clean FORCE
 
 setup: $(STAMP)
 
@@ -83,7 +83,9 @@ GPU_OUT ?= out/gpu
 
 cuda: $(CUDA_STAMP)
 
-$(CUDA_DIR)/starpu.stamp: tools/build_starpu_cuda.sh $(wildcard tools/starpu-patches/*.patch)
+# Run each time: the script rebuilds StarPU only when its stamp (the commit, the toolkit, the patches and
+# configure's arguments, which depend on whether an MPI is installed) changed, and leaves the stamp as it is otherwise.
+$(CUDA_DIR)/starpu.stamp: FORCE
 	tools/build_starpu_cuda.sh
 
 $(CUDA_PY):

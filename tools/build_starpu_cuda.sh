@@ -8,6 +8,10 @@
 #   unset: downloaded from GitHub at the pinned commit (needs network and autotools)
 # then patched with tools/starpu-patches/*.patch (each says what it fixes and how it was found).
 #
+# StarPU-MPI is built with it (distributed training, docs/distributed.md) from the MPI whose mpicc is on
+# PATH: Debian's Open MPI (openmpi-bin, libopenmpi-dev, as `make test` installs) where apt can install it.
+# Without an MPI and a way to install one, StarPU is built without MPI, and the build says so.
+#
 # The CUDA toolkit is looked up in CUDA_HOME, CUDA_PATH, /usr/local/cuda and
 # /usr/local/cuda-*, then next to `nvcc` on PATH. What a toolkit lacks (cuBLAS,
 # and the cuSPARSE/cuSOLVER headers that starpu.h includes) comes from NVIDIA's
@@ -44,14 +48,33 @@ ensure_build_packages() {
   command -v pkg-config >/dev/null || missing+=(pkg-config)
   command -v patch >/dev/null || command -v git >/dev/null || missing+=(patch)
   pkg-config --exists hwloc 2>/dev/null || missing+=(libhwloc-dev)
-  ls /usr/include/cblas.h /usr/include/*/cblas.h /usr/include/*/*/cblas.h 2>/dev/null | grep -q . \
+  # (not `ls | grep`: under pipefail, ls's complaint about the patterns that match nothing fails the test)
+  [ -n "$(ls /usr/include/cblas.h /usr/include/*/cblas.h /usr/include/*/*/cblas.h 2>/dev/null)" ] \
     || missing+=(libopenblas-dev)
   [ ${#missing[@]} -eq 0 ] && return
+  apt_install "${missing[@]}" \
+    || die "could not install ${missing[*]}: install them (Debian/Ubuntu package names) and run make cuda again"
+}
+
+apt_install() {
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo=sudo
-  log "installing ${missing[*]} with apt-get"
-  { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"; } \
-    || die "could not install ${missing[*]}: install them (Debian/Ubuntu package names) and run make cuda again"
+  log "installing $* with apt-get"
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@"
+}
+
+has_mpi() { command -v mpicc >/dev/null && command -v mpirun >/dev/null && echo '#include <mpi.h>' | mpicc -x c -E - >/dev/null 2>&1; }
+
+# "enable" when an MPI is there or could be installed, else "disable" (StarPU-MPI is what distributed
+# training needs, not what a single GPU does: its absence is said, not fatal).
+mpi_choice() {
+  if has_mpi || { command -v apt-get >/dev/null && apt_install openmpi-bin libopenmpi-dev >&2 && has_mpi; }; then
+    echo enable
+    return
+  fi
+  log "WARNING: no MPI (mpicc, mpirun and mpi.h): StarPU is built without StarPU-MPI, so this build has no
+distributed training. Install Open MPI (apt-get install openmpi-bin libopenmpi-dev) and run make cuda again."
+  echo disable
 }
 
 # ---- the CUDA toolkit ----------------------------------------------------------------------
@@ -201,34 +224,45 @@ unpack_source() {
   echo "$src"
 }
 
+# StarPU's configure arguments, one a line; $1: enable or disable (MPI). The stamp holds their digest.
+# --enable-maxcpus: the GPU machines have more cores than Debian's limit of 4. --disable-build-tests and
+# --disable-build-examples leave out StarPU-MPI's too.
+configure_args() {
+  printf '%s\n' --prefix="$PREFIX" --enable-maxcpus=64 --enable-maxcudadev=8 \
+    --with-cuda-dir="$TOOLKIT" --with-cuda-include-dir="$TOOLKIT/include" --with-cuda-lib-dir="$TOOLKIT/lib64" \
+    --with-cublas-dir="$TOOLKIT" --with-cublas-include-dir="$TOOLKIT/include" --with-cublas-lib-dir="$TOOLKIT/lib64" \
+    --disable-opencl --"$1"-mpi --disable-fortran --disable-build-doc --disable-build-examples \
+    --disable-build-tests --disable-starpupy --disable-socl --disable-starpufft --disable-openmp --disable-fxt \
+    NVCC="$TOOLKIT/bin/nvcc" CPPFLAGS=-DDISABLE_CUSPARSE_DEPRECATED LDFLAGS="-Wl,-rpath,$TOOLKIT/lib64"
+}
+
 build_starpu() {
-  local src build
+  local mpi=$1 src build args
   src=$(unpack_source)
   build=$WORK/src/build
   mkdir -p "$build"
+  mapfile -t args < <(configure_args "$mpi")
   log "configuring StarPU (about 20 s)"
-  # --enable-maxcpus: the GPU machines have more cores than Debian's limit of 4.
-  (cd "$build" && "$src/configure" -q --prefix="$PREFIX" --enable-maxcpus=64 --enable-maxcudadev=8 \
-    --with-cuda-dir="$TOOLKIT" --with-cuda-include-dir="$TOOLKIT/include" --with-cuda-lib-dir="$TOOLKIT/lib64" \
-    --with-cublas-dir="$TOOLKIT" --with-cublas-include-dir="$TOOLKIT/include" --with-cublas-lib-dir="$TOOLKIT/lib64" \
-    --disable-opencl --disable-mpi --disable-fortran --disable-build-doc --disable-build-examples \
-    --disable-build-tests --disable-starpupy --disable-socl --disable-starpufft --disable-openmp --disable-fxt \
-    NVCC="$TOOLKIT/bin/nvcc" CPPFLAGS=-DDISABLE_CUSPARSE_DEPRECATED LDFLAGS="-Wl,-rpath,$TOOLKIT/lib64" \
-    > "$WORK/configure.log" 2>&1) || die "StarPU's configure failed; see $WORK/configure.log"
+  (cd "$build" && "$src/configure" -q "${args[@]}" > "$WORK/configure.log" 2>&1) \
+    || die "StarPU's configure failed; see $WORK/configure.log"
   grep -q "define STARPU_USE_CUDA 1" "$build/src/common/config.h" "$build/include/starpu_config.h" 2>/dev/null \
     || die "StarPU configured without CUDA (see 'CUDA' in $WORK/configure.log)"
+  [ "$mpi" = disable ] || grep -q "define STARPU_USE_MPI 1" "$build/src/common/config.h" "$build/include/starpu_config.h" \
+    || die "StarPU configured without MPI although mpicc is $(command -v mpicc) (see 'MPI' in $WORK/configure.log)"
   log "building StarPU with $JOBS jobs (about 45 s on 16 cores, 100 s on 2)"
-  (cd "$build" && make -j"$JOBS" > "$WORK/make.log" 2>&1 && make install > "$WORK/install.log" 2>&1) \
+  # The old installation goes first: one built with MPI would leave StarPU-MPI beside a StarPU without it.
+  (cd "$build" && make -j"$JOBS" > "$WORK/make.log" 2>&1 && rm -rf "$PREFIX" && make install > "$WORK/install.log" 2>&1) \
     || die "StarPU failed to build; see $WORK/make.log"
   rm -rf "$WORK/src"
 }
 
 main() {
   mkdir -p "$WORK"
-  local system stamp_want
+  local system mpi stamp_want
   system=$(find_toolkit)
-  # The patches are part of the build: a changed patch rebuilds StarPU.
-  stamp_want="$STARPU_COMMIT $system $(cat "${PATCHES[@]}" /dev/null | sha256sum | cut -d' ' -f1)"
+  mpi=$(mpi_choice)
+  # The patches and configure's arguments are part of the build: a change rebuilds StarPU.
+  stamp_want="$STARPU_COMMIT $system $(configure_args "$mpi" | cat "${PATCHES[@]}" - | sha256sum | cut -d' ' -f1)"
   if [ -f "$WORK/starpu.stamp" ] && [ "$(cat "$WORK/starpu.stamp")" = "$stamp_want" ] && [ -e "$TOOLKIT/bin/nvcc" ] \
      && [ -e "$PREFIX/lib/pkgconfig/starpu-1.4.pc" ]; then
     log "StarPU with CUDA is up to date in $PREFIX"
@@ -237,7 +271,7 @@ main() {
   rm -f "$WORK/starpu.stamp"
   ensure_build_packages
   assemble_toolkit "$system"
-  build_starpu
+  build_starpu "$mpi"
   echo "$stamp_want" > "$WORK/starpu.stamp"
   log "StarPU with CUDA installed in $PREFIX (toolkit: $TOOLKIT)"
 }

@@ -282,9 +282,10 @@ void on_sent(void*) { transfer_done(-1); }
 void on_received(void* source) { transfer_done(int(reinterpret_cast<intptr_t>(source))); }
 }  // namespace
 
-void send_tile(starpu_data_handle_t handle, int dest, int64_t tag) {
+void send_tile(starpu_data_handle_t handle, int dest, int64_t tag, bool synchronous) {
   transfer_posted(-1, int64_t(starpu_data_get_size(handle)));
-  if (starpu_mpi_isend_detached(handle, dest, tag, MPI_COMM_WORLD, on_sent, nullptr) != 0) {
+  auto send = synchronous ? starpu_mpi_issend_detached : starpu_mpi_isend_detached;
+  if (send(handle, dest, tag, MPI_COMM_WORLD, on_sent, nullptr) != 0) {
     transfer_done(-1);
     throw std::runtime_error("StarPU-MPI refused a send to rank " + std::to_string(dest));
   }
@@ -327,9 +328,9 @@ std::string mpi_unavailable_reason() {
   return "this jnntile was built without MPI's headers (mpi.h), so without distributed training: install them "
          "(apt-get install libopenmpi-dev openmpi-bin) and rebuild (make build)";
 #else
-  return "this jnntile is built against a StarPU without StarPU-MPI (the StarPU of `make cuda` is configured "
-         "with --disable-mpi), so without distributed training: use the build on Debian's StarPU (make build, "
-         ".venv) for several processes";
+  return "this jnntile is built against a StarPU without StarPU-MPI, so without distributed training (`make cuda` "
+         "builds StarPU without it where no MPI was installed): install Open MPI (apt-get install openmpi-bin "
+         "libopenmpi-dev) and run make cuda again, or use the build on Debian's StarPU (make build, .venv)";
 #endif
 }
 
@@ -347,7 +348,7 @@ void distributed_abandon() {}
 std::vector<std::string> allgather(const std::string&, const std::string&, double, bool) { unavailable(); }
 void transfer_posted(int, int64_t) { unavailable(); }
 void transfer_done(int) { unavailable(); }
-void send_tile(starpu_data_handle_t, int, int64_t) { unavailable(); }
+void send_tile(starpu_data_handle_t, int, int64_t, bool) { unavailable(); }
 void receive_tile(starpu_data_handle_t, int, int64_t) { unavailable(); }
 std::string distributed_stall() { return ""; }
 int64_t mpi_bytes_sent() { return 0; }
