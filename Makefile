@@ -130,6 +130,8 @@ $(EMULATED_GPU): tools/emulated_gpu/emulated_gpu.c $(CUDA_DIR)/starpu.stamp
 emulated-gpu: cuda $(EMULATED_GPU)
 
 # Copies complete 20 us after they are queued, as a GPU's do later than their call (EMULATED_GPU_ASYNC_US).
+# tests/test_emulated_gpu.py also trains on 2 ranks under mpirun, each with an emulated GPU: data parallel and
+# sharded (about 2 minutes on 2 busy cores, both together).
 test-emulated-gpu: emulated-gpu
 	set -o pipefail; EMULATED_GPU_ASYNC_US=20 LD_PRELOAD=$(abspath $(EMULATED_GPU)) $(CUDA_PY) -m pytest -q -rs --capture=sys \
 	  $(EMULATED_GPU_TESTS) 2>&1 | tee $(CUDA_VENV)/test-emulated-gpu.log || $(call CRASH_SUMMARY,$(CUDA_VENV)/test-emulated-gpu.log)

@@ -4,8 +4,8 @@ single-process reference (`train`).
     mpirun -n N python tests/distributed_worker.py OUT [--steps S] [--signal KILL|STOP --at-step K --on-rank R]
 
 Every rank writes OUT/rank<r>.npz: the losses (the mean over the ranks), its parameters, the tile bytes it
-sent, the CPU its process used per second while idle after training, and the errors that gradients not
-summed, and summed twice, gave.
+sent, the tasks its CUDA workers ran, the CPU its process used per second while idle after training, and the
+errors that gradients not summed, and summed twice, gave.
 """
 
 from __future__ import annotations
@@ -111,9 +111,11 @@ def main() -> None:
 
     losses, params = train(args.steps, before_step)
     jnntile.runtime.wait_all()
-    sent = jnntile.runtime.stats()["mpi_bytes_sent"]
-    np.savez(Path(args.out) / f"rank{rank}.npz", losses=losses, sent=sent, idle_cpu_per_s=_idle_cpu_per_s(),
-             misuse_errors=_misuse_errors(), **{f"param:{k}": v for k, v in params.items()})
+    stats = jnntile.runtime.stats()
+    cuda_tasks = sum(codelet["cuda_tasks"] for codelet in stats["codelets"].values())
+    np.savez(Path(args.out) / f"rank{rank}.npz", losses=losses, sent=stats["mpi_bytes_sent"], cuda_tasks=cuda_tasks,
+             idle_cpu_per_s=_idle_cpu_per_s(), misuse_errors=_misuse_errors(),
+             **{f"param:{k}": v for k, v in params.items()})
 
 
 if __name__ == "__main__":

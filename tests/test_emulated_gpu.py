@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import emulated_gpu, restart_runtime, train_steps
+from conftest import assert_trained_params_close, emulated_gpu, rel_err, restart_runtime, train_steps
+from test_distributed import STEPS, WORKER, _skip_reason as _mpi_skip_reason, mpirun
+
+import distributed_worker
 
 import jnntile
 from jnntile.models.gpt2.config import GPT2Config
@@ -174,3 +177,23 @@ def _limited_run(swap_dir: str, out: Path, gpu_mb: int, ram_mb: int, copy_delay_
                             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result.stdout, np.load(out)
+
+
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=str(_mpi_skip_reason()))
+@pytest.mark.parametrize("sharded", [False, True], ids=["data-parallel", "sharded"])
+def test_two_ranks_on_emulated_gpus_train_like_one_process_on_cpu_workers(sharded, restore_runtime, tmp_path):
+    """`mpirun -n 2` with the emulated GPU preloaded in each rank (passed on with -x, as on GPU nodes): the steps'
+    tasks run on each rank's CUDA worker, StarPU-MPI of the CUDA build sends tiles that GPU memory holds, and the
+    ranks give the losses and parameters of one process on CPU workers, data parallel and with sharded state."""
+    restart_runtime(placement="cpu", cuda_workers=0)
+    losses, params = distributed_worker.train(STEPS)
+    passed_on = [arg for name in ("LD_PRELOAD", "EMULATED_GPU_ASYNC_US") if name in os.environ for arg in ("-x", name)]
+    result = mpirun((2, WORKER, tmp_path, "--steps", STEPS, *(["--shard-state"] if sharded else [])),
+                    options=passed_on)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    for r, run in enumerate(runs):
+        assert run["cuda_tasks"] > 0, f"rank {r} ran no task on its CUDA worker"
+        assert rel_err(run["losses"], losses) <= 1e-5, (r, run["losses"], losses)
+        assert_trained_params_close({name: run[f"param:{name}"] for name in params}, params, STEPS,
+                                    distributed_worker.LEARNING_RATE, 1e-4)
