@@ -448,8 +448,9 @@ def dies_at_step(dataset, step, args, **fields):
     if where == "step" and step == at:
         os.kill(os.getpid(), signal.SIGKILL)
     return step_batch(dataset, step, args, **fields)
+optimizer_state = (f".ckpt-{at:07d}.tmp-shared", "optimizer.safetensors")  # in the shared temporary
 def dies_in_checkpoint(path, *args, **kwargs):
-    if where == "checkpoint" and path.parent.name.startswith(f".ckpt-{at:07d}.") and path.name.startswith("optim"):
+    if where == "checkpoint" and (path.parent.name, path.name) == optimizer_state:
         os.kill(os.getpid(), signal.SIGKILL)
     return write_file(path, *args, **kwargs)
 train._step_batch, tensorfile.write_file = dies_at_step, dies_in_checkpoint
