@@ -57,8 +57,10 @@ std::vector<std::string> allgather(const std::string& mine, const std::string& w
 void transfer_posted(int source, int64_t bytes_sent);
 void transfer_done(int source);
 // A detached StarPU-MPI send of the tile to `dest` / receive into it from `source`, counted as above
-// (`tag`: a starpu_mpi_tag_t, the same on both sides). Throw when StarPU-MPI refuses them.
-void send_tile(starpu_data_handle_t handle, int dest, int64_t tag);
+// (`tag`: a starpu_mpi_tag_t, the same on both sides). Throw when StarPU-MPI refuses them. A `synchronous` send
+// moves no data before the receive is posted: StarPU-MPI otherwise receives what arrives early into memory
+// of its own.
+void send_tile(starpu_data_handle_t handle, int dest, int64_t tag, bool synchronous = false);
 void receive_tile(starpu_data_handle_t handle, int source, int64_t tag);
 // For the watchdog's message: "" when no receive is outstanding, else which
 // ranks this one waits for, and which ranks do not answer a ping (dead or

@@ -45,15 +45,6 @@ OpState& op_state() {
 struct NoArgs {};
 void gate_kernel(void**, const NoArgs&) {}
 
-struct CopyArgs {
-  size_t bytes;
-};
-// buffers: the gate, the tile, the copy sent
-void copy_kernel(void** buffers, const CopyArgs& a) {
-  std::memcpy(reinterpret_cast<void*>(STARPU_VECTOR_GET_PTR(buffers[2])),
-              reinterpret_cast<const void*>(STARPU_VECTOR_GET_PTR(buffers[1])), a.bytes);
-}
-
 // Submitted past submit_task's bookkeeping: these tasks move or order a tile's values without changing
 // them, so no rank counts them (every rank must keep the same account of each tile).
 void submit_unchecked(starpu_codelet* cl, std::initializer_list<Buffer> buffers, void* arg, size_t arg_size) {
@@ -77,25 +68,17 @@ starpu_codelet* gate_codelet() {
   return cl;
 }
 
-// The owner sends the tile to every other rank, which receives it into its replica. With a gate (the op
-// before has its input), the transfer waits for it on both sides: the owner sends a copy made once the
-// gate is written (StarPU-MPI posts a send as soon as its data is readable, and a receiver with no request
-// posted yet allocates the data it gets), the others receive once their own gate is written.
+// The owner sends the tile to every other rank, which receives it into its replica once its gate (the op
+// before has its input) is written. The sends are synchronous: their data moves when the receive is posted,
+// so a rank ahead of another does not fill the other's memory with tiles it does not need yet (StarPU-MPI
+// receives early data into memory of its own).
 void fetch(starpu_data_handle_t tile, starpu_data_handle_t gate) {
   const auto [me, n] = mpi_world();
   const TileState* state = state_of(tile);
   const int64_t tag = shard_tag(tile, ShardTransfer::Fetch);
   if (state->owner == me) {
-    starpu_data_handle_t sent = tile;
-    if (gate != nullptr) {
-      sent = temporary_vector(int64_t(starpu_vector_get_nx(tile)), starpu_vector_get_elemsize(tile));
-      static starpu_codelet* copy_cl = codelet<CopyArgs, copy_kernel>("shard_send_copy");
-      CopyArgs args{starpu_data_get_size(tile)};
-      submit_unchecked(copy_cl, {{gate, STARPU_R}, {tile, STARPU_R}, {sent, STARPU_W}}, &args, sizeof args);
-    }
     for (int r = 0; r < n; ++r)
-      if (r != me) send_tile(sent, r, tag);
-    if (sent != tile) starpu_data_unregister_submit(sent);
+      if (r != me) send_tile(tile, r, tag, /*synchronous=*/true);
     return;
   }
   NoArgs none;
