@@ -75,6 +75,18 @@ def plan_text(argv: list[str]) -> str:
     return result.stdout
 
 
+def fine_tune(root: Path, argv: list[str], name: str = "LoRA fine-tune") -> tuple[dict, list[dict]]:
+    """`python -m jnntile.train` with `argv` and --out root/out, in a process of its own: its `run` row (peak RSS,
+    seconds) with the most disk used under `root` while it ran ("disk_peak_mb"), and its metrics.jsonl rows."""
+    out = root / "out"
+    with DiskWatch(root) as disk:
+        result = run(name, ["train", *argv, "--out", str(out)], timeout_s=6 * 3600)
+    if result["returncode"] != 0:
+        raise RuntimeError(f"the training run failed ({result['returncode']}); its output is above")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {**result, "disk_peak_mb": disk.peak / MB}, rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-8b")
@@ -99,18 +111,13 @@ def main() -> None:
         from jnntile.models import families
         vocab = families.preset(args.model).vocab_size
         make_dataset(root / "data", vocab)
-        out = root / "out"
-        train = ["train", *model, *adapters, "--data", str(root / "data"), "--steps", str(args.steps),
+        train = [*model, *adapters, "--data", str(root / "data"), "--steps", str(args.steps),
                  "--eval-interval", "0", "--checkpoint-interval", "0", "--samples", "1", "--sample-tokens", "4",
-                 "--out", str(out), "--export-lora", str(root / "adapter"), "--swap-dir", str(root / "swap"), *limits]
-        with DiskWatch(root) as disk:
-            result = run("LoRA fine-tune", train, timeout_s=6 * 3600)
-        if result["returncode"] != 0:
-            raise RuntimeError(f"the training run failed ({result['returncode']}); its output is above")
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        results.update(peak_rss_mb=result["peak_rss_mb"], seconds=result["seconds"], disk_peak_mb=disk.peak / MB,
-                       steps=rows, adapter_mb=disk_used(root / "adapter") / MB,
-                       checkpoint_mb=disk_used(out) / MB)
+                 "--export-lora", str(root / "adapter"), "--swap-dir", str(root / "swap"), *limits]
+        result, rows = fine_tune(root, train)
+        results.update(peak_rss_mb=result["peak_rss_mb"], seconds=result["seconds"],
+                       disk_peak_mb=result["disk_peak_mb"], steps=rows, adapter_mb=disk_used(root / "adapter") / MB,
+                       checkpoint_mb=disk_used(root / "out") / MB)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
