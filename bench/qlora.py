@@ -15,8 +15,8 @@ b. llama-8b, nf4 base, `--memory-limit-mb 7000` and no swap: whether 2 steps com
    batch 1 x 128, `--memory-limit-mb 8000` with disk swap of the size the planner says the step needs: each
    step's time, bytes read from swap and what share of the disk's sequential read bandwidth (dd with direct
    I/O, measured here) they take, and the peak RSS. Only with `--only 70b`: hours on 2 cores (drawing and
-   quantizing 70.55B random weights alone took ~8M weights/s on a busy 2-core VM); `--layers-70b N` runs
-   N of its 80 layers.
+   quantizing 70.55B random weights, one at a time, about 2 hours at 10M weights/s; a step, about 21 minutes
+   scaled from 12 layers); `--layers-70b N` runs N of its 80 layers (docs/performance.md, 12).
 
 Everything goes to a temporary directory under --swap-dir, removed at the end.
 """
@@ -124,9 +124,11 @@ def part_70b(root: Path, args) -> dict:
     flags = model_flags("llama-70b", 128, "nf4", args.double_quant)
     if args.layers_70b:
         flags += ["--n-layer", str(args.layers_70b)]
-    text = plan([*flags, "--memory-limit-mb", "8000", "--swap-size-mb", "1000000"])
-    need_mb = swap_needed_mb(text)
     free_mb = shutil.disk_usage(root).free / MB
+    # Planned with --swap-dir, as the run: without it --fused-update auto plans another update.
+    text = plan([*flags, "--memory-limit-mb", "8000", "--swap-dir", str(root / "swap"), "--swap-size-mb",
+                 str(int(free_mb))])
+    need_mb = swap_needed_mb(text)
     if need_mb is None:
         raise RuntimeError("the step fits in RAM under --memory-limit-mb 8000: no swap to measure; give more "
                            "--layers-70b")
