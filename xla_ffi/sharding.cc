@@ -75,7 +75,7 @@ starpu_codelet* gate_codelet() {
 void fetch(starpu_data_handle_t tile, starpu_data_handle_t gate) {
   const auto [me, n] = mpi_world();
   const TileState* state = state_of(tile);
-  const int64_t tag = shard_tag(tile, ShardTransfer::Fetch);
+  const int64_t tag = shard_tag(tile);
   if (state->owner == me) {
     for (int r = 0; r < n; ++r)
       if (r != me) send_tile(tile, r, tag, /*synchronous=*/true);
@@ -153,17 +153,12 @@ int tile_owner(starpu_data_handle_t handle) {
   return state == nullptr ? -1 : state->owner;
 }
 
-bool holds_tile(starpu_data_handle_t handle) {
-  const int owner = tile_owner(handle);
-  return owner < 0 || owner == my_rank();
-}
-
-int64_t shard_tag(starpu_data_handle_t tile, ShardTransfer kind) {
+int64_t shard_tag(starpu_data_handle_t tile) {
   const TileState* state = state_of(tile);
   const TiledTensor& t = *state->tensor;
   const int64_t index = int64_t(state - t.tile_states.get());
   // Bit 62 keeps these apart from the gradient sums' tags (ops/allreduce.cc), which stay below it.
-  return (int64_t(1) << 62) | (t.shard_key << 33) | (index << 1) | int64_t(kind);
+  return (int64_t(1) << 62) | (t.shard_key << 32) | index;
 }
 
 bool shard_admit(const std::vector<Buffer>& buffers) {

@@ -52,8 +52,6 @@ void tensor_unshard(TiledTensor& t);
 std::vector<int> tensor_owners(int64_t id);
 // The owner of the tile, -1 when every rank holds it.
 int tile_owner(starpu_data_handle_t handle);
-// Whether this rank holds the tile's values: it owns it, or the tile is not sharded.
-bool holds_tile(starpu_data_handle_t handle);
 
 // Whether this rank submits a task on `buffers` (see above); posts the transfers of the sharded tiles it
 // reads. Throws when a task writes tiles of two owners' shards, or of a shard and of every rank's.
@@ -69,8 +67,7 @@ class ShardedOp {
   ShardedOp& operator=(const ShardedOp&) = delete;
 };
 
-// StarPU-MPI tags of the transfers of sharded tiles: the tensor's shard key, the tile, and what moves.
-enum class ShardTransfer : int { Fetch = 0, SumOfSquares = 1 };
-int64_t shard_tag(starpu_data_handle_t tile, ShardTransfer kind);
+// The StarPU-MPI tag of a sharded tile's transfers: the tensor's shard key and the tile.
+int64_t shard_tag(starpu_data_handle_t tile);
 
 }  // namespace jnntile
