@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-BATCH, SEQ, MICRO_BATCHES = 6, 8, 2
+BATCH, SEQ, MICRO_BATCHES = 12, 8, 2  # rows split by 2, 3 and 4 ranks
 LEARNING_RATE = 1e-2
 # Uneven tiles (vocabulary 97 in tiles of 40, width 24 in tiles of 16): an odd number of gradient tiles, so
 # reduction roots do not fall evenly on the ranks.

@@ -159,7 +159,7 @@ def test_ranks_train_like_one_process(ranks, one_process, tmp_path):
 
 
 @needs_mpirun
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_ranks_with_sharded_state_train_like_one_process(ranks, one_process, tmp_path):
     """Each tile of the parameters, their moments and summed gradients on one rank (docs/distributed.md,
     "Sharded state"): the losses and parameters of one process, every tile fetched for the ops that read it."""

@@ -61,6 +61,11 @@ void transfer_done(int source);
 // moves no data before the receive is posted: StarPU-MPI otherwise receives what arrives early into memory
 // of its own.
 void send_tile(starpu_data_handle_t handle, int dest, int64_t tag, bool synchronous = false);
+// Whether a send of the tile that its receiver may post late goes synchronously: tiles above 64 KiB. A small
+// tile's early copy costs the receiver next to nothing, and a synchronous send costs its handshake: the norm's
+// partial sums (8 bytes a gradient tile) sent synchronously took 80 s a step on 4 ranks sharing 2 cores,
+// against 13-16 s for the whole step sent eagerly (the `state` model of bench/multinode.py).
+inline bool send_synchronously(starpu_data_handle_t handle) { return starpu_data_get_size(handle) > (64 << 10); }
 void receive_tile(starpu_data_handle_t handle, int source, int64_t tag);
 // For the watchdog's message: "" when no receive is outstanding, else which
 // ranks this one waits for, and which ranks do not answer a ping (dead or

@@ -159,6 +159,10 @@ void end_pending();
 void wait(TaskGroup* group, const char* what);
 // Blocks until nothing is pending.
 void wait_all(const char* what);
+// Tasks submitted since the runtime started; blocks until that many completed (in any order: a count, not
+// particular tasks), with the watchdog of `wait`.
+int64_t tasks_submitted();
+void wait_completed(int64_t count, const char* what);
 
 RuntimeStats runtime_stats();
 // Starts the peak memory use of every node over from its current use.

@@ -10,6 +10,7 @@
 #include "runtime.h"
 
 #include <chrono>
+#include <cstdint>
 #include <thread>
 
 namespace jnntile {
@@ -61,6 +62,7 @@ struct RuntimeState {
   int64_t pending = 0;
   int64_t submitted = 0;
   std::atomic<int64_t> completed{0};
+  std::atomic<int64_t> wake_at_completed{INT64_MAX};  // wait_completed's target: the completion that wakes it
   Clock::time_point last_progress = Clock::now();
   Statistics stats;
 };

@@ -1,6 +1,7 @@
 #include "sharding.h"
 
 #include <atomic>
+#include <deque>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -35,6 +36,10 @@ struct OpState {
   int64_t next_key = 0;
   int64_t next_summed_key = kSummedKeys;
   static constexpr int64_t kSummedKeys = int64_t(1) << 28;
+  // The tasks submitted at the end of each of the last ops: an op starts once the tasks of all but the last
+  // kOpsAhead ops have completed (see ShardedOp).
+  std::deque<int64_t> op_ends;
+  static constexpr size_t kOpsAhead = 2;
 };
 
 OpState& op_state() {
@@ -42,26 +47,10 @@ OpState& op_state() {
   return *s;
 }
 
+// Gates order a tile's transfers without changing its values: submitted past submit_task's bookkeeping
+// (submit_task_unchecked), so no rank counts them (every rank must keep the same account of each tile).
 struct NoArgs {};
 void gate_kernel(void**, const NoArgs&) {}
-
-// Submitted past submit_task's bookkeeping: these tasks move or order a tile's values without changing
-// them, so no rank counts them (every rank must keep the same account of each tile).
-void submit_unchecked(starpu_codelet* cl, std::initializer_list<Buffer> buffers, void* arg, size_t arg_size) {
-  starpu_task* task = starpu_task_create();
-  task->cl = cl;
-  task->nbuffers = int(buffers.size());
-  int i = 0;
-  for (const Buffer& b : buffers) {
-    task->handles[i] = b.handle;
-    task->modes[i++] = b.mode;
-  }
-  task->cl_arg = malloc(arg_size);
-  std::memcpy(task->cl_arg, arg, arg_size);
-  task->cl_arg_size = arg_size;
-  task->cl_arg_free = 1;
-  submit(task, nullptr);
-}
 
 starpu_codelet* gate_codelet() {
   static starpu_codelet* cl = codelet<NoArgs, gate_kernel>("shard_gate");
@@ -69,20 +58,19 @@ starpu_codelet* gate_codelet() {
 }
 
 // The owner sends the tile to every other rank, which receives it into its replica once its gate (the op
-// before has its input) is written. The sends are synchronous: their data moves when the receive is posted,
-// so a rank ahead of another does not fill the other's memory with tiles it does not need yet (StarPU-MPI
-// receives early data into memory of its own).
+// before has its input) is written. Sends of all but small tiles are synchronous (send_synchronously): their
+// data moves when the receive is posted, so a rank ahead of another does not fill the other's memory with
+// tiles it does not need yet (StarPU-MPI receives early data into memory of its own).
 void fetch(starpu_data_handle_t tile, starpu_data_handle_t gate) {
   const auto [me, n] = mpi_world();
   const TileState* state = state_of(tile);
   const int64_t tag = shard_tag(tile);
   if (state->owner == me) {
     for (int r = 0; r < n; ++r)
-      if (r != me) send_tile(tile, r, tag, /*synchronous=*/true);
+      if (r != me) send_tile(tile, r, tag, send_synchronously(tile));
     return;
   }
-  NoArgs none;
-  if (gate != nullptr) submit_unchecked(gate_codelet(), {{gate, STARPU_R}, {tile, STARPU_W}}, &none, sizeof none);
+  if (gate != nullptr) submit_task_unchecked(gate_codelet(), {{gate, STARPU_R}, {tile, STARPU_W}}, NoArgs{});
   receive_tile(tile, state->owner, tag);
 }
 
@@ -196,8 +184,7 @@ bool shard_admit(const std::vector<Buffer>& buffers) {
       if (s.next_gate == nullptr && TileContent(state->content.load()) == TileContent::Valid) {
         // Marked now, as the op reads it: the op may release its input before it ends.
         s.next_gate = temporary_vector(1, 1);
-        NoArgs none;
-        submit_unchecked(gate_codelet(), {{b.handle, STARPU_R}, {s.next_gate, STARPU_W}}, &none, sizeof none);
+        submit_task_unchecked(gate_codelet(), {{b.handle, STARPU_R}, {s.next_gate, STARPU_W}}, NoArgs{});
       }
       continue;
     }
@@ -216,11 +203,38 @@ bool shard_admit(const std::vector<Buffer>& buffers) {
   return true;
 }
 
+// A rank submits an op once the tasks of the ops before its last kOpsAhead have completed. Unpaced, a rank
+// submits a step at once, and the owners' sends, posted at submission, let it run its whole backward ahead of
+// the others: it then holds its partial gradients of every tile a slower rank owns until that rank's sum
+// takes them, while the slower rank, short of memory to compute its own, holds its partials for the faster
+// one's tiles: under a memory limit, both wait for good (4 ranks, a limit of their share of the state + 20%).
+// Paced, an owner posts an op's sends when it nears that op itself, so no rank runs more than a few ops ahead
+// of the owners of what it reads, and the partial gradients a rank holds are those of the ops in flight.
 ShardedOp::ShardedOp() {
   if (!sharding_in_use()) return;
   OpState& s = op_state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  ++s.depth;
+  int64_t wait_for = -1;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (s.depth++ > 0) return;
+    if (s.op_ends.size() >= OpState::kOpsAhead) {
+      wait_for = s.op_ends.front();
+      s.op_ends.pop_front();
+    }
+  }
+  if (wait_for < 0) return;
+  if (wait_for > tasks_submitted()) {  // counts of an earlier runtime (stopped and started again) pace nothing
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.op_ends.clear();
+    return;
+  }
+  try {
+    wait_completed(wait_for, "the ops before this one (a rank with sharded state runs at most 2 ops ahead)");
+  } catch (...) {  // no destructor runs for a constructor that throws
+    std::lock_guard<std::mutex> lock(s.mutex);
+    --s.depth;
+    throw;
+  }
 }
 
 ShardedOp::~ShardedOp() {
@@ -228,6 +242,7 @@ ShardedOp::~ShardedOp() {
   OpState& s = op_state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (s.depth == 0 || --s.depth > 0) return;
+  s.op_ends.push_back(tasks_submitted());
   const int me = my_rank();
   for (starpu_data_handle_t tile : s.fetched) {
     TileState* state = state_of(tile);

@@ -20,6 +20,9 @@
 // * A fetch is gated on the input of the op before it: its transfer starts when
 //   that op can run, so the next op's parameters travel while the current one
 //   computes, and no more than two ops' parameters are in flight.
+// * A rank submits an op once all but its last two ops have run (ShardedOp), so
+//   owners post their sends as they near an op themselves, and no rank runs
+//   ahead of the others holding partial gradients they cannot yet take.
 //
 // Gradients are accumulated by every rank for its rows, then summed up to the
 // owner of each tile (ops/allreduce.cc with the owners as roots and no way
@@ -57,8 +60,9 @@ int tile_owner(starpu_data_handle_t handle);
 // reads. Throws when a task writes tiles of two owners' shards, or of a shard and of every rank's.
 bool shard_admit(const std::vector<Buffer>& buffers);
 
-// Lives while an op submits its tasks: its end drops the replicas the op fetched and marks the op's input
-// for the next op's fetches. Ops nest (a host read inside an op): the outermost one counts.
+// Lives while an op submits its tasks: its start waits until all but the last 2 ops before it have run
+// (the watchdog fails a wait that cannot end), its end drops the replicas the op fetched and marks the op's
+// input for the next op's fetches. Ops nest (a host read inside an op): the outermost one counts.
 class ShardedOp {
  public:
   ShardedOp();

@@ -91,19 +91,11 @@ inline starpu_data_handle_t temporary_vector(int64_t n, size_t elem_size) {
   return handle;
 }
 
+// Builds and submits the task, past the tiles' bookkeeping: `submit_task` below for every op's tasks;
+// alone only for tasks that move or order a tile's values without changing them (sharding.cc).
 template <class Args>
-void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const Args& args,
-                 double flops = 0.0, TaskGroup* group = nullptr) {
-  // With sharded state, a task that writes another rank's shard runs there: this rank only counts its writes.
-  const bool runs_here = !sharding_in_use() || shard_admit(buffers);
-  // Before anything is submitted: a read of a tile that holds nothing is an error.
-  for (const Buffer& b : buffers)
-    if (runs_here && (b.mode & STARPU_R)) check_readable(b.handle);
-  for (const Buffer& b : buffers) {
-    if (!(b.mode & STARPU_R)) mark_written(b.handle);
-    if (b.mode & STARPU_W) count_write(b.handle);
-  }
-  if (!runs_here) return;
+void submit_task_unchecked(starpu_codelet* cl, const std::vector<Buffer>& buffers, const Args& args,
+                           double flops = 0.0, TaskGroup* group = nullptr) {
   starpu_task* task = starpu_task_create();
   task->cl = cl;
   task->nbuffers = int(buffers.size());
@@ -131,6 +123,21 @@ void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const A
   task->cl_arg_free = 1;
   task->flops = flops;
   submit(task, group);
+}
+
+template <class Args>
+void submit_task(starpu_codelet* cl, const std::vector<Buffer>& buffers, const Args& args,
+                 double flops = 0.0, TaskGroup* group = nullptr) {
+  // With sharded state, a task that writes another rank's shard runs there: this rank only counts its writes.
+  const bool runs_here = !sharding_in_use() || shard_admit(buffers);
+  // Before anything is submitted: a read of a tile that holds nothing is an error.
+  for (const Buffer& b : buffers)
+    if (runs_here && (b.mode & STARPU_R)) check_readable(b.handle);
+  for (const Buffer& b : buffers) {
+    if (!(b.mode & STARPU_R)) mark_written(b.handle);
+    if (b.mode & STARPU_W) count_write(b.handle);
+  }
+  if (runs_here) submit_task_unchecked(cl, buffers, args, flops, group);
 }
 
 // ---- small tiles, several to a task ------------------------------------------

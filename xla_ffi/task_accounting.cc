@@ -26,8 +26,9 @@ void finish_one_locked(RuntimeState& s) {
 void on_task_done(void* arg) {
   RuntimeState& s = state();
   s.stats.sample_peaks();
-  s.completed.fetch_add(1, std::memory_order_relaxed);
+  const int64_t completed = s.completed.fetch_add(1, std::memory_order_relaxed) + 1;
   bool wake = arg != nullptr && static_cast<TaskGroup*>(arg)->remaining.fetch_sub(1) == 1;
+  wake = wake || completed >= s.wake_at_completed.load(std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     // In a callback, StarPU's current task is the one that finished.
@@ -154,6 +155,24 @@ void wait(TaskGroup* group, const char* what) {
 
 void wait_all(const char* what) {
   wait_until([&] { return state().pending == 0; }, what);
+}
+
+int64_t tasks_submitted() {
+  RuntimeState& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.submitted;
+}
+
+void wait_completed(int64_t count, const char* what) {
+  RuntimeState& s = state();
+  s.wake_at_completed.store(count);
+  try {
+    wait_until([&] { return s.completed.load() >= count; }, what);
+  } catch (...) {
+    s.wake_at_completed.store(INT64_MAX);
+    throw;
+  }
+  s.wake_at_completed.store(INT64_MAX);
 }
 
 }  // namespace jnntile

@@ -136,7 +136,9 @@ void allreduce_submit(const OpCall& call) {
                     double(g.tile_numel(t)));
         starpu_data_unregister_submit(partial);
       }
-      if (r.reduce_to >= 0) send_tile(tile, r.reduce_to, tag(key, index, 0));
+      // Sums to owners go as the sharded state's fetches do (send_synchronously): a partial sum sent ahead of
+      // its receive would wait in memory of StarPU-MPI's on a rank that may have none to spare.
+      if (r.reduce_to >= 0) send_tile(tile, r.reduce_to, tag(key, index, 0), to_owner && send_synchronously(tile));
       if (to_owner) {
         // Its memory goes once the send read it; every rank still counts the tile as holding values.
         if (owners.back() != me) starpu_data_invalidate_submit(tile);
