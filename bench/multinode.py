@@ -2,7 +2,8 @@
 StarPU-MPI's progression thread, and the two reduction schedules (tree, ring); with --shard-state, sharded
 state against replicated at the same ranks (the most RAM StarPU held per rank, besides).
 
-    .venv/bin/python bench/multinode.py [--repeats 2] [--steps 6] [--json] [--shard-state] [--tcp]
+    .venv/bin/python bench/multinode.py [--repeats 2] [--steps 6] [--json] [--shard-state [--no-limit]] [--tcp]
+    .venv/bin/python bench/multinode.py --large [--steps 2] [--swap-dir DIR]
 
 One model, one global batch, every configuration in processes of its own: one process with 1 and with 2
 CPU workers, then 2 and 3 ranks under mpirun with one CPU worker each (--oversubscribe: 3 ranks share 2
@@ -32,7 +33,11 @@ BATCH, SEQ = 6, 128
 # GPT-2 124M's shape, as (GPT-2 config, sequence length).
 SHARDED_MODELS = {"default": (MODEL, SEQ),
                   "state": (dict(n_layer=16, n_head=8, n_embd=512, vocab_size=8192, n_positions=32, tile_vocab=1024), 32),
-                  "124m": (dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=128), 128)}
+                  "124m": (dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=128), 128),
+                  "large": (dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257, n_positions=128), 128)}
+# --large: GPT-2 large's shape on 4 sharded ranks, each under this limit with no swap, against one process under
+# the same limit with disk swap (its 12.4 GB of state do not fit).
+LARGE_RANKS, LARGE_LIMIT_MB = 4, 4000
 # (ranks, CPU workers per rank, allreduce schedule); the two schedules route 2 ranks the same way.
 CONFIGS = [(1, 1, "tree"), (1, 2, "tree"), (2, 1, "tree"), (3, 1, "tree"), (3, 1, "ring")]
 # --shard-state: (ranks, CPU workers per rank, schedule, sharded), replicated and sharded at each rank count.
@@ -57,8 +62,10 @@ def _thread_cpu_s() -> dict[str, float]:
 
 
 def measure(workers: int, schedule: str, steps: int, shard_state: bool = False, batch: int = BATCH,
-            model: str = "default") -> dict:
-    """Runs on every rank: this rank's numbers for `steps` steps after two warm-up steps."""
+            model: str = "default", limit_mb: int = 0, swap_dir: str = "", warmup: int = 2) -> dict:
+    """Runs on every rank: this rank's numbers for `steps` steps after `warmup` steps. Runs are under `limit_mb`
+    when given (-1: no limit), else sharded ones under their share of the state + 20%; `swap_dir`: disk swap
+    there."""
     import jnntile
     from jnntile.core import distributed
     from jnntile.models.gpt2.config import GPT2Config
@@ -72,15 +79,19 @@ def measure(workers: int, schedule: str, steps: int, shard_state: bool = False, 
     # swap: StarPU then frees what it would keep cached for reuse, and the run shows whether the share fits.
     limit = {"memory_limit_mb": math.ceil(1.2 * state_bytes / distributed.launched_ranks() / 2**20)} \
         if shard_state and several else {}
+    if limit_mb:
+        limit = {"memory_limit_mb": limit_mb} if limit_mb > 0 else {}
+    swap = {"swap_dir": swap_dir, "swap_size_mb": math.ceil(1.5 * state_bytes / 2**20)} if swap_dir else {}
     jnntile.runtime.start(distributed=several, workers=workers, allreduce=schedule,
-                          shard_state=shard_state and several, **limit)
+                          shard_state=shard_state and several, **limit, **swap)
     rss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step = jnntile_step(config, batch, seq)
-    step()
-    step()
+    for _ in range(warmup):
+        step()
     jnntile.runtime.wait_all()
     jnntile.runtime.reset_peaks()  # the peak of the measured steps, not of the start
     sent, cpu, started = jnntile.runtime.stats()["mpi_bytes_sent"], _thread_cpu_s(), time.perf_counter()
+    swap_before = jnntile.runtime.swap_bytes()
     times = step_seconds(step, steps, warmup=0)
     jnntile.runtime.wait_all()
     wall = time.perf_counter() - started
@@ -90,6 +101,9 @@ def measure(workers: int, schedule: str, steps: int, shard_state: bool = False, 
     return {"rank": jnntile.runtime.rank(), "tokens_per_s": batch * seq / statistics.median(times),
             "peak_ram_bytes": ram["peak_used_bytes"], "state_bytes": state_bytes,
             "rss_growth_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_at_start,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "step_s": statistics.median(times),
+            "swap_read_bytes_per_step": (jnntile.runtime.swap_bytes()[1] - swap_before[1]) / steps,
             "memory_limit_mb": limit.get("memory_limit_mb", 0),
             "bytes_sent_per_step": (jnntile.runtime.stats()["mpi_bytes_sent"] - sent) / steps,
             "gradient_bytes": 4 * params,
@@ -97,14 +111,17 @@ def measure(workers: int, schedule: str, steps: int, shard_state: bool = False, 
 
 
 def run(ranks: int, workers: int, schedule: str, steps: int, shard_state: bool = False, batch: int = BATCH,
-        model: str = "default", tcp: bool = False) -> list[dict]:
+        model: str = "default", tcp: bool = False, limit_mb: int = 0, swap_dir: str = "",
+        warmup: int = 2) -> list[dict]:
     """Every rank's numbers for one configuration, each in processes of its own; with `tcp`, Open MPI's ranks
     talk through TCP alone, as between machines (its ob1 layer with the tcp and self transports: no shared
     memory)."""
     here = os.path.dirname(os.path.abspath(__file__))
     results = Path(tempfile.mkdtemp(prefix="multinode-"))
     worker = [sys.executable, os.path.abspath(__file__), "--worker", str(workers), schedule, results,
-              "--steps", str(steps), "--batch", str(batch), "--model", model] + (["--shard-state"] if shard_state else [])
+              "--steps", str(steps), "--batch", str(batch), "--model", model, "--limit-mb", str(limit_mb),
+              "--warmup", str(warmup)] + (["--shard-state"] if shard_state else []) + \
+        (["--swap-dir", swap_dir] if swap_dir else [])
     if ranks == 1:
         argv = worker
     else:
@@ -134,12 +151,23 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(SHARDED_MODELS), default="default",
                    help="with --shard-state: the model (state: one whose state outweighs its activations; 124m)")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="with --shard-state: the rank counts")
+    p.add_argument("--large", action="store_true", help=f"GPT-2 large's shape on {LARGE_RANKS} sharded ranks under "
+                   f"{LARGE_LIMIT_MB} MB each, no swap, against one process under {LARGE_LIMIT_MB} MB with disk swap")
+    p.add_argument("--swap-dir", default=tempfile.gettempdir(), help="with --large: where the one process swaps")
+    p.add_argument("--no-limit", action="store_true", help="with --shard-state: sharded runs without a memory "
+                   "limit (for speed alone)")
+    p.add_argument("--limit-mb", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--worker", nargs=3, metavar=("WORKERS", "SCHEDULE", "RESULTS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         workers, schedule, results = args.worker
-        result = measure(int(workers), schedule, args.steps, args.shard_state, args.batch, args.model)
+        result = measure(int(workers), schedule, args.steps, args.shard_state, args.batch, args.model, args.limit_mb,
+                         args.swap_dir if args.limit_mb > 0 and not args.shard_state else "", args.warmup)
         (Path(results) / f"rank{result['rank']}.json").write_text(json.dumps(result))
+        return
+    if args.large:
+        compare_large(args)
         return
     if args.shard_state:
         compare_sharded(args)
@@ -183,7 +211,8 @@ def compare_sharded(args) -> None:
     runs: dict[tuple, list[list[dict]]] = {config: [] for config in configs}
     for _ in range(args.repeats):
         for ranks, sharded in configs:
-            runs[(ranks, sharded)].append(run(ranks, 1, "tree", args.steps, sharded, SHARDED_BATCH, args.model, args.tcp))
+            runs[(ranks, sharded)].append(run(ranks, 1, "tree", args.steps, sharded, SHARDED_BATCH, args.model, args.tcp,
+                                              limit_mb=-1 if args.no_limit else 0))
     rows = []
     for (ranks, sharded), repeats in runs.items():
         param_bytes = repeats[0][0]["gradient_bytes"]
@@ -203,7 +232,8 @@ def compare_sharded(args) -> None:
     print(f"GPT-2 {sizes}, global batch {SHARDED_BATCH} x {seq}, state {rows[0]['state_mb']:.1f} MB (parameters, gradients, "
           f"AdamW moments); medians of {args.repeats} interleaved runs of {args.steps} steps")
     print("peak RAM: the most StarPU held (the largest rank's), which keeps freed tiles cached for reuse unless a "
-          "limit needs them; sharded runs ran under a limit of their share of the state + 20%, with no swap. RSS "
+          "limit needs them; " + ("no run had a limit" if args.no_limit else "sharded runs ran under a limit of "
+          "their share of the state + 20%, with no swap") + ". RSS "
           "growth: the process's peak RSS less its RSS once the runtime started (JAX and the libraries)")
     print(f"{'ranks':>5} {'state':>10} {'limit MB':>8} {'tokens/s':>9} {'peak RAM MB/rank':>17} {'RSS growth MB':>13} "
           f"{'MB sent/step/rank':>18} {'predicted':>9}")
@@ -211,6 +241,36 @@ def compare_sharded(args) -> None:
         print(f"{r['ranks']:>5} {'sharded' if r['sharded'] else 'replicated':>10} {r['memory_limit_mb'] or '-':>8} "
               f"{r['tokens_per_s']:>9.0f} {r['peak_ram_mb']:>17.1f} {r['rss_growth_mb']:>13.1f} "
               f"{r['mb_sent_per_step_per_rank']:>18.2f} {r['mb_predicted']:>9.2f}")
+
+
+def compare_large(args) -> None:
+    """GPT-2 large's shape (774M parameters, 12.4 GB of float32 state with AdamW), global batch 4 x 128: on
+    LARGE_RANKS sharded ranks under LARGE_LIMIT_MB each with no swap, then in one process under the same limit
+    with disk swap under --swap-dir. One warm-up step (the model's first step), then --steps steps."""
+    swap_root = tempfile.mkdtemp(prefix="multinode-large-", dir=args.swap_dir)
+    try:
+        configs = {f"{LARGE_RANKS} sharded ranks, no swap": run(LARGE_RANKS, 1, "tree", args.steps, True, 4, "large",
+                                                                args.tcp, LARGE_LIMIT_MB, warmup=1),
+                   "1 process, disk swap": run(1, 2, "tree", args.steps, False, 4, "large", False, LARGE_LIMIT_MB,
+                                               swap_root, warmup=1)}
+    finally:
+        shutil.rmtree(swap_root, ignore_errors=True)
+    rows = [{"run": name, "step_s": max(r["step_s"] for r in ranks), "tokens_per_s": 4 * 128 / max(r["step_s"] for r in ranks),
+             "peak_rss_mb": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
+             "peak_ram_mb": max(r["peak_ram_bytes"] for r in ranks) / 2**20,
+             "swap_read_mb_per_step": max(r["swap_read_bytes_per_step"] for r in ranks) / 2**20,
+             "mb_sent_per_step_per_rank": statistics.mean(r["bytes_sent_per_step"] for r in ranks) / 2**20,
+             "state_mb": ranks[0]["state_bytes"] / 2**20} for name, ranks in configs.items()]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"GPT-2 large's shape, global batch 4 x 128, state {rows[0]['state_mb']:.0f} MB; every process under "
+          f"{LARGE_LIMIT_MB} MB; median of {args.steps} steps after one; the largest rank's figures")
+    print(f"{'run':>28} {'s/step':>7} {'tokens/s':>8} {'peak RSS MB':>11} {'StarPU peak MB':>14} {'swap read MB/step':>17} "
+          f"{'MB sent/step/rank':>17}")
+    for r in rows:
+        print(f"{r['run']:>28} {r['step_s']:>7.1f} {r['tokens_per_s']:>8.1f} {r['peak_rss_mb']:>11.0f} {r['peak_ram_mb']:>14.0f} "
+              f"{r['swap_read_mb_per_step']:>17.0f} {r['mb_sent_per_step_per_rank']:>17.0f}")
 
 
 if __name__ == "__main__":
