@@ -149,6 +149,8 @@ def test_matmul_precision_default_is_tf32_only_with_a_gpu():
     assert dataclasses.replace(config, matmul_precision="tf32").tf32
 
 
+@pytest.mark.skipif(not jnntile.runtime.HAS_CUDA, reason="bench/gpu.py is the CUDA build's: its smoke run is "
+                    "checked by that build's suite (make test-gpu)")
 def test_gpu_benchmark_runs_every_section_in_smoke_mode(tmp_path):
     """bench/gpu.py --smoke goes through every section with tiny sizes on any hardware (no speed asserted)."""
     script = Path(__file__).parents[1] / "bench" / "gpu.py"
