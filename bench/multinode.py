@@ -2,7 +2,8 @@
 StarPU-MPI's progression thread, and the two reduction schedules (tree, ring); with --shard-state, sharded
 state against replicated at the same ranks (the most RAM StarPU held per rank, besides).
 
-    .venv/bin/python bench/multinode.py [--repeats 2] [--steps 6] [--json] [--shard-state [--no-limit]] [--tcp]
+    .venv/bin/python bench/multinode.py [--repeats 2] [--steps 6] [--json] [--shard-state [--no-limit]
+                                        [--keep-fetched]] [--tcp]
     .venv/bin/python bench/multinode.py --large [--steps 2] [--swap-dir DIR]
 
 One model, one global batch, every configuration in processes of its own: one process with 1 and with 2
@@ -62,10 +63,11 @@ def _thread_cpu_s() -> dict[str, float]:
 
 
 def measure(workers: int, schedule: str, steps: int, shard_state: bool = False, batch: int = BATCH,
-            model: str = "default", limit_mb: int = 0, swap_dir: str = "", warmup: int = 2) -> dict:
+            model: str = "default", limit_mb: int = 0, swap_dir: str = "", warmup: int = 2,
+            keep_fetched: bool = False) -> dict:
     """Runs on every rank: this rank's numbers for `steps` steps after `warmup` steps. Runs are under `limit_mb`
     when given (-1: no limit), else sharded ones under their share of the state + 20%; `swap_dir`: disk swap
-    there."""
+    there; `keep_fetched`: sharded ranks keep the parameters they fetch until written."""
     import jnntile
     from jnntile.core import distributed
     from jnntile.models.gpt2.config import GPT2Config
@@ -83,7 +85,8 @@ def measure(workers: int, schedule: str, steps: int, shard_state: bool = False, 
         limit = {"memory_limit_mb": limit_mb} if limit_mb > 0 else {}
     swap = {"swap_dir": swap_dir, "swap_size_mb": math.ceil(1.5 * state_bytes / 2**20)} if swap_dir else {}
     jnntile.runtime.start(distributed=several, workers=workers, allreduce=schedule,
-                          shard_state=shard_state and several, **limit, **swap)
+                          shard_state=shard_state and several, shard_keep_fetched=keep_fetched and shard_state and several,
+                          **limit, **swap)
     rss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step = jnntile_step(config, batch, seq)
     for _ in range(warmup):
@@ -112,7 +115,7 @@ def measure(workers: int, schedule: str, steps: int, shard_state: bool = False, 
 
 def run(ranks: int, workers: int, schedule: str, steps: int, shard_state: bool = False, batch: int = BATCH,
         model: str = "default", tcp: bool = False, limit_mb: int = 0, swap_dir: str = "",
-        warmup: int = 2) -> list[dict]:
+        warmup: int = 2, keep_fetched: bool = False) -> list[dict]:
     """Every rank's numbers for one configuration, each in processes of its own; with `tcp`, Open MPI's ranks
     talk through TCP alone, as between machines (its ob1 layer with the tcp and self transports: no shared
     memory)."""
@@ -121,6 +124,7 @@ def run(ranks: int, workers: int, schedule: str, steps: int, shard_state: bool =
     worker = [sys.executable, os.path.abspath(__file__), "--worker", str(workers), schedule, results,
               "--steps", str(steps), "--batch", str(batch), "--model", model, "--limit-mb", str(limit_mb),
               "--warmup", str(warmup)] + (["--shard-state"] if shard_state else []) + \
+        (["--keep-fetched"] if keep_fetched else []) + \
         (["--swap-dir", swap_dir] if swap_dir else [])
     if ranks == 1:
         argv = worker
@@ -156,6 +160,8 @@ def main() -> None:
     p.add_argument("--swap-dir", default=tempfile.gettempdir(), help="with --large: where the one process swaps")
     p.add_argument("--no-limit", action="store_true", help="with --shard-state: sharded runs without a memory "
                    "limit (for speed alone)")
+    p.add_argument("--keep-fetched", action="store_true", help="with --shard-state: sharded ranks keep the "
+                   "parameters they fetch until written (runtime setting shard_keep_fetched)")
     p.add_argument("--limit-mb", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--worker", nargs=3, metavar=("WORKERS", "SCHEDULE", "RESULTS"), help=argparse.SUPPRESS)
@@ -163,7 +169,8 @@ def main() -> None:
     if args.worker:
         workers, schedule, results = args.worker
         result = measure(int(workers), schedule, args.steps, args.shard_state, args.batch, args.model, args.limit_mb,
-                         args.swap_dir if args.limit_mb > 0 and not args.shard_state else "", args.warmup)
+                         args.swap_dir if args.limit_mb > 0 and not args.shard_state else "", args.warmup,
+                         args.keep_fetched)
         (Path(results) / f"rank{result['rank']}.json").write_text(json.dumps(result))
         return
     if args.large:
@@ -206,13 +213,13 @@ def main() -> None:
 def compare_sharded(args) -> None:
     """Replicated against sharded state at --ranks (2 and 4): tokens/s, the most RAM StarPU held per rank (the
     largest rank's), the bytes sent per step and rank against docs/distributed.md's 3 (N-1)/N of the
-    parameter bytes (data parallel: 2 (N-1)/N)."""
+    parameter bytes (data parallel, and sharded ranks keeping what they fetch: 2 (N-1)/N)."""
     configs = [(1, False)] + [(ranks, sharded) for ranks in args.ranks for sharded in (False, True)]
     runs: dict[tuple, list[list[dict]]] = {config: [] for config in configs}
     for _ in range(args.repeats):
         for ranks, sharded in configs:
             runs[(ranks, sharded)].append(run(ranks, 1, "tree", args.steps, sharded, SHARDED_BATCH, args.model, args.tcp,
-                                              limit_mb=-1 if args.no_limit else 0))
+                                              limit_mb=-1 if args.no_limit else 0, keep_fetched=args.keep_fetched))
     rows = []
     for (ranks, sharded), repeats in runs.items():
         param_bytes = repeats[0][0]["gradient_bytes"]
@@ -223,7 +230,8 @@ def compare_sharded(args) -> None:
                      "memory_limit_mb": repeats[0][0]["memory_limit_mb"],
                      "mb_sent_per_step_per_rank": statistics.median(
                          statistics.mean(r["bytes_sent_per_step"] for r in rs) for rs in repeats) / 2**20,
-                     "mb_predicted": (3 if sharded else 2) * (ranks - 1) / ranks * param_bytes / 2**20,
+                     "mb_predicted": (3 if sharded and not args.keep_fetched else 2) * (ranks - 1) / ranks
+                                     * param_bytes / 2**20,
                      "state_mb": repeats[0][0]["state_bytes"] / 2**20})
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -467,13 +467,13 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         gone = args.init_from_hf and not Path(args.init_from_hf).exists()  # accepted above for a full fine-tune only
         config = _config(args, train_data.vocab_size, resume_from if record and gone else None)
 
-        runtime_settings = flags.runtime_settings(args)
-        if args.shard_state:
-            runtime_settings["shard_state"] = True
-        runtime_config = dataclasses.replace(flags.runtime_config(args), **runtime_settings)
         limits = flags.limits(args)
         spec, tiles_note = planning.fit(flags.step_spec(args, config, batch_size=batch_size, finetune=finetune,
                                                         shards=ranks if args.shard_state else 1), limits)
+        runtime_settings = flags.runtime_settings(args)
+        if args.shard_state:  # the plan says whether the parameters a rank fetches are kept (planning.fit)
+            runtime_settings.update(shard_state=True, shard_keep_fetched=spec.keep_fetched)
+        runtime_config = dataclasses.replace(flags.runtime_config(args), **runtime_settings)
         config = spec.config
         plan = planning.plan(spec, workers=limits.workers, gpu_mb=limits.gpu_mb)
         # Refuses early (MemoryPlanError, a ValueError) when the step cannot run under the limit.

@@ -98,11 +98,13 @@ def main() -> None:
     p.add_argument("--on-rank", type=int, default=1)
     p.add_argument("--watchdog-s", type=float, default=60)
     p.add_argument("--shard-state", action="store_true")
+    p.add_argument("--keep-fetched", action="store_true")
     args = p.parse_args()
 
     import jnntile
 
-    jnntile.runtime.start(distributed=True, workers=1, watchdog_s=args.watchdog_s, shard_state=args.shard_state)
+    jnntile.runtime.start(distributed=True, workers=1, watchdog_s=args.watchdog_s, shard_state=args.shard_state,
+                          shard_keep_fetched=args.keep_fetched)
     rank = jnntile.runtime.rank()
 
     def before_step(step):

@@ -185,6 +185,27 @@ def test_ranks_with_sharded_state_train_like_one_process(ranks, one_process, tmp
         sent / per_fetch
 
 
+@needs_mpirun
+def test_sharded_ranks_keeping_what_they_fetch_train_like_one_process(one_process, tmp_path):
+    """With shard_keep_fetched, a rank keeps the parameter tiles it fetched until their owner writes them: the
+    losses and parameters of one process, each tile fetched once a step (after its update), not per op."""
+    ranks = 2
+    result = mpirun((ranks, WORKER, tmp_path, "--steps", STEPS, "--shard-state", "--keep-fetched"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [np.load(tmp_path / f"rank{r}.npz") for r in range(ranks)]
+    losses, params = one_process
+    for run in runs:
+        np.testing.assert_array_equal(run["losses"], runs[0]["losses"])
+    assert rel_err(runs[0]["losses"], losses) <= 1e-5, (runs[0]["losses"], losses)
+    assert_trained_params_close({name: runs[0][f"param:{name}"] for name in params}, params, STEPS,
+                                distributed_worker.LEARNING_RATE, 1e-4)
+    # Per step each tile goes once from its owner (kept for both micro-batches' forward and backward) and its
+    # gradient's partial sums go up once; the final reads fetch each tile once more.
+    per_fetch = (ranks - 1) * _tile_bytes(params)
+    sent = sum(int(run["sent"]) for run in runs)
+    assert 2 * STEPS * per_fetch <= sent <= (2 * STEPS + 1) * per_fetch * 1.01, sent / per_fetch
+
+
 # The worker's state every rank's (data parallel) and sharded (each rank then also waits for parameter tiles).
 STATES = pytest.mark.parametrize("state", [[], ["--shard-state"]], ids=["replicated", "sharded"])
 

@@ -788,9 +788,16 @@ def _planned(*argv):
     return memory.plan_from_args(parser.parse_args([*SHARDED, *argv]))
 
 
+@pytest.fixture
+def fetch_per_op(monkeypatch):
+    """Plans ranks that fetch parameters for each op that reads them: under these tests' default limit they
+    would keep them (planning.search.choose_keep_fetched, tested on its own below)."""
+    monkeypatch.setattr(planning.search, "choose_keep_fetched", lambda spec, limits: (spec, ""))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_a_rank_with_sharded_state_plans_its_share_of_the_state(ranks, dtype):
+def test_a_rank_with_sharded_state_plans_its_share_of_the_state(ranks, dtype, fetch_per_op):
     whole = _planned("--dtype", dtype)
     rank = _planned("--dtype", dtype, "--ranks", str(ranks), "--shard-state")
     assert rank.n_params == whole.n_params and rank.shards == ranks
@@ -807,7 +814,7 @@ def test_a_rank_with_sharded_state_plans_its_share_of_the_state(ranks, dtype):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_memory_cli_prints_the_bytes_a_rank_sends_and_receives(ranks, capsys):
+def test_memory_cli_prints_the_bytes_a_rank_sends_and_receives(ranks, capsys, fetch_per_op):
     assert memory.main([*SHARDED, "--ranks", str(ranks), "--shard-state"]) == 0
     out = capsys.readouterr().out
     sent, received = map(float, re.search(r"per step this rank sends ([\d.]+) MB and receives ([\d.]+) MB", out)
@@ -820,6 +827,25 @@ def test_memory_cli_prints_the_bytes_a_rank_sends_and_receives(ranks, capsys):
     expected = (ranks - 1) / ranks * (3 * parameters + 2 * embedding) / planning.MB
     assert sent == pytest.approx(expected, abs=0.06) and received == pytest.approx(expected, abs=0.06)
     assert "this rank's 1/%d" % ranks in out and "parameters fetched (peak)" in out
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sharded_ranks_keep_what_they_fetch_when_the_plan_fits(ranks, capsys):
+    """Where memory allows (the default limit), a rank keeps the parameters it fetches until they are written:
+    every parameter read, and every partial gradient (unpaced, a rank ahead may hold them all), beside its
+    shard; each parameter then travels once a step, as in data parallel. Under a limit that cannot hold them,
+    it fetches for each op."""
+    kept, per_op = _planned("--ranks", str(ranks), "--shard-state"), _planned("--ranks", str(ranks), "--shard-state",
+                                                                                "--memory-limit-mb", "5")
+    assert kept.keep_fetched and not per_op.keep_fetched
+    parameters = kept.n_params * 4
+    assert kept.fetched == pytest.approx(2 * (ranks - 1) / ranks * parameters, rel=0.02)  # parameters and gradients
+    assert kept.peak - per_op.peak == pytest.approx(kept.fetched - per_op.fetched, rel=0.05)
+    assert memory.main([*SHARDED, "--ranks", str(ranks), "--shard-state"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters kept" in out and "the parameters a rank fetches are kept until written" in out
+    sent = float(re.search(r"per step this rank sends ([\d.]+) MB", out).group(1))
+    assert sent == pytest.approx((ranks - 1) / ranks * 2 * parameters / planning.MB, abs=0.06)
 
 
 def test_sharded_state_on_one_rank_is_refused_naming_why(capsys):

@@ -88,7 +88,8 @@ NB_MODULE(_xla_ffi, m) {
       .def_rw("tf32", &RuntimeConfig::tf32)
       .def_rw("fused_attention", &RuntimeConfig::fused_attention)
       .def_rw("pin_host_memory", &RuntimeConfig::pin_host_memory)
-      .def_rw("distributed", &RuntimeConfig::distributed);
+      .def_rw("distributed", &RuntimeConfig::distributed)
+      .def_rw("shard_keep_fetched", &RuntimeConfig::shard_keep_fetched);
   m.def("runtime_start", [](const RuntimeConfig& config) {
     nb::gil_scoped_release release;
     gemm_single_threaded();

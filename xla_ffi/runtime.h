@@ -49,6 +49,7 @@ struct RuntimeConfig {
   bool fused_attention{};        // bfloat16 attention steps on the GPU run fused (kernels/cuda/attention.cu)
   bool pin_host_memory{};        // page-lock RAM tiles so GPU transfers are asynchronous
   bool distributed{};            // one of several MPI ranks: StarPU through StarPU-MPI (distributed.h)
+  bool shard_keep_fetched{};     // sharded state: fetched parameter tiles kept until written (sharding.h)
 };
 
 // The most CPU workers the StarPU in use accepts (its STARPU_MAXCPUS).

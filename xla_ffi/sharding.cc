@@ -169,9 +169,14 @@ bool shard_admit(const std::vector<Buffer>& buffers) {
   if (writer >= 0 && writes_unsharded)
     throw std::invalid_argument("a task writes tiles of rank " + std::to_string(writer) +
                                 "'s shard and tiles every rank holds: shard its outputs alike");
-  for (const Buffer& b : buffers)
-    if (b.mode & STARPU_W)
-      if (TileState* state = state_of(b.handle)) state->replicas_fresh = false;
+  for (const Buffer& b : buffers) {
+    if (!(b.mode & STARPU_W)) continue;
+    TileState* state = state_of(b.handle);
+    if (state == nullptr) continue;
+    // A replica kept past the op that fetched it (shard_keep_fetched) goes when its owner writes the tile.
+    if (state->replicas_fresh && state->owner >= 0 && state->owner != me) starpu_data_invalidate_submit(b.handle);
+    state->replicas_fresh = false;
+  }
   if (writer >= 0 && writer != me) return false;
 
   OpState& s = op_state();
@@ -210,6 +215,9 @@ bool shard_admit(const std::vector<Buffer>& buffers) {
 // one's tiles: under a memory limit, both wait for good (4 ranks, a limit of their share of the state + 20%).
 // Paced, an owner posts an op's sends when it nears that op itself, so no rank runs more than a few ops ahead
 // of the owners of what it reads, and the partial gradients a rank holds are those of the ops in flight.
+// Ranks that keep what they fetch (shard_keep_fetched) are not paced: their plan holds every parameter and
+// every partial gradient whole (planning/sharding.py), and pacing cost them a third of their speed (GPT-2
+// 124M's shape on 2 ranks sharing 2 cores: 165 tokens/s paced, 253 unpaced, 234 replicated).
 ShardedOp::ShardedOp() {
   if (!sharding_in_use()) return;
   OpState& s = op_state();
@@ -242,12 +250,14 @@ ShardedOp::~ShardedOp() {
   OpState& s = op_state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (s.depth == 0 || --s.depth > 0) return;
-  s.op_ends.push_back(tasks_submitted());
+  if (!runtime_config().shard_keep_fetched) s.op_ends.push_back(tasks_submitted());
   const int me = my_rank();
-  for (starpu_data_handle_t tile : s.fetched) {
-    TileState* state = state_of(tile);
-    state->replicas_fresh = false;
-    if (state->owner != me) starpu_data_invalidate_submit(tile);
+  if (!runtime_config().shard_keep_fetched) {
+    for (starpu_data_handle_t tile : s.fetched) {
+      TileState* state = state_of(tile);
+      state->replicas_fresh = false;
+      if (state->owner != me) starpu_data_invalidate_submit(tile);
+    }
   }
   s.fetched.clear();
   if (s.next_gate == nullptr) return;

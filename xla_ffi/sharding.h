@@ -23,6 +23,8 @@
 // * A rank submits an op once all but its last two ops have run (ShardedOp), so
 //   owners post their sends as they near an op themselves, and no rank runs
 //   ahead of the others holding partial gradients they cannot yet take.
+// * With the runtime's shard_keep_fetched, replicas stay past their op until
+//   the owner writes the tile: a step fetches each parameter once.
 //
 // Gradients are accumulated by every rank for its rows, then summed up to the
 // owner of each tile (ops/allreduce.cc with the owners as roots and no way

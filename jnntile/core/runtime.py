@@ -176,6 +176,11 @@ class RuntimeConfig:
     allreduce: str = "tree"  # how gradient tiles are summed across ranks: "tree" or "ring"
     # With distributed: each tile of the training state has one owner rank (jnntile.distributed.sharded_state).
     shard_state: bool = False
+    # With shard_state: a rank keeps the parameter tiles it fetched until their owner writes them (the next
+    # update), so a step fetches each once instead of once per op that reads it (the forward, the backward, a
+    # recomputation, each micro-batch): the bytes of data parallel, at the memory of every parameter read, frozen
+    # ones too, on every rank. `train --shard-state` keeps them when the memory plan says they fit.
+    shard_keep_fetched: bool = False
 
     def validate(self) -> None:
         if not 1 <= self.workers <= MAX_CPU_WORKERS:
@@ -205,6 +210,9 @@ class RuntimeConfig:
             raise ValueError(f"matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS}")
         if self.distributed and not HAS_MPI:
             raise ValueError(f"distributed=True: {_xla_ffi.mpi_unavailable_reason()}")
+        if self.shard_keep_fetched and not self.shard_state:
+            raise ValueError("shard_keep_fetched=True keeps the parameter tiles a rank fetched with sharded state: "
+                             "start the runtime with shard_state=True (and distributed=True) too")
         if self.shard_state and not self.distributed:
             raise ValueError("shard_state=True shards the training state across the ranks of a distributed run: "
                              "start the runtime with distributed=True too (under mpirun)")
@@ -393,7 +401,7 @@ def _native(config: RuntimeConfig, gpu_limit_mb: int):
     with what Python resolves: the GPU memory limit, TF32, and no swap size without a swap directory."""
     native = _xla_ffi.RuntimeConfig()
     for name in ("workers", "cuda_workers", "memory_limit_mb", "watchdog_s", "pin_host_memory", "distributed",
-                 "fused_attention"):
+                 "fused_attention", "shard_keep_fetched"):
         setattr(native, name, getattr(config, name))
     native.scheduler = resolved_scheduler(config)
     native.gpu_memory_limit_mb = gpu_limit_mb

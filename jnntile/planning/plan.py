@@ -61,6 +61,7 @@ class MemoryPlan:
     # receives in a step.
     shards: int = 1
     fetched: int = 0
+    keep_fetched: bool = False  # `fetched` then counts the parameters kept all step (sharding.Shard.kept)
     sent: int = 0
     received: int = 0
     step: RecordedStep = dataclasses.field(default=None, repr=False)  # what the numbers come from
@@ -246,7 +247,9 @@ class MemoryPlan:
             ("optimizer state", self.optimizer_state / MB, self.optimizer + mine),
             *([("compute copies", self.compute_copies / MB, "bfloat16 weights, written by the update" + mine)]
               if self.compute_copies else []),
-            *([("parameters fetched (peak)", self.fetched / MB, "other ranks' tiles, the op in flight and the next")]
+            *([("parameters kept", self.fetched / MB,
+                "other ranks' tiles read, kept until written, and their gradients") if self.keep_fetched else
+               ("parameters fetched (peak)", self.fetched / MB, "other ranks' tiles, the op in flight and the next")]
               if self.shards > 1 else []),
             *([("next state (speculative update)", (self.parameters + self.optimizer_state + self.compute_copies) / MB,
                 "written apart in the backward, the state from the step's end")] if self.update == "speculative"
@@ -321,8 +324,8 @@ def plan(spec: StepSpec, *, workers: int | None = None, gpu_mb: float | None = N
         workers = runtime.config().workers
     tiles = resolve_tiles(config, batch_size, seq_len, gpu_mb)
     return _plan_of(record.trace_step(config, batch_size, seq_len, tiles, spec.finetune), optimizer, workers,
-                    spec.grad_accum_steps, spec.update, spec.shards, batch_size=batch_size, seq_len=seq_len,
-                    tiles=tiles, config=config, finetune=spec.finetune)
+                    spec.grad_accum_steps, spec.update, spec.shards, spec.keep_fetched, batch_size=batch_size,
+                    seq_len=seq_len, tiles=tiles, config=config, finetune=spec.finetune)
 
 
 def plan_model(build_model, loss, optimizer: str = "adamw", workers: int | None = None,
@@ -336,12 +339,12 @@ def plan_model(build_model, loss, optimizer: str = "adamw", workers: int | None 
 
 
 def _plan_of(step: RecordedStep, optimizer: str, workers: int, grad_accum_steps: int, update: str,
-             shards: int = 1, **shape) -> MemoryPlan:
+             shards: int = 1, keep_fetched: bool = False, **shape) -> MemoryPlan:
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps={grad_accum_steps} must be at least 1")
     if update not in UPDATE_MODES:
         raise ValueError(f"update={update!r}: use one of {', '.join(UPDATE_MODES)}")
-    shard = sharding.shard_of(step, shards, optimizer)
+    shard = sharding.shard_of(step, shards, optimizer, keep_fetched)
     params, whole = sum(shard.held(p) for p in step.params), sum(p.nbytes for p in step.params)
     activations, act_grads, peak, phase = timeline.simulate(step, optimizer, shard, grad_accum_steps > 1, update)
     largest, largest_name = _largest_of(step, optimizer, update)
@@ -355,5 +358,6 @@ def _plan_of(step: RecordedStep, optimizer: str, workers: int, grad_accum_steps:
         activations=activations, activation_gradients=act_grads, peak=peak, peak_phase=phase,
         largest_task=largest, largest_task_name=largest_name, grad_accum_steps=grad_accum_steps, step=step,
         update=update, shards=shards, sent=sent, received=received,
-        fetched=max((shard.fetched(*step.ops[i:i + 2]) for i in range(len(step.ops))), default=0),
+        fetched=shard.kept or max((shard.fetched(*step.ops[i:i + 2]) for i in range(len(step.ops))), default=0),
+        keep_fetched=shard.keep_fetched,
         **shape)

@@ -1,5 +1,6 @@
 """The search over recomputation and tiles: `choose_remat` picks how many blocks to recompute under a memory limit,
-`fit_tiles` shrinks the automatic tiles until every task fits the limits; `fit` does both, as every command plans."""
+`fit_tiles` shrinks the automatic tiles until every task fits the limits, `choose_keep_fetched` keeps a sharded
+state's fetched parameters when they fit; `fit` does all three, as every command plans."""
 
 from __future__ import annotations
 
@@ -12,10 +13,26 @@ from jnntile.planning.spec import Limits, StepSpec
 
 def fit(spec: StepSpec, limits: Limits) -> tuple[StepSpec, str]:
     """`spec` with its recomputation chosen (`choose_remat`), then its automatic tiles fitted to `limits`
-    (`fit_tiles`); the note says what was chosen and why, a line each ("" when the spec chose itself)."""
+    (`fit_tiles`), then with sharded state whether ranks keep what they fetch (`choose_keep_fetched`); the note
+    says what was chosen and why, a line each ("" when the spec chose itself)."""
     spec, remat_note = choose_remat(spec, limits)
     spec, tiles_note = fit_tiles(spec, limits)
-    return spec, "\n".join(note for note in (remat_note, tiles_note) if note)
+    spec, keep_note = choose_keep_fetched(spec, limits)
+    return spec, "\n".join(note for note in (remat_note, tiles_note, keep_note) if note)
+
+
+def choose_keep_fetched(spec: StepSpec, limits: Limits) -> tuple[StepSpec, str]:
+    """With the state sharded across ranks, `spec` keeping the parameters a rank fetches until they are written
+    (one fetch a step instead of one per op that reads them: the bytes of data parallel) when that plan fits in
+    memory without swap, else as it is, fetching for each op."""
+    if spec.shards == 1:
+        return spec, ""
+    kept = dataclasses.replace(spec, keep_fetched=True)
+    kept_plan = plan(kept, workers=limits.workers, gpu_mb=limits.gpu_mb)
+    if not kept_plan.verdict(limits).startswith("fits"):
+        return spec, ""
+    return kept, (f"sharded state: the parameters a rank fetches are kept until written "
+                  f"({kept_plan.fetched / 2**20:,.0f} MB of other ranks' tiles), as they fit")
 
 
 def choose_remat(spec: StepSpec, limits: Limits) -> tuple[StepSpec, str]:

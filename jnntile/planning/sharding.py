@@ -22,10 +22,16 @@ SHARDED_KINDS = ("param", "frozen", "copy")  # a compute copy's tiles are owned 
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """The planned rank's part of a step sharded across `ranks` (1: one process, which holds it all): `owned`
-    maps each parameter (trained or frozen) and compute copy to the bytes of its tiles this rank owns."""
+    maps each parameter (trained or frozen) and compute copy to the bytes of its tiles this rank owns. With
+    `keep_fetched` (the runtime's shard_keep_fetched) the rank keeps what it fetches until its owner writes it,
+    and runs unpaced (xla_ffi/sharding.cc), so a rank ahead may hold its partial sum of every gradient tile
+    another owns until that owner takes it: `kept` bytes, the other ranks' tiles of every tensor the step
+    reads and of every gradient, planned as held all step."""
 
     ranks: int
     owned: dict
+    keep_fetched: bool = False
+    kept: int = 0
 
     def held(self, t: T) -> int:
         """The bytes of `t` this rank holds between ops: its own tiles of a parameter or compute copy, all of
@@ -34,22 +40,28 @@ class Shard:
 
     def fetched(self, *ops: Op) -> int:
         """The bytes this rank receives to run `ops` (the op in flight and the next one): the other ranks' tiles
-        of the parameters they read, each tensor once."""
+        of the parameters they read, each tensor once (none beyond `kept` when it keeps them)."""
+        if self.keep_fetched:
+            return 0
         return sum(t.nbytes - self.held(t) for t in _fetches(*ops).values())
 
     def traffic(self, step: RecordedStep, grad_accum_steps: int) -> tuple[int, int]:
         """(bytes sent, bytes received) by this rank in one step of `grad_accum_steps` micro-batches: each op
         fetches the parameter tiles it reads from their owners in the forward, again in the backward and in a
-        recomputed forward; each gradient is summed up to its owners once a step (counted as a flat reduce: the
-        runtime's `allreduce` schedules move as many bytes in all, spread over the ranks otherwise)."""
+        recomputed forward (kept, each tile trained once a step, a frozen one never again); each gradient is
+        summed up to its owners once a step (counted as a flat reduce: the runtime's `allreduce` schedules move
+        as many bytes in all, spread over the ranks otherwise)."""
         recomputed = {index for end, op in enumerate(step.ops) if op.region_output is not None
                       for index in range(op.region_start, end + 1)}
+        if self.keep_fetched:  # each tensor read once a step, a frozen one never again
+            fetches = [(t, int(t.kind != "frozen")) for t in _fetches(*step.ops).values()]
+        else:
+            fetches = [(t, grad_accum_steps * (2 + (index in recomputed)))
+                       for index, op in enumerate(step.ops) for t in _fetches(op).values()]
         sent = received = 0
-        for index, op in enumerate(step.ops):
-            passes = grad_accum_steps * (2 + (index in recomputed))
-            fetches = _fetches(op).values()
-            received += passes * sum(t.nbytes - self.held(t) for t in fetches)
-            sent += passes * (self.ranks - 1) * sum(self.held(t) for t in fetches)
+        for t, passes in fetches:
+            received += passes * (t.nbytes - self.held(t))
+            sent += passes * (self.ranks - 1) * self.held(t)
         sent += sum(p.nbytes - self.held(p) for p in step.params)  # this rank's partial sums of others' tiles
         received += (self.ranks - 1) * sum(self.held(p) for p in step.params)  # the others' of its own
         return sent, received
@@ -62,9 +74,9 @@ def _fetches(*ops: Op) -> dict:
             for t in op.inputs if t.kind in SHARDED_KINDS}
 
 
-def shard_of(step: RecordedStep, ranks: int, optimizer: str) -> Shard:
+def shard_of(step: RecordedStep, ranks: int, optimizer: str, keep_fetched: bool = False) -> Shard:
     """The shard of the rank holding the most state (parameters, gradients, moments, compute copies) of `step`
-    sharded across `ranks` (all of it, for 1)."""
+    sharded across `ranks` (all of it, for 1), keeping what it fetches with `keep_fetched`."""
     held = [0] * ranks
     tensors = step.params + step.frozen
     tiles = {p.name: distributed.tile_bytes(p.shape, p.tile, p.itemsize) for p in tensors}
@@ -81,4 +93,9 @@ def shard_of(step: RecordedStep, ranks: int, optimizer: str) -> Shard:
         gradients_and_moments = (1 + OPTIMIZER_STATES[optimizer]) * sum(mine[p.name] for p in step.params)
         return sum(mine.values()) + gradients_and_moments
 
-    return Shard(ranks, max((owned(rank) for rank in range(ranks)), key=state))
+    shard = Shard(ranks, max((owned(rank) for rank in range(ranks)), key=state))
+    if not keep_fetched or ranks == 1:
+        return shard
+    kept = (sum(t.nbytes - shard.held(t) for t in _fetches(*step.ops).values())
+            + sum(p.nbytes - shard.held(p) for p in step.params))
+    return dataclasses.replace(shard, keep_fetched=True, kept=kept)

@@ -18,7 +18,8 @@ class StepSpec:
     micro-batches per step, the optimizer (a key of jnntile.optim.OPTIMIZER_STATES), what trains (`finetune`,
     a jnntile.lora.FineTune; None: everything), how the update meets the backward (`update`, one of
     jnntile.optim.UPDATE_MODES) and the ranks the training state is sharded across (`shards`, 1: this process
-    holds all of it; docs/distributed.md, "Sharded state")."""
+    holds all of it; docs/distributed.md, "Sharded state"), keeping the parameters a rank fetches until they are
+    written with `keep_fetched` (the runtime's shard_keep_fetched)."""
 
     config: object
     batch_size: int
@@ -28,6 +29,7 @@ class StepSpec:
     finetune: object = None
     update: str = "after"
     shards: int = 1
+    keep_fetched: bool = False
 
     def with_config(self, **fields) -> StepSpec:
         """The same step with the config's `fields` replaced (the tiles or the recomputation the search chose)."""

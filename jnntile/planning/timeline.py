@@ -53,7 +53,7 @@ def simulate(step: RecordedStep, optimizer: str, shard: Shard, accumulating: boo
     params = sum(held(p) for p in step.params)
     base = (params * (1 + n_state) + accumulating * sum(p.nbytes for p in step.params)
             + sum(t.nbytes for t in step.inputs) + sum(held(t) for t in step.copies.values())
-            + sum(held(t) for t in step.frozen))
+            + sum(held(t) for t in step.frozen) + shard.kept)
     live = 0  # activations, residuals, and gradients allocated so far
     peak, phase = base, "start"
 
