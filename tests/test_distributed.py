@@ -234,11 +234,14 @@ def _losses(out):
 
 
 @needs_mpirun
-def test_command_with_a_memory_limit_and_swap_per_rank(dataset, tmp_path):
+@pytest.mark.parametrize("state", [[], ["--shard-state", "--remat", "block"]], ids=["replicated", "sharded-remat"])
+def test_command_with_a_memory_limit_and_swap_per_rank(state, dataset, tmp_path):
+    """Each rank under its own limit with its own swap; sharded, with every block recomputed besides (a
+    recomputed forward fetches its parameters again)."""
     common = ["--data", str(dataset), *SMALL, "--batch-size", "4", "--samples", "1", "--sample-tokens", "4"]
     train_mod.train(train_mod.parse_args([*common, "--out", str(tmp_path / "one")]))
     swap = tmp_path / "swap"
-    result = mpirun((2, "-m", "jnntile.train", *common, "--out", tmp_path / "two", "--memory-limit-mb", "3",
+    result = mpirun((2, "-m", "jnntile.train", *common, *state, "--out", tmp_path / "two", "--memory-limit-mb", "3",
                      "--swap-dir", swap, "--swap-size-mb", "64"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
