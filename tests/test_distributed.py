@@ -159,11 +159,14 @@ def test_ranks_train_like_one_process(ranks, one_process, tmp_path):
 
 
 @needs_mpirun
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_ranks_with_sharded_state_train_like_one_process(ranks, one_process, tmp_path):
+@pytest.mark.parametrize("ranks, keep_fetched", [(2, False), (3, False), (4, False), (2, True)],
+                         ids=["2", "3", "4", "2-kept"])
+def test_ranks_with_sharded_state_train_like_one_process(ranks, keep_fetched, one_process, tmp_path):
     """Each tile of the parameters, their moments and summed gradients on one rank (docs/distributed.md,
-    "Sharded state"): the losses and parameters of one process, every tile fetched for the ops that read it."""
-    result = mpirun((ranks, WORKER, tmp_path, "--steps", STEPS, "--shard-state"))
+    "Sharded state"): the losses and parameters of one process, every tile fetched for the ops that read it,
+    or once a step when the ranks keep what they fetch until its owner writes it (shard_keep_fetched)."""
+    result = mpirun((ranks, WORKER, tmp_path, "--steps", STEPS, "--shard-state",
+                     *(["--keep-fetched"] if keep_fetched else [])))
     assert result.returncode == 0, result.stderr[-3000:]
     runs = [np.load(tmp_path / f"rank{r}.npz") for r in range(ranks)]
     losses, params = one_process
@@ -176,34 +179,14 @@ def test_ranks_with_sharded_state_train_like_one_process(ranks, one_process, tmp
     assert_trained_params_close({name: runs[0][f"param:{name}"] for name in names}, params, STEPS,
                                 distributed_worker.LEARNING_RATE, 1e-4)
     # Per step, every parameter tile goes from its owner to the N-1 other ranks for each op that reads it: at
-    # least the forward and the backward of each of the 2 micro-batches (3 ops read the tied embedding), and
-    # the gradient's partial sums go up once; the final reads of the parameters add one fetch of each.
+    # least the forward and the backward of each of the 2 micro-batches (3 ops read the tied embedding); kept,
+    # once. The gradient's partial sums go up once; the final reads of the parameters add one fetch of each.
     per_fetch = (ranks - 1) * _tile_bytes(params)
-    sent = sum(int(run["sent"]) for run in runs)
+    sent = sum(int(run["sent"]) for run in runs) / per_fetch
     micro = distributed_worker.MICRO_BATCHES
-    assert (2 * micro + 1) * STEPS * per_fetch <= sent <= ((3 * micro + 1) * STEPS + 1) * per_fetch * 1.01, \
-        sent / per_fetch
-
-
-@needs_mpirun
-def test_sharded_ranks_keeping_what_they_fetch_train_like_one_process(one_process, tmp_path):
-    """With shard_keep_fetched, a rank keeps the parameter tiles it fetched until their owner writes them: the
-    losses and parameters of one process, each tile fetched once a step (after its update), not per op."""
-    ranks = 2
-    result = mpirun((ranks, WORKER, tmp_path, "--steps", STEPS, "--shard-state", "--keep-fetched"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs = [np.load(tmp_path / f"rank{r}.npz") for r in range(ranks)]
-    losses, params = one_process
-    for run in runs:
-        np.testing.assert_array_equal(run["losses"], runs[0]["losses"])
-    assert rel_err(runs[0]["losses"], losses) <= 1e-5, (runs[0]["losses"], losses)
-    assert_trained_params_close({name: runs[0][f"param:{name}"] for name in params}, params, STEPS,
-                                distributed_worker.LEARNING_RATE, 1e-4)
-    # Per step each tile goes once from its owner (kept for both micro-batches' forward and backward) and its
-    # gradient's partial sums go up once; the final reads fetch each tile once more.
-    per_fetch = (ranks - 1) * _tile_bytes(params)
-    sent = sum(int(run["sent"]) for run in runs)
-    assert 2 * STEPS * per_fetch <= sent <= (2 * STEPS + 1) * per_fetch * 1.01, sent / per_fetch
+    low, high = ((2 * STEPS, 2 * STEPS + 1) if keep_fetched else
+                 ((2 * micro + 1) * STEPS, (3 * micro + 1) * STEPS + 1))
+    assert low <= sent <= high * 1.01, sent
 
 
 # The worker's state every rank's (data parallel) and sharded (each rank then also waits for parameter tiles).

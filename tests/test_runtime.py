@@ -212,7 +212,7 @@ def test_the_whole_configuration_reaches_the_native_runtime():
     fields = {name for name in dir(native) if not name.startswith("_")}
     assert fields == {"workers", "cuda_workers", "scheduler", "memory_limit_mb", "gpu_memory_limit_mb", "swap_dir",
                       "swap_size_mb", "swap_backend", "watchdog_s", "placement", "tf32", "pin_host_memory",
-                      "distributed", "fused_attention"}
+                      "distributed", "fused_attention", "shard_keep_fetched"}
     assert native.fused_attention
     assert (native.workers, native.memory_limit_mb) == (config.workers, config.memory_limit_mb)
     assert native.scheduler == jnntile.runtime.resolved_scheduler(config)
