@@ -104,8 +104,9 @@ def main(argv=None) -> int:
     verdict = memory_plan.verdict(limits)
     print(f"{gpu}memory limit {limit} MB{swap}: {verdict}")
     if memory_plan.shards > 1:
-        fetches = ("the parameters it reads, fetched once from their owners and kept until written" if memory_plan.keep_fetched
-                   else "the parameters of each op that reads them, from their owners (forward and backward)")
+        fetches = ("the parameters it reads, fetched once from their owners and kept until written"
+                   if memory_plan.keep_fetched else
+                   "the parameters of each op that reads them, from their owners (forward and backward)")
         print(f"per step this rank sends {memory_plan.sent / MB:,.1f} MB and receives {memory_plan.received / MB:,.1f} "
               f"MB: {fetches}, and the gradients, summed up to their owners")
     if verdict.startswith("needs") and memory_plan.shards == 1:  # swap traffic of a shard: not modelled

@@ -203,7 +203,7 @@ bool shard_admit(const std::vector<Buffer>& buffers) {
     if (state->replicas_fresh) continue;
     fetch(b.handle, s.gate);
     state->replicas_fresh = true;
-    s.fetched.push_back(b.handle);
+    if (!runtime_config().shard_keep_fetched) s.fetched.push_back(b.handle);  // else kept until written
   }
   return true;
 }
@@ -252,12 +252,10 @@ ShardedOp::~ShardedOp() {
   if (s.depth == 0 || --s.depth > 0) return;
   if (!runtime_config().shard_keep_fetched) s.op_ends.push_back(tasks_submitted());
   const int me = my_rank();
-  if (!runtime_config().shard_keep_fetched) {
-    for (starpu_data_handle_t tile : s.fetched) {
-      TileState* state = state_of(tile);
-      state->replicas_fresh = false;
-      if (state->owner != me) starpu_data_invalidate_submit(tile);
-    }
+  for (starpu_data_handle_t tile : s.fetched) {
+    TileState* state = state_of(tile);
+    state->replicas_fresh = false;
+    if (state->owner != me) starpu_data_invalidate_submit(tile);
   }
   s.fetched.clear();
   if (s.next_gate == nullptr) return;

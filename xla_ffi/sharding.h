@@ -63,8 +63,9 @@ int tile_owner(starpu_data_handle_t handle);
 bool shard_admit(const std::vector<Buffer>& buffers);
 
 // Lives while an op submits its tasks: its start waits until all but the last 2 ops before it have run
-// (the watchdog fails a wait that cannot end), its end drops the replicas the op fetched and marks the op's
-// input for the next op's fetches. Ops nest (a host read inside an op): the outermost one counts.
+// (the watchdog fails a wait that cannot end; not with shard_keep_fetched), its end drops the replicas the op
+// fetched (kept with shard_keep_fetched) and marks the op's input for the next op's fetches. Ops nest (a host
+// read inside an op): the outermost one counts.
 class ShardedOp {
  public:
   ShardedOp();
