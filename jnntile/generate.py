@@ -316,7 +316,7 @@ def generate(args) -> list[str]:
     tiles = {k: getattr(config, k) for k in config.execution_field_names()}
     # Nothing updates a weight here: a bfloat16 one needs no float32 master, and any may be quantized.
     with nn.base_dtype(config.dtype), nn.quantized_base(flags.quantize_base(args)):
-        model = families.from_hf(weights, batch_size=B, seq_len=length, **tiles)
+        model = families.from_hf(weights, batch_size=B, seq_len=length, progress=not args.quiet, **tiles)
     if adapters is not None:
         lora.apply(model, adapters)
         lora.load_peft(model, adapters_dir)

@@ -503,9 +503,11 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     def make_model():
         if args.init_from_hf and not restores_all:
             return families.from_hf(args.init_from_hf, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
+                                    progress=lead and not args.quiet,
                                     **{k: getattr(config, k) for k in config.execution_field_names()})
         with nn.uninitialized() if restores_all else contextlib.nullcontext():  # no initial values to overwrite
-            return families.build(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed)
+            return families.build(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
+                                  progress=lead and not args.quiet and not restores_all)
 
     with distributed.sharded_state():  # with --shard-state: each tile of the model, frozen or not, on one rank
         model, lora_settings = finetune.build(make_model, config.dtype, args.seed)

@@ -111,6 +111,19 @@ def test_save_hf_writes_the_checkpoint_back(tmp_path):
     assert families.read_config(tmp_path, **TILINGS["uneven tiles"]) == model.config
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("name", FIXTURES)
+def test_drawing_or_loading_a_model_counts_each_parameter_once_in_the_progress_bar(name, quantize):
+    directory = _fixture(name)[0]
+    config = families.read_config(directory)
+    with jnntile.nn.quantized_base(quantize):
+        for make in (lambda: families.build(config, batch_size=B, seq_len=T),
+                     lambda: families.from_hf(directory, batch_size=B, seq_len=T)):
+            with jnntile.nn.progress(config.n_params(), "parameters") as bar:
+                make()
+            assert bar.n == config.n_params()
+
+
 def test_checkpoint_written_in_shards_reads_back_equal(tmp_path):
     directory, params, _ = _fixture("qwen2")
     model = families.from_hf(directory, batch_size=B, seq_len=T, **TILINGS["uneven tiles"])

@@ -154,18 +154,20 @@ def load_hf(directory):
     return config, {name: value.read().astype(np.float32, copy=False) for name, value in params.items()}
 
 
-def build(config, *, batch_size: int, seq_len: int, seed: int = 0):
-    """The model of `config`'s family."""
-    return of_config(config).model(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
+def build(config, *, batch_size: int, seq_len: int, seed: int = 0, progress: bool = False):
+    """The model of `config`'s family; with `progress`, a bar of its parameters drawn (`nn.progress`)."""
+    with nn.progress(config.n_params(), "drawing the parameters", enabled=progress):
+        return of_config(config).model(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
 
 
-def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, **tiles):
+def from_hf(directory, *, batch_size: int, seq_len: int, seed: int = 0, progress: bool = False, **tiles):
     """A model built from a Hugging Face checkpoint directory (any registered family), its tensors streamed
-    into the tiles; `tiles` sets tile_* sizes."""
+    into the tiles; `tiles` sets tile_* sizes; with `progress`, a bar of the parameters loaded."""
     config, params = open_hf(directory, **tiles)
     with nn.uninitialized():  # every parameter is overwritten from the files next
         model = build(config, batch_size=batch_size, seq_len=seq_len, seed=seed)
-    model.load_hf_params(params)
+    with nn.progress(config.n_params(), f"loading {directory}", enabled=progress):
+        model.load_hf_params(params)
     return model
 
 

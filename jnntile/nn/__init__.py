@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import re
 import zlib
 from typing import Callable
@@ -41,6 +42,7 @@ from typing import Callable
 import jax
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from jnntile.core import grad as grad_mod
 from jnntile.core import runtime
@@ -59,6 +61,7 @@ _initialize = True
 _linear_weight_dtype = "float32"
 _linear_weight_quant = None
 _quantized_frozen = None  # with _linear_weight_quant: the predicate of the frozen parameters it quantizes
+_progress = None  # inside `progress`: the bar that parameters advance as their values are drawn or loaded
 
 
 @contextlib.contextmanager
@@ -110,6 +113,30 @@ def quantized_base(kind: str | None, frozen: Callable | None = None):
         _linear_weight_quant, _quantized_frozen = saved
 
 
+@contextlib.contextmanager
+def progress(total: int, desc: str, enabled: bool = True):
+    """Parameters drawn or loaded (`load_into`) inside advance a bar of `total` parameters on stderr, shown once
+    it has run a second (a 70B base takes tens of minutes to draw and quantize on a few cores); yields the bar
+    (None where not `enabled`: a bar around it, if any, counts them). A quantized weight advances it once
+    quantized; a float one as its draw is submitted (the draws run later)."""
+    global _progress
+    if not enabled:
+        yield None
+        return
+    with tqdm(total=total, desc=desc, unit="param", unit_scale=True, delay=1) as bar:
+        saved, _progress = _progress, bar
+        try:
+            yield bar
+        finally:
+            _progress = saved
+
+
+def _advance(value) -> None:
+    """Counts a parameter whose values were just drawn or loaded in `progress`'s bar."""
+    if _progress is not None:
+        _progress.update(math.prod(value.shape))
+
+
 def _check_quantizable(name: str, shape, tile_shape, kind: str) -> None:
     try:
         quant.layouts(shape, tile_shape, kind)
@@ -142,9 +169,10 @@ def quantize_frozen(model: nnx.Module, *, loading: bool = False) -> list[str]:
 def load_into(value, write: Callable[[Tensor], Tensor]):
     """`write(value)` (a loader filling every tile of a Tensor); for a quantized `value`, `write` fills a float32
     tensor of its shape, which is quantized and then dropped: one weight in float at a time, never the model."""
-    if not isinstance(value, quant.Quantized):
-        return write(value)
-    return quant.quantize(write(values_ops.empty(value.shape, "float32", tile_shape=value.tile_shape)), value.quant)
+    loaded = write(value) if not isinstance(value, quant.Quantized) else quant.quantize(
+        write(values_ops.empty(value.shape, "float32", tile_shape=value.tile_shape)), value.quant)
+    _advance(loaded)
+    return loaded
 
 
 def _quantize_drawn(weight: Tensor, kind: str) -> quant.Quantized:
@@ -154,13 +182,18 @@ def _quantize_drawn(weight: Tensor, kind: str) -> quant.Quantized:
     at once (8x an NF4 base)."""
     quantized = quant.quantize(weight, kind)
     runtime.wait_all()
+    _advance(quantized)
     return quantized
 
 
 def _param(initial: Callable[[], Tensor], shape, tile_shape, dtype: str = "float32",
            kind: type = nnx.Param) -> nnx.Param:
     """A `kind` parameter holding `initial()` (of `dtype`), or an empty one inside `uninitialized()`."""
-    return kind(initial() if _initialize else values_ops.empty(shape, dtype, tile_shape=tile_shape))
+    if not _initialize:
+        return kind(values_ops.empty(shape, dtype, tile_shape=tile_shape))
+    value = initial()
+    _advance(value)
+    return kind(value)
 
 
 def compute_copy(weight: Tensor, dtype: str) -> Tensor:
