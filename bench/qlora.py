@@ -14,9 +14,9 @@ b. llama-8b, nf4 base, `--memory-limit-mb 7000` and no swap: whether 2 steps com
 70b. llama-70b (Llama 3.1 70B's shape, 70.55B parameters, each weight quantized as it is drawn), nf4 base,
    batch 1 x 128, `--memory-limit-mb 8000` with disk swap of the size the planner says the step needs: each
    step's time, bytes read from swap and what share of the disk's sequential read bandwidth (dd with direct
-   I/O, measured here) they take, and the peak RSS. Only with `--only 70b`: hours on 2 cores (drawing and
-   quantizing 70.55B random weights, one at a time, about 2 hours at 10M weights/s; a step, about 21 minutes
-   scaled from 12 layers); `--layers-70b N` runs N of its 80 layers (docs/performance.md, 12).
+   I/O, measured here) they take, and the peak RSS. Only with `--only 70b`: 91 minutes on 2 cores (46 of them
+   drawing and quantizing 70.55B random weights, one weight at a time; steps of 27 and 14 minutes) and 50 GB
+   of disk; `--layers-70b N` runs N of its 80 layers (docs/performance.md, "LoRA on a quantized base").
 
 Everything goes to a temporary directory under --swap-dir, removed at the end.
 """
