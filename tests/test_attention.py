@@ -266,8 +266,10 @@ def test_document_masking_segment_starts():
 
 
 def _step_tasks(fn):
-    """The forward and backward step tasks that fn() ran (it blocks until they are done)."""
+    """The forward and backward step tasks that fn() ran. A task is counted in its completion callback, which
+    can run after the task released its data (a read of its output returns first): wait_all before counting."""
     def tasks():
+        jnntile.runtime.wait_all()
         codelets = jnntile.runtime.stats()["codelets"]
         return [codelets.get(name, {}).get("tasks", 0) for name in ("attention_forward_step",
                                                                       "attention_backward_step")]
