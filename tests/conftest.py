@@ -1,5 +1,7 @@
 """Shared test helpers: tilings to sweep, a relative-error check, reference attention, a small corpus."""
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -44,6 +46,15 @@ def rel_err(actual, expected) -> float:
     expected = np.asarray(expected, dtype=np.float64)
     denom = np.linalg.norm(expected)
     return float(np.linalg.norm(actual - expected) / (denom if denom > 0 else 1.0))
+
+
+def tasks_run() -> collections.Counter:
+    """The tasks each codelet has run since the runtime started (0 for any other name), once every task submitted
+    has completed: a task is counted in its completion callback, which can run after a read of its output has
+    returned."""
+    import jnntile
+    jnntile.runtime.wait_all()
+    return collections.Counter({name: c["tasks"] for name, c in jnntile.runtime.stats()["codelets"].items()})
 
 
 def normal(shape, seed):

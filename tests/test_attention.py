@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import BFLOAT16_TOL, check_op
 from conftest import causal_attention_reference as reference
-from conftest import rel_err
+from conftest import rel_err, tasks_run
 
 import jnntile
 from jnntile.ops import attention, elementwise, gemm, reduce
@@ -266,16 +266,11 @@ def test_document_masking_segment_starts():
 
 
 def _step_tasks(fn):
-    """The forward and backward step tasks that fn() ran. A task is counted in its completion callback, which
-    can run after the task released its data (a read of its output returns first): wait_all before counting."""
-    def tasks():
-        jnntile.runtime.wait_all()
-        codelets = jnntile.runtime.stats()["codelets"]
-        return [codelets.get(name, {}).get("tasks", 0) for name in ("attention_forward_step",
-                                                                      "attention_backward_step")]
-    before = tasks()
+    """The forward and backward step tasks that fn() ran."""
+    before = tasks_run()
     fn()
-    return [after - b for after, b in zip(tasks(), before)]
+    after = tasks_run()
+    return [after[name] - before[name] for name in ("attention_forward_step", "attention_backward_step")]
 
 
 def test_document_masking_skips_pairs_outside_every_example():

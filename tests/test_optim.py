@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err
+from conftest import mlp_loss, mlp_params, mlp_problem, mlp_reference_loss, rel_err, tasks_run
 
 import jnntile
 from jnntile.training import optim
@@ -95,20 +95,17 @@ def test_small_tiles_share_update_tasks(rng, placement):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    def tasks(kernel):
-        jnntile.runtime.wait_all()
-        return jnntile.runtime.stats()["codelets"].get(kernel, {}).get("tasks", 0)
-
     state, ref_params = tx.init(params), jax.tree.map(jnp.asarray, arrays)
     ref_state = ref_tx.init(ref_params)
     for i in range(3):
-        before = tasks("adamw"), tasks("sumsq_partial")
+        before = tasks_run()
         params, state = jax.block_until_ready(step(params, state))  # its tasks submitted
         # AdamW: the bias's 20 tiles (no decay) in 16 + 4; small's 4 tiles in one task, big alone (decay).
         # The global norm's partial sums: the 24 small tiles in 16 + 8, big alone. On the GPU big is small too
         # (under 4M elements, task.h): it joins small's task, and the norm's 25 tiles take 16 + 9.
         expected = (3, 2) if placement == "cuda" else (4, 3)
-        assert (tasks("adamw") - before[0], tasks("sumsq_partial") - before[1]) == expected
+        after = tasks_run()
+        assert (after["adamw"] - before["adamw"], after["sumsq_partial"] - before["sumsq_partial"]) == expected
         ref_grads = jax.grad(ref_loss)(ref_params)
         ref_updates, ref_state = ref_tx.update(ref_grads, ref_state, ref_params)
         ref_params = optax.apply_updates(ref_params, ref_updates)
@@ -128,15 +125,13 @@ def one_adamw_step_of_a_square(array, tile_shape):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    jnntile.runtime.wait_all()
-    before = jnntile.runtime.stats()["codelets"].get("adamw", {}).get("tasks", 0)
+    before = tasks_run()["adamw"]
     params, _ = jax.block_until_ready(step(params, tx.init(params)))
-    jnntile.runtime.wait_all()
     ref_params = {"w": jnp.asarray(array)}
     ref_updates, _ = ref_tx.update(jax.grad(lambda p: jnp.sum(p["w"] ** 2))(ref_params), ref_tx.init(ref_params),
                                    ref_params)
     assert rel_err(params["w"].numpy(), optax.apply_updates(ref_params, ref_updates)["w"]) < 1e-6
-    return jnntile.runtime.stats()["codelets"]["adamw"]["tasks"] - before
+    return tasks_run()["adamw"] - before
 
 
 def test_small_tiles_share_update_tasks_within_a_memory_limit(rng, restore_runtime, tmp_path):
@@ -264,14 +259,13 @@ def test_an_update_applies_the_clip_without_a_pass_of_its_own(rng):
     x = jnntile.from_array(x_np, (5, 4))
     tx = optax.chain(optim.clip_by_global_norm(0.05), optim.adamw(1e-2))
     state = tx.init(params)
-    before = jnntile.runtime.stats()["codelets"].get("clip_by_norm", {}).get("tasks", 0)
+    before = tasks_run()["clip_by_norm"]
     _, grads = jnntile.value_and_grad(mlp_loss)(params, x)
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
-    jnntile.runtime.wait_all()
-    codelets = jnntile.runtime.stats()["codelets"]
-    assert codelets.get("clip_by_norm", {}).get("tasks", 0) == before
-    assert codelets["adamw"]["tasks"] > 0
+    after = tasks_run()
+    assert after["clip_by_norm"] == before
+    assert after["adamw"] > 0
 
 
 
@@ -303,14 +297,12 @@ def test_an_update_writes_the_compute_copy_and_the_next_forward_converts_nothing
 
     def converts_in_a_step():
         nonlocal params, state
-        jnntile.runtime.wait_all()
-        before = jnntile.runtime.stats()["codelets"].get("convert", {}).get("tasks", 0)
+        before = tasks_run()["convert"]
         params, state, loss = step(params, state, x)
-        jnntile.runtime.wait_all()
         for name, w in params.items():
             np.testing.assert_array_equal(jnntile.Tensor(w.token, w.handle.copy).numpy(),
                                           w.numpy().astype(ml_dtypes.bfloat16), err_msg=name)
-        return jnntile.runtime.stats()["codelets"]["convert"]["tasks"] - before
+        return tasks_run()["convert"] - before
 
     # Every step converts x, the output and the operands the bfloat16 products widen; the weights' copies
     # (6 tiles each) only at the first step and after the load.
@@ -362,8 +354,7 @@ def _train_gpt2(fuse, max_norm, optimizer="adamw", micro_batches=1, config=None,
     opt_state = tx.init(params)
     train_step, _ = make_steps(graphdef, tx, micro_batches, fused_update or ("on" if fuse else "off"))
     rng = np.random.default_rng(0)
-    jnntile.runtime.wait_all()
-    before = {name: c["tasks"] for name, c in jnntile.runtime.stats()["codelets"].items()}
+    before = tasks_run()
     losses = []
     for step in range(FUSED_STEPS):
         idx, targets = (rng.integers(0, config.vocab_size, (micro_batches, batch // micro_batches, 16)).astype(np.int32)
@@ -371,8 +362,7 @@ def _train_gpt2(fuse, max_norm, optimizer="adamw", micro_batches=1, config=None,
         seeds = [np.int32(100 * step + k) for k in range(micro_batches)]
         params, opt_state, loss = train_step(params, opt_state, idx, targets, seeds)
         losses.append(float(loss))
-    jnntile.runtime.wait_all()
-    tasks = {name: c["tasks"] - before.get(name, 0) for name, c in jnntile.runtime.stats()["codelets"].items()}
+    tasks = tasks_run() - before
     nnx.update(model, params)
     named = {name: p.get_value() for name, p in model.named_params().items()}
     copies = {name: jnntile.Tensor(p.token, p.handle.copy).numpy() for name, p in named.items()
