@@ -431,6 +431,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
         jnntile.runtime.configure(distributed=True)
     rank, ranks = jnntile.runtime.rank(), jnntile.runtime.world_size()
     lead = rank == 0  # the rank that prints and writes
+    bars = lead and not args.quiet  # progress bars: the model's build and the steps
     out = Path(args.out)
     # An error on one rank stops every rank here, before anything runs.
     with distributed.checked_together("the training set-up") as same:
@@ -503,11 +504,10 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     def make_model():
         if args.init_from_hf and not restores_all:
             return families.from_hf(args.init_from_hf, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
-                                    progress=lead and not args.quiet,
-                                    **{k: getattr(config, k) for k in config.execution_field_names()})
+                                    progress=bars, **{k: getattr(config, k) for k in config.execution_field_names()})
         with nn.uninitialized() if restores_all else contextlib.nullcontext():  # no initial values to overwrite
             return families.build(config, batch_size=batch_size, seq_len=args.seq_len, seed=args.seed,
-                                  progress=lead and not args.quiet and not restores_all)
+                                  progress=bars and not restores_all)
 
     with distributed.sharded_state():  # with --shard-state: each tile of the model, frozen or not, on one rank
         model, lora_settings = finetune.build(make_model, config.dtype, args.seed)
@@ -565,7 +565,7 @@ def _train(args, held: contextlib.ExitStack) -> dict:
     step = start_step
     stop_requested = []  # the signals that asked the run to stop
     swapping = bool(jnntile.runtime.config().swap_dir)
-    bar = tqdm(total=args.steps, initial=start_step, disable=args.quiet or not lead, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=args.steps, initial=start_step, disable=not bars, unit="step", dynamic_ncols=True)
     # Ctrl-C only asks to stop: the step in flight updates tiles in place, so it
     # must finish (and be recorded) before the checkpoint is written.
     def request_stop(signum, frame):

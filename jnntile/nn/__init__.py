@@ -169,8 +169,11 @@ def quantize_frozen(model: nnx.Module, *, loading: bool = False) -> list[str]:
 def load_into(value, write: Callable[[Tensor], Tensor]):
     """`write(value)` (a loader filling every tile of a Tensor); for a quantized `value`, `write` fills a float32
     tensor of its shape, which is quantized and then dropped: one weight in float at a time, never the model."""
-    loaded = write(value) if not isinstance(value, quant.Quantized) else quant.quantize(
-        write(values_ops.empty(value.shape, "float32", tile_shape=value.tile_shape)), value.quant)
+    if isinstance(value, quant.Quantized):
+        loaded = quant.quantize(write(values_ops.empty(value.shape, "float32", tile_shape=value.tile_shape)),
+                                value.quant)
+    else:
+        loaded = write(value)
     _advance(loaded)
     return loaded
 
